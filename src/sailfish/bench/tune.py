@@ -1,0 +1,121 @@
+"""Tune W4A16 kernel configs with the decode-step timing method and write a config table.
+
+    python -m sailfish.bench.tune --out src/sailfish/kernels/configs/h200.json
+
+For every shape and M, every candidate config (ops._w4a16_candidates plus the
+heuristic's choice) is checked against the reference, then timed (CUDA graph over R
+weight copies); the fastest is written under the same key the launcher looks up.
+Existing entries in --out are kept unless re-tuned.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from .timing import copies_needed, graph_time_us
+
+LLAMA_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096),
+                (8192, 10240), (8192, 8192), (8192, 57344), (28672, 8192)]
+M_LIST = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+
+
+def _parse_shapes(s: str):
+    return [tuple(int(v) for v in item.lower().split("x")) for item in s.split(",") if item]
+
+
+def make_layers(k: int, n: int, group_size: int, sym: bool, dtype, copies: int):
+    """One random quantized layer and `copies` clones of its buffers (distinct memory)."""
+    from ..nn import QuantLinear
+    lin = torch.nn.Linear(k, n, bias=False, dtype=dtype, device="cuda")
+    layer = QuantLinear.from_linear(lin, group_size=group_size, sym=sym)
+    layers = [layer]
+    for _ in range(copies - 1):
+        c = QuantLinear(k, n, bias=False, group_size=group_size, sym=sym, dtype=dtype, device="cuda")
+        c.load_state_dict(layer.state_dict())
+        layers.append(c)
+    return layers
+
+
+def tune_shape(k, n, ms, group_size, sym, dtype, log=print):
+    from ..ops import W4A16_TUNER, _w4a16_candidates, _w4a16_heuristic, w4a16_key, w4a16_launch
+    from ..formats.int4 import padded_k
+    dev = torch.device("cuda")
+    kp = padded_k(k)
+    wbytes = n * kp // 2
+    r = copies_needed(wbytes)
+    layers = make_layers(k, n, group_size, sym, dtype, r)
+    w_ref = layers[0].dequantize()
+    fp16_w = [torch.randn(n, k, dtype=dtype, device="cuda") for _ in range(copies_needed(2 * n * k))]
+    best = {}
+    for m in ms:
+        x = torch.randn(m, k, dtype=dtype, device="cuda")
+        ref = x.float() @ w_ref.T
+        problem = dict(M=m, N=n, Kp=kp, group_size=group_size, general_gidx=False)
+        cands = list(dict.fromkeys([_w4a16_heuristic(device=dev, **problem),
+                                    *_w4a16_candidates(device=dev, **problem)]))
+        results = []
+        for cfg in cands:
+            def call(l, cfg=cfg):
+                return w4a16_launch(x, l.qweight, l.scales, l.zeros, None, None, None, k, group_size, config=cfg)
+            try:
+                y = call(layers[0])
+                err = ((y.float() - ref).norm() / ref.norm()).item()
+                if not err < 3e-3:
+                    log(f"  WRONG {cfg} err={err:.2e}")
+                    continue
+                t = graph_time_us([lambda l=l: call(l) for l in layers])
+            except Exception as e:  # noqa: BLE001 - report and move on (e.g. out of shared memory)
+                log(f"  skip {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            results.append((t, cfg))
+        results.sort(key=lambda tc: tc[0])
+        heur_t = next((t for t, c in results if c == cands[0]), float("nan"))
+        t, cfg = results[0]
+        t_fp = graph_time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in fp16_w])
+        log(f"K={k} N={n} M={m}: best {t:.1f} us ({t_fp / t:.2f}x cuBLAS {t_fp:.1f} us) "
+            f"heuristic {heur_t:.1f} us; {cfg}")
+        best[w4a16_key(kp, n, m, group_size, not sym, False, dtype)] = cfg
+    del layers, fp16_w
+    torch.cuda.empty_cache()
+    return best
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in LLAMA_SHAPES),
+                    help="comma-separated KxN list")
+    ap.add_argument("--m", default=",".join(map(str, M_LIST)), help="comma-separated M list")
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--asym", action="store_true")
+    ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
+    ap.add_argument("--out", default=None, help="config JSON to update")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tuning needs a CUDA GPU", file=sys.stderr)
+        return 2
+    os.environ["SAILFISH_AUTOTUNE"] = "0"
+    from ..tuning import Config, gpu_key, save_table
+    dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    ms = [int(v) for v in args.m.split(",")]
+    entries = {}
+    if args.out and os.path.exists(args.out):
+        with open(args.out) as f:
+            entries = {k: Config(**v) for k, v in json.load(f).get("configs", {}).items()}
+    t0 = time.time()
+    for k, n in _parse_shapes(args.shapes):
+        entries.update(tune_shape(k, n, ms, args.group_size, not args.asym, dtype))
+        if args.out:
+            save_table(args.out, gpu_key(torch.device("cuda")), entries,
+                       {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                        "triton": __import__("triton").__version__})
+    print(f"tuned in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

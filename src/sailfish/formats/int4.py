@@ -1,0 +1,278 @@
+"""4-bit weight formats: the one place for their math (pure PyTorch, exact).
+
+A linear layer's weight W has shape (N, K): N output channels, K input channels.
+It is stored as 4-bit codes q in [0, 15] with one scale (and, asymmetric, one zero
+point) per group of input channels and output channel:
+
+    symmetric (Marlin):      W[n, k] = s[g, n] * (q[n, k] - 8)
+    asymmetric (GPTQ / AWQ): W[n, k] = s[g, n] * (q[n, k] - z[g, n])
+    g = g_idx[k]             (act-order), else g = k // group_size
+
+Groups hold `group_size` consecutive input channels; if K is not a multiple of the
+group size the last group is shorter (G = ceil(K / group_size)). group_size = -1
+means one group per output channel.
+
+The *effective* weight -- the number every Sailfish kernel multiplies x by -- is the
+product s * (q - z) rounded once to the scale dtype (fp16 or bf16), because the
+kernels dequantize into that dtype before the tensor-core product (as Marlin does).
+`QuantizedWeight.dequantize()` returns exactly that value as float32.
+
+The kernel layout (`PackedW4`) is produced by `pack` and inverted exactly by `unpack`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+GROUP_SIZES = (32, 64, 128, 256, -1)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+# K is padded to a multiple of this in the kernel layout so every K tile the kernels
+# use (32..256) divides it: no masked weight loads in the hot loop.
+K_PAD = 256
+
+
+def _check_group_size(group_size: int) -> None:
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size={group_size!r} is not supported; allowed: {GROUP_SIZES}")
+
+
+def _check_bits(bits: int) -> None:
+    if bits != 4:
+        raise ValueError(f"bits={bits!r} is not supported; Sailfish stores 4-bit weights (bits=4)")
+
+
+def num_groups(in_features: int, group_size: int) -> int:
+    return 1 if group_size == -1 else -(-in_features // group_size)
+
+
+def default_g_idx(in_features: int, group_size: int, device=None) -> torch.Tensor:
+    k = torch.arange(in_features, dtype=torch.int32, device=device)
+    return torch.zeros_like(k) if group_size == -1 else k // group_size
+
+
+@dataclass
+class QuantizedWeight:
+    """A 4-bit weight in its canonical, unpacked form.
+
+    qweight: uint8 (N, K), codes in [0, 15].
+    scales:  float16 or bfloat16 (G, N).
+    zeros:   uint8 (G, N) in [0, 16] (16 occurs in GPTQ checkpoints, which store
+             zero - 1 in a nibble), or None for symmetric (zero point 8).
+    g_idx:   int32 (K,), group of each input channel, or None for k // group_size.
+    group_size: 32, 64, 128, 256 or -1 (per output channel).
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: Optional[torch.Tensor]
+    g_idx: Optional[torch.Tensor]
+    group_size: int
+    bits: int = 4
+
+    def __post_init__(self) -> None:
+        _check_bits(self.bits)
+        _check_group_size(self.group_size)
+        if self.qweight.dim() != 2 or self.qweight.dtype != torch.uint8:
+            raise TypeError(f"qweight must be a uint8 (N, K) tensor, got {self.qweight.dtype} {tuple(self.qweight.shape)}")
+        n, k = self.qweight.shape
+        if self.scales.dtype not in HALF_DTYPES:
+            raise TypeError(f"scales dtype {self.scales.dtype} is not supported; allowed: float16, bfloat16")
+        g = self.scales.shape[0]
+        if self.scales.dim() != 2 or self.scales.shape[1] != n:
+            raise ValueError(f"scales must have shape (G, N={n}), got {tuple(self.scales.shape)}")
+        if g != num_groups(k, self.group_size):
+            raise ValueError(
+                f"scales has {g} groups but K={k} with group_size={self.group_size} needs "
+                f"ceil(K / group_size) = {num_groups(k, self.group_size)}")
+        if self.g_idx is not None:
+            if self.g_idx.shape != (k,):
+                raise ValueError(f"g_idx must have shape (K={k},), got {tuple(self.g_idx.shape)}")
+            if k and (int(self.g_idx.min()) < 0 or int(self.g_idx.max()) >= g):
+                raise ValueError(f"g_idx values must lie in [0, {g}) (one per row of scales)")
+        if self.zeros is not None:
+            if self.zeros.shape != self.scales.shape or self.zeros.dtype != torch.uint8:
+                raise ValueError(
+                    f"zeros must be uint8 with the shape of scales {tuple(self.scales.shape)}, "
+                    f"got {self.zeros.dtype} {tuple(self.zeros.shape)}")
+            if self.zeros.numel() and int(self.zeros.max()) > 16:
+                raise ValueError("zero points must lie in [0, 16]")
+        if self.qweight.numel() and int(self.qweight.max()) > 15:
+            raise ValueError("4-bit codes must lie in [0, 15]")
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1]
+
+    @property
+    def sym(self) -> bool:
+        return self.zeros is None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    def group_index(self) -> torch.Tensor:
+        """int64 (K,): the group of every input channel."""
+        if self.g_idx is not None:
+            return self.g_idx.long()
+        return default_g_idx(self.in_features, self.group_size, self.qweight.device).long()
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 (N, K): the effective weight, s * (q - z) rounded to the scale dtype."""
+        g = self.group_index()
+        s = self.scales.float()[g].T  # (N, K)
+        z = 8.0 if self.zeros is None else self.zeros.float()[g].T
+        return (s * (self.qweight.float() - z)).to(self.dtype).float()
+
+
+def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True,
+             dtype: Optional[torch.dtype] = None) -> QuantizedWeight:
+    """Round-to-nearest 4-bit quantization of a (N, K) weight.
+
+    sym=True:  s = max|w| / 7.5 per group, q = clamp(round(w / s) + 8, 0, 15) (Marlin).
+    sym=False: s = (max(w, 0) - min(w, 0)) / 15, z = round(-min / s),
+               q = clamp(round(w / s) + z, 0, 15) (GPTQ / AWQ).
+    Scales are rounded to `dtype` (default: the weight's dtype if fp16/bf16, else fp16)
+    before the codes are chosen, so the codes are the best ones for the stored scale.
+    """
+    _check_bits(bits)
+    _check_group_size(group_size)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError("weight must be a 2-D (out_features, in_features) tensor")
+    if not weight.is_floating_point():
+        raise TypeError(f"weight must be floating point, got {weight.dtype}")
+    if dtype is None:
+        dtype = weight.dtype if weight.dtype in HALF_DTYPES else torch.float16
+    if dtype not in HALF_DTYPES:
+        raise TypeError(f"dtype={dtype} is not supported; allowed: torch.float16, torch.bfloat16")
+    n, k = weight.shape
+    w = weight.detach().float()
+    gs = k if group_size == -1 else group_size
+    g = -(-k // gs)
+    pad = g * gs - k
+    # Pad the ragged last group with zeros: they change neither max|w| nor the
+    # [min(w, 0), max(w, 0)] range the quantizer uses.
+    wg = torch.nn.functional.pad(w, (0, pad)).reshape(n, g, gs)
+    if sym:
+        s = wg.abs().amax(dim=2) / 7.5
+        s = torch.where(s == 0, torch.ones_like(s), s).to(dtype)
+        q = torch.round(wg / s.float()[..., None]) + 8
+        z = None
+    else:
+        lo = wg.amin(dim=2).clamp(max=0)
+        hi = wg.amax(dim=2).clamp(min=0)
+        s = (hi - lo) / 15
+        s = torch.where(s == 0, torch.ones_like(s), s).to(dtype)
+        z = torch.round(-lo / s.float()).clamp(0, 15)
+        q = torch.round(wg / s.float()[..., None]) + z[..., None]
+    q = q.clamp(0, 15).to(torch.uint8).reshape(n, g * gs)[:, :k].contiguous()
+    zeros = None if z is None else z.to(torch.uint8).T.contiguous()
+    return QuantizedWeight(q, s.T.contiguous(), zeros, None, group_size)
+
+
+# ----------------------------------------------------------------------------------
+# Kernel layout
+# ----------------------------------------------------------------------------------
+@dataclass
+class PackedW4:
+    """The layout the W4A16 kernels read.
+
+    qweight: int32 (N, Kp // 8), Kp = K rounded up to K_PAD. Word [n, i] holds the
+             codes of input channels 8i .. 8i+7 (after the act-order permutation),
+             channel 8i + j in bits 4j .. 4j+3. N-major, so one 16-byte load brings
+             32 consecutive input channels of one output channel, which the kernel
+             unpacks in registers (each word is loaded exactly once).
+    scales:  (N, Gp) float16/bfloat16, Gp = Kp // group_size (1 per channel); the
+             groups that only cover K padding have scale 0, padded channels code 0.
+    zeros:   (N, Gp) in the scale dtype (integers 0..16), or None (symmetric: 8).
+    perm:    int32 (K,) or None. Act-order: the kernel reads x[:, perm], and the
+             channels are sorted by group so that groups are contiguous again.
+    sorted_g_idx: int32 (Kp,) or None: the group of each (permuted) channel when the
+             groups are not `group_size` consecutive channels after sorting (a general
+             g_idx); None when they are, which is the case for GPTQ's desc_act.
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: Optional[torch.Tensor]
+    perm: Optional[torch.Tensor]
+    sorted_g_idx: Optional[torch.Tensor]
+    in_features: int
+    group_size: int
+
+
+def padded_k(in_features: int) -> int:
+    return -(-in_features // K_PAD) * K_PAD
+
+
+def pack(qw: QuantizedWeight) -> PackedW4:
+    """Arrange a QuantizedWeight in the kernel layout (exactly invertible by `unpack`)."""
+    n, k = qw.qweight.shape
+    kp = padded_k(k)
+    dev = qw.qweight.device
+    q = qw.qweight
+    perm = sorted_g = None
+    g_of_k = qw.group_index()
+    if qw.g_idx is not None and not torch.equal(
+            g_of_k, default_g_idx(k, qw.group_size, dev).long()):
+        perm = torch.argsort(g_of_k, stable=True)
+        g_of_k = g_of_k[perm]
+        q = q[:, perm]
+        uniform = qw.group_size != -1 and torch.equal(
+            g_of_k, default_g_idx(k, qw.group_size, dev).long())
+        if not uniform:
+            sorted_g = torch.zeros(kp, dtype=torch.int32, device=dev)
+            sorted_g[:k] = g_of_k.to(torch.int32)
+        perm = perm.to(torch.int32)
+    # codes: pad K with code 0 (its scale is 0 too, and x is masked there anyway)
+    qp = torch.zeros((n, kp), dtype=torch.int32, device=dev)
+    qp[:, :k] = q.to(torch.int32)
+    qp = qp.reshape(n, kp // 8, 8)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=dev)
+    words = (qp << shifts).sum(dim=2, dtype=torch.int64)  # sum of disjoint bit fields
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    # scales / zeros: (N, Gp)
+    g = qw.scales.shape[0]
+    gp = 1 if qw.group_size == -1 else kp // qw.group_size
+    scales = torch.zeros((n, gp), dtype=qw.scales.dtype, device=dev)
+    scales[:, :g] = qw.scales.T
+    zeros = None
+    if qw.zeros is not None:
+        zeros = torch.zeros((n, gp), dtype=qw.scales.dtype, device=dev)
+        zeros[:, :g] = qw.zeros.T.to(qw.scales.dtype)
+    return PackedW4(words.contiguous(), scales.contiguous(), zeros, perm, sorted_g, k, qw.group_size)
+
+
+def unpack_codes(words: torch.Tensor, in_features: int) -> torch.Tensor:
+    """int32 (N, Kp // 8) packed words -> uint8 (N, in_features) codes."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
+    q = (words.unsqueeze(-1) >> shifts) & 0xF
+    return q.reshape(words.shape[0], -1)[:, :in_features].to(torch.uint8)
+
+
+def unpack(p: PackedW4) -> QuantizedWeight:
+    """Exact inverse of `pack`."""
+    k = p.in_features
+    q = unpack_codes(p.qweight, k)
+    g = num_groups(k, p.group_size)
+    scales = p.scales[:, :g].T.contiguous()
+    zeros = None if p.zeros is None else p.zeros[:, :g].T.to(torch.uint8).contiguous()
+    g_idx = None
+    if p.perm is not None:
+        perm = p.perm.long()
+        if p.sorted_g_idx is not None:
+            g_sorted = p.sorted_g_idx[:k]
+        else:
+            g_sorted = default_g_idx(k, p.group_size, q.device)
+        g_idx = torch.empty(k, dtype=torch.int32, device=q.device)
+        g_idx[perm] = g_sorted.to(torch.int32)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(k, device=q.device)
+        q = q[:, inv].contiguous()
+    return QuantizedWeight(q, scales, zeros, g_idx, p.group_size)

@@ -1,0 +1,34 @@
+"""Small @triton.jit helpers shared by the kernel families.
+
+Why the *_emu helpers exist: Triton's interpreter (seen with triton 3.9) stores bf16 as
+raw uint16 and runs add/mul/dot on those bits, and rounds fp32 -> bf16 by truncation.
+Kernels therefore take an EMU_BF16 flag, set only under TRITON_INTERPRET=1 with bf16
+data: they then compute in fp32 and round to bf16 with integer ops, exactly as the
+GPU's round-to-nearest-even does, so the interpreter checks the same numbers.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_bf16_emu(x):
+    """fp32 -> fp32 holding the nearest-even bf16 value (finite inputs)."""
+    b = x.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def to_bf16_emu(x):
+    """fp32 -> bf16, nearest-even, using only integer ops."""
+    b = round_bf16_emu(x).to(tl.int32, bitcast=True)
+    return (b >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def cast_out(x, DTYPE: tl.constexpr, EMU_BF16: tl.constexpr):
+    """fp32 accumulator -> output dtype."""
+    if EMU_BF16:
+        return to_bf16_emu(x)
+    else:
+        return x.to(DTYPE)

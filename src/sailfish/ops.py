@@ -1,0 +1,212 @@
+"""Launchers and torch.library ops.
+
+    sailfish::w4a16_gemm(x, qweight, scales, zeros, perm, sorted_g_idx, bias,
+                         in_features, group_size) -> y
+
+Device policy: CUDA tensors run the Triton kernels. CPU tensors run the same Triton
+kernels through Triton's interpreter when TRITON_INTERPRET=1 is set before triton is
+first imported; otherwise the op computes the identical math with the PyTorch
+reference (dequantize, then an fp32 matmul), so a CPU model still gives the numbers.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from .formats.int4 import HALF_DTYPES, K_PAD
+from .tuning import Config, Tuner, m_bucket, problem_key, sm_count
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda or (x.device.type == "cpu" and interpreter_enabled())
+
+
+# ----------------------------------------------------------------------------------
+# W4A16 configs
+# ----------------------------------------------------------------------------------
+def _w4a16_split(tiles: int, k_tiles: int, sms: int) -> int:
+    """Smallest power-of-two split that gives >= 2 programs per SM, at most k_tiles."""
+    split = 1
+    while tiles * split < 2 * sms and split * 2 <= k_tiles and split < 16:
+        split *= 2
+    return split
+
+
+def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx) -> Config:
+    sms = sm_count(device.index or 0) if device.type == "cuda" else 132
+    if M <= 16:
+        bm, bn, bk, warps, stages = 16, 128, 128, 4, 4
+    elif M <= 64:
+        bm, bn, bk, warps, stages = (32 if M <= 32 else 64), 128, 128, 4, 4
+    else:
+        bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
+    bn = min(bn, max(64, triton_next_pow2(N)))
+    tiles = -(-M // bm) * -(-N // bn)
+    split = _w4a16_split(tiles, Kp // bk, sms) if M <= 64 else 1
+    return Config(bm, bn, bk, split, 8, warps, stages)
+
+
+def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx):
+    sms = sm_count(device.index or 0)
+    if M <= 16:
+        space = [(16, 64, 256, 4, 4), (16, 128, 128, 4, 4), (16, 128, 256, 4, 3),
+                 (16, 256, 128, 8, 3), (16, 64, 128, 4, 6)]
+    elif M <= 64:
+        bm = 32 if M <= 32 else 64
+        space = [(bm, 64, 128, 4, 4), (bm, 128, 128, 4, 4), (bm, 128, 64, 4, 5),
+                 (bm, 256, 64, 8, 4)]
+    else:
+        space = [(64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
+                 (256, 128, 64, 8, 3), (128, 128, 128, 8, 3)]
+    seen = set()
+    for bm, bn, bk, warps, stages in space:
+        tiles = -(-M // bm) * -(-N // bn)
+        s0 = _w4a16_split(tiles, Kp // bk, sms)
+        for split in sorted({1, s0, min(2 * s0, Kp // bk)}):
+            cfg = Config(bm, bn, bk, split, 8, warps, stages)
+            if cfg not in seen and Kp % bk == 0:
+                seen.add(cfg)
+                yield cfg
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def w4a16_key(kp: int, n: int, m: int, group_size: int, has_zeros: bool, general_gidx: bool,
+              dtype: torch.dtype) -> str:
+    flags = f"gs={group_size}|zeros={int(has_zeros)}|gidx={int(general_gidx)}|{str(dtype)[6:]}"
+    return problem_key("w4a16", kp, n, m, flags)
+
+
+W4A16_TUNER = Tuner("w4a16", _w4a16_heuristic, _w4a16_candidates)
+
+
+def _check_config(cfg: Config, kp: int, group_size: int) -> None:
+    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+        v = getattr(cfg, name)
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"config {name}={v} must be a power of two >= 16")
+    if kp % cfg.BLOCK_K:
+        raise ValueError(f"config BLOCK_K={cfg.BLOCK_K} must divide the padded K={kp}")
+    if cfg.SPLIT_K < 1 or cfg.SPLIT_K > kp // cfg.BLOCK_K:
+        raise ValueError(f"config SPLIT_K={cfg.SPLIT_K} must lie in [1, {kp // cfg.BLOCK_K}]")
+
+
+# ----------------------------------------------------------------------------------
+# W4A16 launcher
+# ----------------------------------------------------------------------------------
+def w4a16_reference(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_features, group_size):
+    """PyTorch twin of the kernel: the same effective weight, an fp32 matmul."""
+    from .formats.int4 import PackedW4, unpack
+
+    w = unpack(PackedW4(qweight, scales, zeros, perm, sorted_g_idx, in_features, group_size)).dequantize()
+    y = x.float() @ w.T.to(x.device)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 zeros: Optional[torch.Tensor], perm: Optional[torch.Tensor],
+                 sorted_g_idx: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                 in_features: int, group_size: int, config: Optional[Config] = None) -> torch.Tensor:
+    """Run the W4A16 Triton kernel. x (M, K) contiguous fp16/bf16 -> y (M, N), x's dtype."""
+    import triton  # imported lazily so that TRITON_INTERPRET can be set before it
+
+    from .kernels.w4a16 import _splitk_reduce_kernel, _w4a16_kernel
+
+    M, K = x.shape
+    N, kp8 = qweight.shape
+    Kp = kp8 * 8
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    if perm is not None:
+        x = x.index_select(1, perm.long())
+    x = x.contiguous()
+    gs = 0 if group_size == -1 else group_size
+    emu = x.dtype == torch.bfloat16 and not x.is_cuda  # interpreter bf16 twin (kernels/common.py)
+
+    def run(cfg: Config, out: torch.Tensor = y) -> None:
+        grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
+        ws = out
+        if cfg.SPLIT_K > 1:
+            ws = torch.empty((cfg.SPLIT_K, M, N), dtype=torch.float32, device=x.device)
+        _w4a16_kernel[grid](
+            x, qweight, scales, scales if zeros is None else zeros,
+            qweight if sorted_g_idx is None else sorted_g_idx,
+            scales if bias is None else bias, out, ws,
+            M, N, K, Kp, x.stride(0), out.stride(0), qweight.stride(0), scales.stride(0),
+            GROUP_SIZE=gs, HAS_ZEROS=zeros is not None, HAS_GIDX=sorted_g_idx is not None,
+            HAS_BIAS=bias is not None, EVEN_K=(K % cfg.BLOCK_K == 0), EMU_BF16=emu,
+            **cfg.meta(), **cfg.launch())
+        if cfg.SPLIT_K > 1:
+            block = 1024
+            _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
+                ws, scales if bias is None else bias, out, M, N, out.stride(0),
+                SPLIT_K=cfg.SPLIT_K, HAS_BIAS=bias is not None, EMU_BF16=emu, BLOCK=block,
+                num_warps=4)
+
+    if config is None:
+        key = w4a16_key(Kp, N, M, group_size, zeros is not None, sorted_g_idx is not None, x.dtype)
+        scratch = None
+
+        def bench_run(cfg: Config) -> None:
+            nonlocal scratch
+            if scratch is None:
+                scratch = torch.empty_like(y)
+            run(cfg, scratch)
+
+        config = W4A16_TUNER.get(key, x.device, bench_run, M=m_bucket(M), N=N, Kp=Kp,
+                                 group_size=group_size, general_gidx=sorted_g_idx is not None)
+    _check_config(config, Kp, group_size)
+    run(config)
+    return y
+
+
+# ----------------------------------------------------------------------------------
+# torch.library op
+# ----------------------------------------------------------------------------------
+@torch.library.custom_op("sailfish::w4a16_gemm", mutates_args=())
+def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+               zeros: Optional[torch.Tensor], perm: Optional[torch.Tensor],
+               sorted_g_idx: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+               in_features: int, group_size: int) -> torch.Tensor:
+    """y = x @ W^T (+ bias) for a 4-bit weight in the formats.int4.PackedW4 layout.
+
+    x: (M, K) float16/bfloat16, K = in_features; qweight: int32 (N, Kp/8);
+    scales / zeros: (N, Gp) in x's dtype; perm: int32 (K,) or None;
+    sorted_g_idx: int32 (Kp,) or None; bias: (N,) or None. Returns (M, N) in x's dtype.
+    """
+    _validate(x, qweight, scales, zeros, bias, in_features)
+    if _use_triton(x):
+        return w4a16_launch(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_features, group_size)
+    return w4a16_reference(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_features, group_size)
+
+
+@w4a16_gemm.register_fake
+def _(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_features, group_size):
+    return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+def _validate(x, qweight, scales, zeros, bias, in_features) -> None:
+    if x.dtype not in HALF_DTYPES:
+        raise TypeError(f"x dtype {x.dtype} is not supported; allowed: float16, bfloat16")
+    if x.dtype != scales.dtype:
+        raise TypeError(f"x dtype {x.dtype} does not match the layer dtype {scales.dtype}")
+    if x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"x must have shape (M, {in_features}), got {tuple(x.shape)}")
+    if qweight.dtype != torch.int32 or qweight.dim() != 2 or (qweight.shape[1] * 8) % K_PAD:
+        raise ValueError(f"qweight must be int32 (N, Kp/8) with Kp a multiple of {K_PAD}")
+    if bias is not None and bias.shape != (qweight.shape[0],):
+        raise ValueError(f"bias must have shape ({qweight.shape[0]},), got {tuple(bias.shape)}")
+    devs = {t.device for t in (x, qweight, scales, zeros, bias) if t is not None}
+    if len(devs) > 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devs))}")
