@@ -42,7 +42,7 @@ def make_layers(k: int, n: int, group_size: int, sym: bool, dtype, copies: int):
 
 
 def tune_shape(k, n, ms, group_size, sym, dtype, log=print):
-    from ..ops import W4A16_TUNER, _w4a16_candidates, _w4a16_heuristic, w4a16_key, w4a16_launch
+    from ..ops.w4a16 import _w4a16_candidates, _w4a16_heuristic, w4a16_key, w4a16_launch
     from ..formats.int4 import padded_k
     dev = torch.device("cuda")
     kp = padded_k(k)

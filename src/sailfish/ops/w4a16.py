@@ -1,30 +1,16 @@
-"""Launchers and torch.library ops.
+"""W4A16 launcher, configs and op:
 
     sailfish::w4a16_gemm(x, qweight, scales, zeros, perm, sorted_g_idx, bias,
                          in_features, group_size) -> y
-
-Device policy: CUDA tensors run the Triton kernels. CPU tensors run the same Triton
-kernels through Triton's interpreter when TRITON_INTERPRET=1 is set before triton is
-first imported; otherwise the op computes the identical math with the PyTorch
-reference (dequantize, then an fp32 matmul), so a CPU model still gives the numbers.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
-from .formats.int4 import HALF_DTYPES, K_PAD
-from .tuning import Config, Tuner, m_bucket, problem_key, sm_count
-
-
-def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _use_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda or (x.device.type == "cpu" and interpreter_enabled())
+from ..formats.int4 import HALF_DTYPES, K_PAD
+from ..tuning import Config, Tuner, m_bucket, problem_key, sm_count
 
 
 # ----------------------------------------------------------------------------------
@@ -104,7 +90,7 @@ def _check_config(cfg: Config, kp: int, group_size: int) -> None:
 # ----------------------------------------------------------------------------------
 def w4a16_reference(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_features, group_size):
     """PyTorch twin of the kernel: the same effective weight, an fp32 matmul."""
-    from .formats.int4 import PackedW4, unpack
+    from ..formats.int4 import PackedW4, unpack
 
     w = unpack(PackedW4(qweight, scales, zeros, perm, sorted_g_idx, in_features, group_size)).dequantize()
     y = x.float() @ w.T.to(x.device)
@@ -120,7 +106,7 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """Run the W4A16 Triton kernel. x (M, K) contiguous fp16/bf16 -> y (M, N), x's dtype."""
     import triton  # imported lazily so that TRITON_INTERPRET can be set before it
 
-    from .kernels.w4a16 import _splitk_reduce_kernel, _w4a16_kernel
+    from ..kernels.w4a16 import _splitk_reduce_kernel, _w4a16_kernel
 
     M, K = x.shape
     N, kp8 = qweight.shape
@@ -185,8 +171,10 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     scales / zeros: (N, Gp) in x's dtype; perm: int32 (K,) or None;
     sorted_g_idx: int32 (Kp,) or None; bias: (N,) or None. Returns (M, N) in x's dtype.
     """
+    from . import use_triton
+
     _validate(x, qweight, scales, zeros, bias, in_features)
-    if _use_triton(x):
+    if use_triton(x):
         return w4a16_launch(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_features, group_size)
     return w4a16_reference(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_features, group_size)
 

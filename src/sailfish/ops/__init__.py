@@ -1,0 +1,21 @@
+"""Launchers and torch.library ops, one module per kernel family.
+
+Device policy for every op: CUDA tensors run the Triton kernels. CPU tensors run the
+same Triton kernels through Triton's interpreter when TRITON_INTERPRET=1 is set before
+triton is first imported; otherwise the op computes the identical math with the
+PyTorch reference, so a CPU model still gives the numbers.
+"""
+import os
+
+import torch
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda or (x.device.type == "cpu" and interpreter_enabled())
+
+
+from . import w4a16  # noqa: E402,F401  (registers torch.ops.sailfish.w4a16_gemm)
