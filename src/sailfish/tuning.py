@@ -18,7 +18,7 @@ import re
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
@@ -28,6 +28,9 @@ M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 @dataclass(frozen=True)
 class Config:
+    """One launch choice. `kernel` names the path within a family (W4A16: "mma" tensor-core
+    tiles, "gemv" CUDA-core M=1, "dequant" = dequantize to a transient half-precision
+    weight, then cuBLAS); the block sizes are that path's tile shape."""
     BLOCK_M: int
     BLOCK_N: int
     BLOCK_K: int
@@ -35,10 +38,7 @@ class Config:
     GROUP_M: int = 8
     num_warps: int = 4
     num_stages: int = 3
-
-    def meta(self) -> dict:
-        d = asdict(self)
-        return {k: d[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "GROUP_M")}
+    kernel: str = "mma"
 
     def launch(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -132,6 +132,7 @@ class Tuner:
 
 
 def save_table(path: str, gpu: str, entries: Dict[str, Config], meta: Optional[dict] = None) -> None:
+    """Write a config table (the format CONFIG_DIR/<gpu>.json and SAILFISH_CONFIG_FILE use)."""
     data = {"gpu": gpu, **(meta or {}),
             "configs": {k: asdict(v) for k, v in sorted(entries.items())}}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -140,6 +141,3 @@ def save_table(path: str, gpu: str, entries: Dict[str, Config], meta: Optional[d
         f.write("\n")
     _load_table.cache_clear()
 
-
-def configs_from(space: List[Config], prune: Callable[[Config], bool]) -> List[Config]:
-    return [c for c in space if prune(c)]

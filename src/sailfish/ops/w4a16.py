@@ -26,6 +26,12 @@ def _w4a16_split(tiles: int, k_tiles: int, sms: int) -> int:
 
 def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx) -> Config:
     sms = sm_count(device.index or 0) if device.type == "cuda" else 132
+    if M == 1:  # CUDA-core GEMV; BN=16, BK=512 measured best on H200 (docs/perf_log.md)
+        bk = 512 if Kp % 512 == 0 else 256
+        tiles = -(-N // 16)
+        return Config(1, 16, bk, _w4a16_split(tiles, Kp // bk, sms), 8, 4, 4, kernel="gemv")
+    if M >= 1024 and device.type == "cuda":  # dequantize + cuBLAS beats the fused tiles here
+        return Config(1, 64, 256, 1, 8, 4, 1, kernel="dequant")
     if M <= 16:
         bm, bn, bk, warps, stages = 16, 128, 128, 4, 4
     elif M <= 64:
@@ -40,6 +46,16 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx) -> Config:
 
 def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx):
     sms = sm_count(device.index or 0)
+    if M == 1:
+        space = [(1, 16, 512, 4, 4), (1, 32, 256, 4, 4), (1, 16, 256, 4, 6), (1, 32, 512, 4, 3),
+                 (1, 64, 256, 4, 4), (1, 16, 512, 2, 4)]
+        for bm, bn, bk, warps, stages in space:
+            if Kp % bk == 0:
+                for split in sorted({1, _w4a16_split(-(-N // bn), Kp // bk, sms)}):
+                    yield Config(bm, bn, bk, split, 8, warps, stages, kernel="gemv")
+        return
+    if M >= 256:
+        yield Config(1, 64, 256, 1, 8, 4, 1, kernel="dequant")
     if M <= 16:
         space = [(16, 64, 256, 4, 4), (16, 128, 128, 4, 4), (16, 128, 256, 4, 3),
                  (16, 256, 128, 8, 3), (16, 64, 128, 4, 6)]
@@ -74,11 +90,17 @@ def w4a16_key(kp: int, n: int, m: int, group_size: int, has_zeros: bool, general
 W4A16_TUNER = Tuner("w4a16", _w4a16_heuristic, _w4a16_candidates)
 
 
-def _check_config(cfg: Config, kp: int, group_size: int) -> None:
+def _check_config(cfg: Config, kp: int, m: int) -> None:
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
         v = getattr(cfg, name)
-        if v < 16 or v & (v - 1):
-            raise ValueError(f"config {name}={v} must be a power of two >= 16")
+        if v < 1 or v & (v - 1) or (v < 16 and name != "BLOCK_M"):
+            raise ValueError(f"config {name}={v} must be a power of two (>= 16 except BLOCK_M)")
+    if cfg.kernel not in ("mma", "gemv", "dequant"):
+        raise ValueError(f"config kernel={cfg.kernel!r} is not one of 'mma', 'gemv', 'dequant'")
+    if cfg.kernel == "gemv" and m != 1:
+        raise ValueError(f"config kernel='gemv' needs M=1, got M={m}")
+    if cfg.kernel == "mma" and cfg.BLOCK_M < 16:
+        raise ValueError(f"config kernel='mma' needs BLOCK_M >= 16, got {cfg.BLOCK_M}")
     if kp % cfg.BLOCK_K:
         raise ValueError(f"config BLOCK_K={cfg.BLOCK_K} must divide the padded K={kp}")
     if cfg.SPLIT_K < 1 or cfg.SPLIT_K > kp // cfg.BLOCK_K:
@@ -102,11 +124,16 @@ def w4a16_reference(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_feat
 def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: Optional[torch.Tensor], perm: Optional[torch.Tensor],
                  sorted_g_idx: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                 in_features: int, group_size: int, config: Optional[Config] = None) -> torch.Tensor:
-    """Run the W4A16 Triton kernel. x (M, K) contiguous fp16/bf16 -> y (M, N), x's dtype."""
+                 in_features: int, group_size: int, config: Optional[Config] = None,
+                 use_asm: bool = True) -> torch.Tensor:
+    """Run the W4A16 Triton kernel. x (M, K) contiguous fp16/bf16 -> y (M, N), x's dtype.
+
+    use_asm=False forces the pure-Triton dequantization on the GPU too (the path the
+    interpreter always runs), so tests can check the two give identical numbers."""
     import triton  # imported lazily so that TRITON_INTERPRET can be set before it
 
-    from ..kernels.w4a16 import _splitk_reduce_kernel, _w4a16_kernel
+    from ..kernels.w4a16 import (_splitk_reduce_kernel, _w4a16_dequant_kernel, _w4a16_gemv_kernel,
+                                 _w4a16_kernel)
 
     M, K = x.shape
     N, kp8 = qweight.shape
@@ -121,18 +148,34 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     emu = x.dtype == torch.bfloat16 and not x.is_cuda  # interpreter bf16 twin (kernels/common.py)
 
     def run(cfg: Config, out: torch.Tensor = y) -> None:
-        grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
+        flags = dict(GROUP_SIZE=gs, HAS_ZEROS=zeros is not None, HAS_GIDX=sorted_g_idx is not None,
+                     EMU_BF16=emu, USE_ASM=use_asm and x.is_cuda and sorted_g_idx is None,
+                     BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **cfg.launch())
+        z_arg = scales if zeros is None else zeros  # unused pointer arguments get a valid tensor
+        g_arg = qweight if sorted_g_idx is None else sorted_g_idx
+        if cfg.kernel == "dequant":
+            w = torch.empty((N, K), dtype=x.dtype, device=x.device)
+            _w4a16_dequant_kernel[(triton.cdiv(N, cfg.BLOCK_N), triton.cdiv(K, cfg.BLOCK_K))](
+                qweight, scales, z_arg, g_arg, w, N, K, qweight.stride(0), scales.stride(0),
+                w.stride(0), **flags)
+            if bias is None:
+                torch.mm(x, w.t(), out=out)
+            else:
+                torch.addmm(bias, x, w.t(), out=out)
+            return
         ws = out
         if cfg.SPLIT_K > 1:
             ws = torch.empty((cfg.SPLIT_K, M, N), dtype=torch.float32, device=x.device)
-        _w4a16_kernel[grid](
-            x, qweight, scales, scales if zeros is None else zeros,
-            qweight if sorted_g_idx is None else sorted_g_idx,
-            scales if bias is None else bias, out, ws,
-            M, N, K, Kp, x.stride(0), out.stride(0), qweight.stride(0), scales.stride(0),
-            GROUP_SIZE=gs, HAS_ZEROS=zeros is not None, HAS_GIDX=sorted_g_idx is not None,
-            HAS_BIAS=bias is not None, EVEN_K=(K % cfg.BLOCK_K == 0), EMU_BF16=emu,
-            **cfg.meta(), **cfg.launch())
+        common = dict(HAS_BIAS=bias is not None, EVEN_K=(K % cfg.BLOCK_K == 0), SPLIT_K=cfg.SPLIT_K, **flags)
+        ptrs = (x, qweight, scales, z_arg, g_arg, scales if bias is None else bias, out, ws)
+        if cfg.kernel == "gemv":
+            _w4a16_gemv_kernel[(triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)](
+                *ptrs, N, K, Kp, qweight.stride(0), scales.stride(0), **common)
+        else:
+            grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
+            _w4a16_kernel[grid](
+                *ptrs, M, N, K, Kp, x.stride(0), out.stride(0), qweight.stride(0), scales.stride(0),
+                BLOCK_M=cfg.BLOCK_M, GROUP_M=cfg.GROUP_M, **common)
         if cfg.SPLIT_K > 1:
             block = 1024
             _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
@@ -152,7 +195,7 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
         config = W4A16_TUNER.get(key, x.device, bench_run, M=m_bucket(M), N=N, Kp=Kp,
                                  group_size=group_size, general_gidx=sorted_g_idx is not None)
-    _check_config(config, Kp, group_size)
+    _check_config(config, Kp, M)
     run(config)
     return y
 
