@@ -99,14 +99,17 @@ class Tuner:
         return merged
 
     def get(self, key: str, device: torch.device, run: Optional[Callable[[Config], None]],
-            **problem) -> Config:
-        """problem: keyword arguments for the heuristic / candidate functions."""
+            fallback_key: Optional[str] = None, **problem) -> Config:
+        """problem: keyword arguments for the heuristic / candidate functions.
+        fallback_key: a table entry to use when `key` has none (e.g. the same shape tuned
+        for another weight format: every config of a family is valid for every format)."""
         if device.type != "cuda" or _env_flag("SAILFISH_HEURISTICS_ONLY"):
             return self.heuristic(device=device, **problem)
         ck = (gpu_key(device), key)
         if ck in self.cache:
             return self.cache[ck]
-        entry = self.table(device).get(key)
+        table = self.table(device)
+        entry = table.get(key, table.get(fallback_key) if fallback_key else None)
         if entry is not None:
             cfg = Config(**entry)
         elif (run is not None and os.environ.get("SAILFISH_AUTOTUNE", "1") != "0"

@@ -44,6 +44,7 @@ def make_layers(k: int, n: int, group_size: int, sym: bool, dtype, copies: int):
 def tune_shape(k, n, ms, group_size, sym, dtype, log=print):
     from ..ops.w4a16 import _w4a16_candidates, _w4a16_heuristic, w4a16_key, w4a16_launch
     from ..formats.int4 import padded_k
+    from ..tuning import problem_key
     dev = torch.device("cuda")
     kp = padded_k(k)
     wbytes = n * kp // 2
@@ -80,6 +81,8 @@ def tune_shape(k, n, ms, group_size, sym, dtype, log=print):
         log(f"K={k} N={n} M={m}: best {t:.1f} us ({t_fp / t:.2f}x cuBLAS {t_fp:.1f} us) "
             f"heuristic {heur_t:.1f} us; {cfg}")
         best[w4a16_key(kp, n, m, group_size, not sym, False, dtype)] = cfg
+        if group_size == 128 and sym and dtype == torch.float16:  # the default for other formats
+            best[problem_key("w4a16", kp, n, m, "any")] = cfg
     del layers, fp16_w
     torch.cuda.empty_cache()
     return best

@@ -258,53 +258,56 @@ def _w4a16_kernel(
 @triton.jit
 def _w4a16_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, y_ptr, ws_ptr,
-    N, K, Kp, stride_qn, stride_sn,
+    M, N, K, Kp, stride_xm, stride_ym, stride_qn, stride_sn,
     GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr,
-    USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """M = 1: y[n] = sum_k x[k] W[n, k] on CUDA cores, fp32 FMAs into a (BLOCK_N, BLOCK_K)
-    accumulator reduced once at the end. Same dequantization, layout and split-K
-    protocol as _w4a16_kernel. Why a separate path: at M = 1 moving the dequantized
-    tile into the tensor-core operand layout costs more than the FMAs (8192x57344 on
-    H200: 166 us with tl.dot vs 122 us here; loads alone stream in 60 us)."""
+    """Small M (BLOCK_M >= M rows, one program per N tile): y[m, n] = sum_k x[m, k] W[n, k]
+    on CUDA cores, fp32 FMAs into a (BLOCK_M, BLOCK_N, BLOCK_K) accumulator reduced once
+    at the end. Same dequantization, layout and split-K protocol as _w4a16_kernel.
+    Why a separate path: at M = 1 moving the dequantized tile into the tensor-core
+    operand layout costs more than the FMAs (8192x57344 on H200: 166 us with tl.dot
+    vs 122 us here; the loads alone stream in 60 us)."""
     DTYPE = x_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
     rn = offs_n % N
+    rm = offs_m % M
     k_tiles = Kp // BLOCK_K
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     kt0 = pid_k * per_split
     kt1 = tl.minimum(kt0 + per_split, k_tiles)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = qw_ptr + rn[:, None] * stride_qn + (kt0 * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8))[None, :]
-    x_ptrs = x_ptr + kt0 * BLOCK_K + offs_k
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + (kt0 * BLOCK_K + offs_k)[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for kt in range(kt0, kt1):
         k0 = kt * BLOCK_K
         words = tl.load(w_ptrs, eviction_policy="evict_first")
         if EVEN_K:
             xv = tl.load(x_ptrs, eviction_policy="evict_last")
         else:
-            xv = tl.load(x_ptrs, mask=k0 + offs_k < K, other=0.0, eviction_policy="evict_last")
+            xv = tl.load(x_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0.0, eviction_policy="evict_last")
         if USE_ASM:
             w = _dequant_asm(words, s_ptr, z_ptr, rn, k0, stride_sn,
                              BLOCK_N, BLOCK_K, GROUP_SIZE, HAS_ZEROS, DTYPE)
         else:
             w = _dequant(words, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn,
                          BLOCK_N, BLOCK_K, GROUP_SIZE, HAS_ZEROS, HAS_GIDX, DTYPE, EMU_BF16)
-        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        acc += w.to(tl.float32)[None, :, :] * xv.to(tl.float32)[:, None, :]
         w_ptrs += BLOCK_K // 8
         x_ptrs += BLOCK_K
-    out = tl.sum(acc, axis=1)
-    mask = offs_n < N
+    out = tl.sum(acc, axis=2)  # (BLOCK_M, BLOCK_N)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
-            out += tl.load(bias_ptr + rn).to(tl.float32)
-        tl.store(y_ptr + offs_n, cast_out(out, DTYPE, EMU_BF16), mask=mask)
+            out += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], cast_out(out, DTYPE, EMU_BF16), mask=mask)
     else:
-        tl.store(ws_ptr + pid_k * N + offs_n, out, mask=mask)
+        tl.store(ws_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], out, mask=mask)
 
 
 @triton.jit

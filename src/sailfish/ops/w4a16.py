@@ -49,16 +49,21 @@ def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx):
     if M == 1:
         space = [(1, 16, 512, 4, 4), (1, 32, 256, 4, 4), (1, 16, 256, 4, 6), (1, 32, 512, 4, 3),
                  (1, 64, 256, 4, 4), (1, 16, 512, 2, 4)]
-        for bm, bn, bk, warps, stages in space:
-            if Kp % bk == 0:
-                for split in sorted({1, _w4a16_split(-(-N // bn), Kp // bk, sms)}):
-                    yield Config(bm, bn, bk, split, 8, warps, stages, kernel="gemv")
-        return
+    elif M <= 8:  # multi-row GEMV; registers: BLOCK_M * BLOCK_N * BLOCK_K / threads fp32
+        space = [(M, 16, 256, 4, 4), (M, 16, 128, 4, 6), (M, 32, 128, 4, 4), (M, 8 * (16 // M), 256, 4, 4)]
+    else:
+        space = []
+    for bm, bn, bk, warps, stages in space:
+        if Kp % bk == 0 and bn >= 8:
+            for split in sorted({1, _w4a16_split(-(-N // bn), Kp // bk, sms)}):
+                yield Config(bm, bn, bk, split, 8, warps, stages, kernel="gemv")
     if M >= 256:
         yield Config(1, 64, 256, 1, 8, 4, 1, kernel="dequant")
+    if M == 1:
+        return
     if M <= 16:
-        space = [(16, 64, 256, 4, 4), (16, 128, 128, 4, 4), (16, 128, 256, 4, 3),
-                 (16, 256, 128, 8, 3), (16, 64, 128, 4, 6)]
+        space = [(16, 64, 256, 4, 4), (16, 128, 128, 4, 4), (16, 64, 128, 4, 6), (16, 32, 256, 4, 4),
+                 (16, 32, 128, 4, 6)]
     elif M <= 64:
         bm = 32 if M <= 32 else 64
         space = [(bm, 64, 128, 4, 4), (bm, 128, 128, 4, 4), (bm, 128, 64, 4, 5),
@@ -97,8 +102,8 @@ def _check_config(cfg: Config, kp: int, m: int) -> None:
             raise ValueError(f"config {name}={v} must be a power of two (>= 16 except BLOCK_M)")
     if cfg.kernel not in ("mma", "gemv", "dequant"):
         raise ValueError(f"config kernel={cfg.kernel!r} is not one of 'mma', 'gemv', 'dequant'")
-    if cfg.kernel == "gemv" and m != 1:
-        raise ValueError(f"config kernel='gemv' needs M=1, got M={m}")
+    if cfg.kernel == "gemv" and cfg.BLOCK_M < m:
+        raise ValueError(f"config kernel='gemv' needs BLOCK_M >= M, got BLOCK_M={cfg.BLOCK_M}, M={m}")
     if cfg.kernel == "mma" and cfg.BLOCK_M < 16:
         raise ValueError(f"config kernel='mma' needs BLOCK_M >= 16, got {cfg.BLOCK_M}")
     if kp % cfg.BLOCK_K:
@@ -170,7 +175,8 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         ptrs = (x, qweight, scales, z_arg, g_arg, scales if bias is None else bias, out, ws)
         if cfg.kernel == "gemv":
             _w4a16_gemv_kernel[(triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)](
-                *ptrs, N, K, Kp, qweight.stride(0), scales.stride(0), **common)
+                *ptrs, M, N, K, Kp, x.stride(0), out.stride(0), qweight.stride(0), scales.stride(0),
+                BLOCK_M=cfg.BLOCK_M, **common)
         else:
             grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
             _w4a16_kernel[grid](
@@ -193,7 +199,8 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 scratch = torch.empty_like(y)
             run(cfg, scratch)
 
-        config = W4A16_TUNER.get(key, x.device, bench_run, M=m_bucket(M), N=N, Kp=Kp,
+        config = W4A16_TUNER.get(key, x.device, bench_run, fallback_key=problem_key("w4a16", Kp, N, M, "any"),
+                                 M=m_bucket(M), N=N, Kp=Kp,
                                  group_size=group_size, general_gidx=sorted_g_idx is not None)
     _check_config(config, Kp, M)
     run(config)
