@@ -184,13 +184,13 @@ def _dequant(words, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn,
 @triton.jit
 def _w4a16_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, y_ptr, ws_ptr,
-    M, N, K, Kp, stride_xm, stride_ym, stride_qn, stride_sn,
+    M, N, K, stride_xm, stride_ym, stride_qn, stride_sn,
     GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr,
     USE_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """x (M, K) row-major; qweight int32 (N, Kp // 8); scales/zeros (N, Gp); y (M, N).
+    """x (M, K) row-major; qweight int32 (N, Kp // 8), Kp >= K; scales/zeros (N, Gp); y (M, N).
 
     Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K). With SPLIT_K > 1 the fp32
     partial tile goes to ws (SPLIT_K, M, N) and bias/cast happen in the reduce kernel.
@@ -213,7 +213,7 @@ def _w4a16_kernel(
     rm = offs_m % M
     rn = offs_n % N
 
-    k_tiles = Kp // BLOCK_K
+    k_tiles = tl.cdiv(K, BLOCK_K)  # tiles wholly in the K padding hold no data: skip them
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     kt0 = pid_k * per_split
     kt1 = tl.minimum(kt0 + per_split, k_tiles)
@@ -258,7 +258,7 @@ def _w4a16_kernel(
 @triton.jit
 def _w4a16_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, y_ptr, ws_ptr,
-    M, N, K, Kp, stride_xm, stride_ym, stride_qn, stride_sn,
+    M, N, K, stride_xm, stride_ym, stride_qn, stride_sn,
     GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr,
     USE_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -276,7 +276,7 @@ def _w4a16_gemv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     rn = offs_n % N
     rm = offs_m % M
-    k_tiles = Kp // BLOCK_K
+    k_tiles = tl.cdiv(K, BLOCK_K)  # tiles wholly in the K padding hold no data: skip them
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     kt0 = pid_k * per_split
     kt1 = tl.minimum(kt0 + per_split, k_tiles)

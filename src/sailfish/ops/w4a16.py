@@ -175,12 +175,12 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         ptrs = (x, qweight, scales, z_arg, g_arg, scales if bias is None else bias, out, ws)
         if cfg.kernel == "gemv":
             _w4a16_gemv_kernel[(triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)](
-                *ptrs, M, N, K, Kp, x.stride(0), out.stride(0), qweight.stride(0), scales.stride(0),
+                *ptrs, M, N, K, x.stride(0), out.stride(0), qweight.stride(0), scales.stride(0),
                 BLOCK_M=cfg.BLOCK_M, **common)
         else:
             grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
             _w4a16_kernel[grid](
-                *ptrs, M, N, K, Kp, x.stride(0), out.stride(0), qweight.stride(0), scales.stride(0),
+                *ptrs, M, N, K, x.stride(0), out.stride(0), qweight.stride(0), scales.stride(0),
                 BLOCK_M=cfg.BLOCK_M, GROUP_M=cfg.GROUP_M, **common)
         if cfg.SPLIT_K > 1:
             block = 1024
