@@ -1,0 +1,32 @@
+"""Shared set-up for the Sailfish tests.
+
+Without a GPU the kernel tests run the real Triton kernels in Triton's interpreter.
+TRITON_INTERPRET must be in the environment before any @triton.jit function is
+defined (triton reads it when a kernel module is imported), so it is set here, before
+sailfish or triton is imported. Importing torch does not import triton.
+"""
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    if "sailfish.kernels.w4a16" in sys.modules:
+        raise RuntimeError("sailfish's kernels were imported before tests/conftest.py could set "
+                           "TRITON_INTERPRET=1; run pytest in a fresh process")
+
+import pytest  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))  # tests/helpers.py
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    """Where the tensors live: the GPU when there is one, else the CPU (interpreter)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,302 @@
+"""Weight formats (pure PyTorch): quantize, pack / unpack, GPTQ import and export."""
+import numpy as np
+import pytest
+import torch
+
+from helpers import DTYPE_NAMES, TOL, make_g_idx, random_quantized, rel_err
+from sailfish import QuantLinear, QuantizedWeight, from_gptq, quantize, to_gptq
+from sailfish.formats import pack, unpack
+
+F16, BF16 = torch.float16, torch.bfloat16
+UNIT_ROUNDOFF = {F16: 2.0 ** -11, BF16: 2.0 ** -9}
+
+
+def assert_same_weight(a: QuantizedWeight, b: QuantizedWeight) -> None:
+    assert a.group_size == b.group_size
+    assert torch.equal(a.qweight, b.qweight)
+    assert a.scales.dtype == b.scales.dtype and torch.equal(a.scales, b.scales)
+    assert (a.zeros is None) == (b.zeros is None)
+    if a.zeros is not None:
+        assert torch.equal(a.zeros, b.zeros)
+    assert torch.equal(a.group_index(), b.group_index())
+
+
+# ----------------------------------------------------------------------------------
+# quantize
+# ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=DTYPE_NAMES.get)
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("gs", [32, 64, 128, 256, -1])
+def test_quantize_properties(gs, sym, dtype):
+    n, k = 48, 400  # K % group_size != 0: a ragged last group
+    w = torch.randn(n, k) * 0.05
+    w[0] = 0.0  # all-zero rows must not divide by zero
+    w[1, :32] = torch.linspace(0.0, 1.0, 32)  # a group with no negative value
+    qw = quantize(w, group_size=gs, sym=sym, dtype=dtype)
+    g = 1 if gs == -1 else -(-k // gs)
+    assert qw.qweight.shape == (n, k) and qw.qweight.dtype == torch.uint8
+    assert int(qw.qweight.max()) <= 15
+    assert qw.scales.shape == (g, n) and qw.scales.dtype == dtype
+    assert qw.g_idx is None and qw.sym == sym
+    if sym:
+        assert qw.zeros is None
+        assert bool((qw.qweight[0] == 8).all())  # zero weights sit at the zero point 8
+    else:
+        assert qw.zeros.shape == (g, n) and int(qw.zeros.max()) <= 15
+    deq = qw.dequantize()
+    assert torch.equal(deq[0], torch.zeros(k))
+    # Round to nearest: |w - deq| <= s / 2, up to the rounding of s to `dtype`
+    # (it can widen the clamped range by ~15 u steps) and of s * (q - z) to `dtype`.
+    u = UNIT_ROUNDOFF[dtype]
+    s = qw.scales.float()[qw.group_index()].T.abs()
+    assert bool(((w - deq).abs() <= s * (0.5 + 32 * u) + deq.abs() * u).all())
+
+
+def test_quantize_scales_rounded_first():
+    """Codes are chosen for the stored (rounded) scale, and the default dtype follows the weight."""
+    w = torch.randn(16, 128, dtype=BF16)
+    qw = quantize(w, group_size=32, sym=False)
+    assert qw.dtype == BF16
+    s = qw.scales.float()[qw.group_index()].T
+    z = qw.zeros.float()[qw.group_index()].T
+    best = (torch.round(w.float() / s) + z).clamp(0, 15)
+    assert torch.equal(qw.qweight.float(), best)
+    assert quantize(w.float()).dtype == F16
+
+
+# ----------------------------------------------------------------------------------
+# pack / unpack (the kernel layout)
+# ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("k,n,gs,sym,gidx", [
+    (400, 136, 128, True, "none"),
+    (272, 200, 64, False, "none"),
+    (400, 64, 32, False, "descact"),
+    (256, 136, 256, True, "none"),
+    (400, 200, 256, False, "descact"),
+    (272, 64, 32, True, "gidx"),
+    (512, 136, 128, False, "gidx"),
+    (400, 136, -1, False, "none"),
+    (16, 8, 32, False, "none"),
+], ids=["K400-N136-g128-sym", "K272-N200-g64-asym", "K400-N64-g32-asym-descact", "K256-N136-g256-sym",
+        "K400-N200-g256-asym-descact", "K272-N64-g32-sym-gidx", "K512-N136-g128-asym-gidx",
+        "K400-N136-g-1-asym", "K16-N8-g32-asym"])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=DTYPE_NAMES.get)
+def test_pack_unpack_roundtrip(k, n, gs, sym, gidx, dtype):
+    qw = random_quantized(k, n, gs, sym, dtype, make_g_idx(gidx, k, gs))
+    p = pack(qw)
+    kp = -(-k // 256) * 256
+    assert p.qweight.shape == (n, kp // 8) and p.qweight.dtype == torch.int32
+    assert (p.perm is not None) == (gidx != "none")
+    # desc_act groups are contiguous after sorting; a general g_idx needs its table
+    assert (p.sorted_g_idx is not None) == (gidx == "gidx")
+    back = unpack(p)
+    assert_same_weight(back, qw)
+    assert torch.equal(back.dequantize(), qw.dequantize())
+
+
+def test_pack_word_layout():
+    """Word [n, i] holds channels 8i..8i+7, channel 8i + j in bits 4j..4j+3."""
+    q = torch.arange(16, dtype=torch.uint8).repeat(8, 2)  # (8, 32)
+    qw = QuantizedWeight(q, torch.ones(1, 8, dtype=F16), None, None, 32)
+    words = pack(qw).qweight
+    assert words[0, 0].item() == 0x76543210
+    assert words[0, 1].item() == np.array(0xFEDCBA98, dtype=np.uint32).view(np.int32)
+    assert bool((words[:, 4:] == 0).all())  # K padding to 256 holds code 0
+
+
+def test_pack_trivial_g_idx_is_not_act_order():
+    qw = random_quantized(272, 64, 64, False, F16, torch.arange(272, dtype=torch.int32) // 64)
+    assert pack(qw).perm is None
+    assert QuantLinear.from_quantized(qw).act_order is False
+
+
+# ----------------------------------------------------------------------------------
+# GPTQ checkpoints: an independent packer written from the format spec
+# ----------------------------------------------------------------------------------
+def gptq_pack(q_kn: np.ndarray, stored_zeros: np.ndarray):
+    """q_kn (K, N) codes -> qweight int32 (K/8, N): channel k is the nibble at bits
+    4*(k%8) of row k//8.  stored_zeros (G, N) -> qzeros int32 (G, N/8): channel n is
+    the nibble at bits 4*(n%8) of column n//8."""
+    k, n = q_kn.shape
+    qweight = np.zeros((k // 8, n), dtype=np.uint32)
+    for kk in range(k):
+        qweight[kk // 8] |= q_kn[kk].astype(np.uint32) << np.uint32(4 * (kk % 8))
+    g = stored_zeros.shape[0]
+    qzeros = np.zeros((g, n // 8), dtype=np.uint32)
+    for nn in range(n):
+        qzeros[:, nn // 8] |= stored_zeros[:, nn].astype(np.uint32) << np.uint32(4 * (nn % 8))
+    return torch.from_numpy(qweight.view(np.int32)), torch.from_numpy(qzeros.view(np.int32))
+
+
+def gptq_dequant(q_kn, stored_zeros, scales, g_idx, dtype=F16):
+    """W[n, k] = scales[g, n] * (q[k, n] - (stored_zero[g, n] + 1)), g = g_idx[k], with the
+    product rounded once to the scale dtype (the library's effective weight)."""
+    g = g_idx.long()
+    s = scales.double()[g]  # (K, N)
+    z = torch.from_numpy(stored_zeros.astype(np.float64))[g] + 1
+    w = s * (torch.from_numpy(q_kn.astype(np.float64)) - z)
+    return w.T.to(dtype).float()
+
+
+def random_gptq(k, n, gs, kind):
+    """kind: 'asym' (random stored zeros, with 15 -> zero 16 and 0 -> zero 1 present),
+    'sym' (all stored zeros 7), 'descact' (asym + GPTQ desc_act g_idx)."""
+    g = 1 if gs == -1 else -(-k // gs)
+    q = np.random.randint(0, 16, size=(k, n)).astype(np.uint8)
+    if kind == "sym":
+        zs = np.full((g, n), 7, dtype=np.uint8)
+    else:
+        zs = np.random.randint(0, 16, size=(g, n)).astype(np.uint8)
+        zs[0, 0], zs[-1, 1] = 15, 0
+    scales = (torch.rand(g, n) * 0.02 + 0.001).to(F16)
+    g_idx = make_g_idx("descact" if kind == "descact" else "none", k, gs)
+    if g_idx is None:
+        g_idx = torch.arange(k, dtype=torch.int32) // gs if gs != -1 else torch.zeros(k, dtype=torch.int32)
+    return q, zs, scales, g_idx
+
+
+@pytest.mark.parametrize("k,n,gs,kind", [
+    (256, 64, 128, "asym"),
+    (400, 136, 128, "asym"),
+    (272, 200, 32, "sym"),
+    (400, 64, 64, "descact"),
+    (512, 136, 128, "descact"),
+    (256, 64, -1, "asym"),
+], ids=["K256-N64-g128-asym", "K400-N136-g128-asym", "K272-N200-g32-sym", "K400-N64-g64-descact",
+        "K512-N136-g128-descact", "K256-N64-g-1-asym"])
+def test_from_gptq(k, n, gs, kind, device):
+    np.random.seed(k + n)
+    q, zs, scales, g_idx = random_gptq(k, n, gs, kind)
+    qweight, qzeros = gptq_pack(q, zs)
+    bias = torch.randn(n).to(F16)
+    layer = QuantLinear.from_gptq(qweight.to(device), qzeros.to(device), scales.to(device),
+                                  g_idx.to(device), bias.to(device), group_size=gs)
+    assert layer.dtype == F16 and layer.sym == (kind == "sym")
+    assert layer.act_order == (kind == "descact")
+    expected = gptq_dequant(q, zs, scales, g_idx)
+    assert torch.equal(layer.dequantize().cpu(), expected)
+    x = torch.randn(5, k).to(F16)
+    y = layer(x.to(device)).cpu()
+    ref = x.float() @ expected.T + bias.float()
+    assert rel_err(y, ref) <= TOL[F16]
+
+
+def test_from_gptq_zero_16():
+    """A stored zero of 15 means zero point 16 (GPTQ stores zero - 1)."""
+    q = np.full((32, 8), 3, dtype=np.uint8)
+    zs = np.full((1, 8), 15, dtype=np.uint8)
+    qweight, qzeros = gptq_pack(q, zs)
+    qw = from_gptq(qweight, qzeros, torch.ones(1, 8, dtype=F16), group_size=32)
+    assert bool((qw.zeros == 16).all())
+    assert bool((qw.dequantize() == -13.0).all())
+
+
+def test_from_gptq_g_idx_optional():
+    np.random.seed(1)
+    q, zs, scales, g_idx = random_gptq(272, 64, 64, "asym")
+    qweight, qzeros = gptq_pack(q, zs)
+    a = from_gptq(qweight, qzeros, scales, None, group_size=64)
+    b = from_gptq(qweight, qzeros, scales, g_idx, group_size=64)
+    assert a.g_idx is None and b.g_idx is None  # k // group_size order is not act-order
+    assert torch.equal(a.dequantize(), gptq_dequant(q, zs, scales, g_idx))
+
+
+def test_from_gptq_layer_dtype_bf16():
+    np.random.seed(2)
+    q, zs, scales, g_idx = random_gptq(256, 64, 128, "asym")
+    qweight, qzeros = gptq_pack(q, zs)
+    layer = QuantLinear.from_gptq(qweight, qzeros, scales, g_idx, group_size=128, dtype=BF16)
+    assert layer.dtype == BF16
+    assert torch.equal(layer.dequantize(), gptq_dequant(q, zs, scales.to(BF16), g_idx, BF16))
+
+
+@pytest.mark.parametrize("sym,gidx", [(True, "none"), (False, "none"), (False, "descact"),
+                                      (True, "gidx")], ids=["sym", "asym", "asym-descact", "sym-gidx"])
+def test_gptq_roundtrip(sym, gidx):
+    k, n, gs = 400, 136, 128
+    qw = random_quantized(k, n, gs, sym, F16, make_g_idx(gidx, k, gs))
+    if qw.zeros is not None:
+        qw.zeros.clamp_(min=1)  # GPTQ cannot store a zero point of 0
+    t = to_gptq(qw)
+    assert t["qweight"].shape == (k // 8, n) and t["qweight"].dtype == torch.int32
+    assert t["qzeros"].shape == (4, n // 8) and t["qzeros"].dtype == torch.int32
+    assert t["g_idx"].shape == (k,) and t["g_idx"].dtype == torch.int32
+    # bit-for-bit the layout the independent packer writes
+    zeros = np.full((4, n), 8) if sym else qw.zeros.numpy()
+    ref_qweight, ref_qzeros = gptq_pack(qw.qweight.T.numpy(), (zeros - 1).astype(np.uint8))
+    assert torch.equal(t["qweight"], ref_qweight) and torch.equal(t["qzeros"], ref_qzeros)
+    assert_same_weight(from_gptq(**t, group_size=gs), qw)
+
+
+def test_to_gptq_rejects_zero_point_0():
+    qw = random_quantized(256, 64, 128, False, F16)
+    qw.zeros[0, 0] = 0
+    with pytest.raises(ValueError, match="zero point of 0"):
+        to_gptq(qw)
+
+
+# ----------------------------------------------------------------------------------
+# error messages of the format layer
+# ----------------------------------------------------------------------------------
+def _qw_kwargs(**over):
+    kw = dict(qweight=torch.zeros(8, 64, dtype=torch.uint8), scales=torch.ones(2, 8, dtype=F16),
+              zeros=None, g_idx=None, group_size=32)
+    kw.update(over)
+    return kw
+
+
+@pytest.mark.parametrize("over,exc,match", [
+    (dict(group_size=48), ValueError, "group_size=48"),
+    (dict(bits=8), ValueError, "bits=8"),
+    (dict(qweight=torch.zeros(8, 64, dtype=torch.int32)), TypeError, "qweight must be a uint8"),
+    (dict(scales=torch.ones(2, 8)), TypeError, "scales dtype torch.float32"),
+    (dict(scales=torch.ones(2, 4, dtype=F16)), ValueError, r"scales must have shape \(G, N=8\)"),
+    (dict(scales=torch.ones(3, 8, dtype=F16)), ValueError, "scales has 3 groups but K=64"),
+    (dict(g_idx=torch.zeros(63, dtype=torch.int32)), ValueError, r"g_idx must have shape \(K=64,\)"),
+    (dict(g_idx=torch.full((64,), 2, dtype=torch.int32)), ValueError, r"g_idx values must lie in \[0, 2\)"),
+    (dict(zeros=torch.zeros(2, 8)), ValueError, "zeros must be uint8"),
+    (dict(zeros=torch.full((2, 8), 17, dtype=torch.uint8)), ValueError, r"zero points must lie in \[0, 16\]"),
+    (dict(qweight=torch.full((8, 64), 16, dtype=torch.uint8)), ValueError, r"codes must lie in \[0, 15\]"),
+], ids=["group_size", "bits", "qweight-dtype", "scales-dtype", "scales-shape", "groups",
+        "g_idx-shape", "g_idx-range", "zeros-dtype", "zeros-range", "codes-range"])
+def test_quantized_weight_errors(over, exc, match):
+    with pytest.raises(exc, match=match):
+        QuantizedWeight(**_qw_kwargs(**over))
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda: quantize(torch.randn(8, 64), group_size=100), ValueError, "group_size=100"),
+    (lambda: quantize(torch.randn(8, 64), bits=3), ValueError, "bits=3"),
+    (lambda: quantize(torch.randn(64)), ValueError, "2-D"),
+    (lambda: quantize(torch.ones(8, 64, dtype=torch.int32)), TypeError, "floating point"),
+    (lambda: quantize(torch.randn(8, 64), dtype=torch.float32), TypeError, "dtype=torch.float32"),
+], ids=["group_size", "bits", "1d", "int", "dtype"])
+def test_quantize_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def _gptq_args(k=64, n=16, g=2):
+    return dict(qweight=torch.zeros(k // 8, n, dtype=torch.int32),
+                qzeros=torch.zeros(g, n // 8, dtype=torch.int32),
+                scales=torch.ones(g, n, dtype=F16), group_size=32)
+
+
+@pytest.mark.parametrize("over,exc,match", [
+    (dict(bits=3), ValueError, "bits=3"),
+    (dict(group_size=16), ValueError, "group_size=16"),
+    (dict(qweight=torch.zeros(8, 16, dtype=torch.int64)), TypeError, "qweight must be a 2-D torch.int32"),
+    (dict(qzeros=torch.zeros(2, 2, dtype=torch.uint8)), TypeError, "qzeros must be a 2-D torch.int32"),
+    (dict(scales=torch.ones(2, 16)), TypeError, "scales must be a 2-D float16"),
+    (dict(scales=torch.ones(2, 8, dtype=F16)), ValueError, "scales has 8 columns but qweight has N=16"),
+    (dict(qzeros=torch.zeros(2, 3, dtype=torch.int32)), ValueError, r"qzeros must have shape \(G=2, N/8=2\)"),
+    (dict(scales=torch.ones(3, 16, dtype=F16), qzeros=torch.zeros(3, 2, dtype=torch.int32)),
+     ValueError, "scales has 3 groups but K=64"),
+    (dict(g_idx=torch.zeros(32, dtype=torch.int32)), ValueError, r"g_idx must have shape \(K=64,\)"),
+], ids=["bits", "group_size", "qweight-dtype", "qzeros-dtype", "scales-dtype", "scales-cols",
+        "qzeros-shape", "groups", "g_idx-shape"])
+def test_from_gptq_errors(over, exc, match):
+    kw = _gptq_args()
+    kw.update(over)
+    with pytest.raises(exc, match=match):
+        from_gptq(**kw)

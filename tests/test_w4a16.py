@@ -1,0 +1,220 @@
+"""W4A16 kernel against the reference x.float() @ W_eff.T (+ bias), W_eff = layer.dequantize().
+
+On CPU these run the Triton kernels in the interpreter (tests/conftest.py), on CUDA on the GPU.
+"""
+import pytest
+import torch
+
+from helpers import DTYPE_NAMES, TOL, make_g_idx, random_quantized, rel_err
+from sailfish import Config, QuantLinear
+from sailfish.ops import use_triton
+from sailfish.ops.w4a16 import w4a16_launch
+
+F16, BF16 = torch.float16, torch.bfloat16
+
+# A pairwise-style selection, not the cartesian product: every pair of
+# (group size, sym, g_idx mode, dtype, bias, M) values occurs at least once, with N not
+# a multiple of 64 (136, 200), K not a multiple of 128 (272, 400) and, for most cases,
+# a ragged last group (K % group_size != 0).
+#   M    K    N    gs   sym    g_idx      dtype bias
+CASES = [
+    (1, 400, 136, 128, True, "none", F16, True),
+    (1, 272, 200, 64, False, "gidx", BF16, False),
+    (1, 1024, 256, 256, False, "descact", F16, False),
+    (1, 512, 64, -1, True, "none", BF16, True),
+    (1, 400, 200, 32, True, "descact", BF16, True),
+    (1, 4096, 512, 128, True, "none", F16, False),      # Llama K, decode
+    (2, 272, 200, 32, False, "none", BF16, True),
+    (2, 400, 64, -1, False, "none", F16, False),
+    (2, 512, 136, 128, True, "gidx", F16, True),
+    (2, 400, 256, 256, True, "descact", BF16, False),
+    (2, 272, 256, 64, True, "none", F16, False),
+    (3, 400, 200, 64, True, "descact", F16, False),
+    (3, 400, 64, 256, False, "gidx", F16, True),
+    (3, 272, 136, 128, False, "none", BF16, True),
+    (3, 272, 200, -1, False, "none", BF16, False),
+    (3, 400, 136, 32, False, "gidx", F16, False),
+    (16, 512, 136, -1, True, "none", BF16, False),
+    (16, 400, 256, 256, True, "descact", BF16, True),
+    (16, 272, 64, 32, False, "gidx", F16, False),
+    (16, 400, 200, 64, False, "none", F16, True),
+    (16, 400, 136, 128, False, "descact", BF16, False),
+    (17, 272, 136, 128, False, "gidx", BF16, False),
+    (17, 1024, 200, -1, False, "none", F16, True),
+    (17, 400, 64, 32, True, "descact", F16, True),
+    (17, 400, 200, 256, False, "none", F16, False),
+    (17, 512, 256, 64, True, "gidx", BF16, True),
+    (64, 400, 136, 32, True, "gidx", F16, True),
+    (64, 272, 256, 64, False, "descact", BF16, True),
+    (64, 512, 200, 256, True, "none", F16, False),
+    (64, 400, 64, 128, False, "gidx", BF16, False),
+    (64, 272, 136, -1, True, "none", F16, True),
+    (100, 400, 200, 128, False, "descact", F16, False),
+    (100, 512, 136, 256, True, "gidx", BF16, True),
+    (100, 272, 64, 32, False, "none", BF16, False),
+    (100, 400, 256, -1, True, "none", BF16, True),
+    (100, 272, 136, 64, True, "none", F16, True),
+    # K a multiple of 128 but not of 256 (the padded K): K tiles past K must be masked
+    (4, 384, 136, 64, False, "gidx", F16, True),
+    (17, 896, 200, 128, True, "gidx", BF16, False),
+]
+
+
+def case_id(m, k, n, gs, sym, gidx, dtype, bias):
+    parts = [f"M{m}", f"K{k}", f"N{n}", f"g{gs}", "sym" if sym else "asym"]
+    if gidx != "none":
+        parts.append(gidx)
+    parts.append(DTYPE_NAMES[dtype])
+    if bias:
+        parts.append("bias")
+    return "-".join(parts)
+
+
+def test_kernels_are_used(device):
+    """The suite checks the Triton kernels: on CPU through the interpreter, not the
+    PyTorch fallback (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU)."""
+    assert use_triton(torch.empty(1, device=device))
+
+
+def make_layer(k, n, gs, sym, gidx, dtype, bias, device):
+    qw = random_quantized(k, n, gs, sym, dtype, make_g_idx(gidx, k, gs, device), device)
+    b = torch.randn(n, device=device).to(dtype) if bias else None
+    layer = QuantLinear.from_quantized(qw, b)
+    assert layer.act_order == (gidx != "none")
+    return layer
+
+
+def reference(layer, x):
+    ref = x.float() @ layer.dequantize().T
+    if layer.bias is not None:
+        ref = ref + layer.bias.float()
+    return ref
+
+
+@pytest.mark.parametrize("m,k,n,gs,sym,gidx,dtype,bias",
+                         [pytest.param(*c, id=case_id(*c)) for c in CASES])
+def test_matches_reference(m, k, n, gs, sym, gidx, dtype, bias, device):
+    layer = make_layer(k, n, gs, sym, gidx, dtype, bias, device)
+    x = torch.randn(m, k, device=device).to(dtype)
+    y = layer(x)
+    assert y.shape == (m, n) and y.dtype == dtype and y.device == x.device
+    assert torch.isfinite(y).all()
+    assert rel_err(y, reference(layer, x)) <= TOL[dtype]
+
+
+def test_leading_dims_and_strides(device):
+    layer = make_layer(272, 136, 64, False, "descact", F16, True, device)
+    x = torch.randn(2, 3, 272, device=device).to(F16)
+    y = layer(x)
+    assert y.shape == (2, 3, 136)
+    assert torch.equal(y.reshape(6, 136), layer(x.reshape(6, 272)))
+    xt = torch.randn(272, 5, device=device).to(F16).T  # not contiguous
+    assert torch.equal(layer(xt), layer(xt.contiguous()))
+
+
+# Explicit kernel configs: split-K (including splits that divide the K tiles unevenly
+# and one split left with no K tile), BLOCK_K below and above the group size, large BLOCK_M.
+CONFIGS = [
+    Config(16, 64, 128, 1),
+    Config(16, 64, 256, 4),
+    Config(32, 32, 32, 2),
+    Config(64, 64, 64, 1),
+    Config(16, 64, 64, 3),     # K=784 (Kp=1024): 16 K tiles over 3 splits, 6 + 6 + 4
+    Config(16, 128, 256, 3),   # 4 K tiles over 3 splits, 2 + 2 + 0 (an empty split)
+    Config(128, 64, 64, 1, GROUP_M=2),
+]
+#   M    K    N    gs    sym    g_idx      dtype bias
+CONFIG_CASES = [
+    (1, 784, 136, 128, True, "none", F16, True),
+    (5, 784, 200, 64, False, "descact", BF16, False),
+    (33, 784, 136, 32, False, "gidx", F16, True),
+    (100, 784, 64, 256, True, "none", BF16, True),
+    (3, 784, 136, -1, False, "none", F16, False),
+]
+
+
+def cfg_id(c):
+    return f"BM{c.BLOCK_M}-BN{c.BLOCK_N}-BK{c.BLOCK_K}-SK{c.SPLIT_K}-GM{c.GROUP_M}"
+
+
+def launch(layer, x, cfg):
+    p = layer.packed()
+    return w4a16_launch(x, p.qweight, p.scales, p.zeros, p.perm, p.sorted_g_idx, layer.bias,
+                        p.in_features, p.group_size, config=cfg)
+
+
+@pytest.mark.parametrize("cfg", [pytest.param(c, id=cfg_id(c)) for c in CONFIGS])
+@pytest.mark.parametrize("m,k,n,gs,sym,gidx,dtype,bias",
+                         [pytest.param(*c, id=case_id(*c)) for c in CONFIG_CASES])
+def test_explicit_config(m, k, n, gs, sym, gidx, dtype, bias, cfg, device):
+    layer = make_layer(k, n, gs, sym, gidx, dtype, bias, device)
+    x = torch.randn(m, k, device=device).to(dtype)
+    y = launch(layer, x, cfg)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert torch.isfinite(y).all()
+    assert rel_err(y, reference(layer, x)) <= TOL[dtype]
+    if cfg.SPLIT_K > 1:  # the split-K reduction is deterministic by design
+        assert torch.equal(y, launch(layer, x, cfg))
+
+
+@pytest.mark.parametrize("cfg", [None, Config(16, 64, 128, 2), Config(32, 32, 32, 1),
+                                 Config(128, 64, 64, 1)],
+                         ids=lambda c: "heuristic" if c is None else cfg_id(c))
+@pytest.mark.parametrize("k", [384, 896, 400])
+def test_reads_nothing_past_x(k, cfg, device):
+    """x may be a view into a larger buffer: what follows it (NaN here) must not reach y.
+    K = 384 and 896 are multiples of 128 but not of the padded K (a multiple of 256), so
+    the K tiles past K must be masked even though K % BLOCK_K == 0."""
+    m, n = 3, 64
+    layer = make_layer(k, n, 128, False, "none", F16, True, device)
+    buf = torch.full((m * k + 4096,), float("nan"), device=device, dtype=F16)
+    x = buf[:m * k].view(m, k)
+    x.copy_(torch.randn(m, k, device=device))
+    y = layer(x) if cfg is None else launch(layer, x, cfg)
+    bad_rows = (~torch.isfinite(y).all(dim=1)).nonzero().flatten().tolist()
+    assert bad_rows == []
+    assert rel_err(y, reference(layer, x)) <= TOL[F16]
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (Config(16, 64, 48, 1), "BLOCK_K=48"),
+    (Config(16, 48, 64, 1), "BLOCK_N=48"),
+    (Config(16, 64, 1024, 1), "BLOCK_K=1024 must divide the padded K=512"),
+    (Config(16, 64, 128, 5), "SPLIT_K=5 must lie in"),
+    (Config(16, 64, 128, 0), "SPLIT_K=0"),
+], ids=["BK48", "BN48", "BK1024", "SK5", "SK0"])
+def test_bad_config(cfg, match, device):
+    layer = make_layer(400, 64, 128, True, "none", F16, False, device)
+    x = torch.randn(2, 400, device=device).to(F16)
+    with pytest.raises(ValueError, match=match):
+        launch(layer, x, cfg)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=DTYPE_NAMES.get)
+@pytest.mark.parametrize("gs,sym,gidx", [
+    (128, True, "none"), (64, False, "none"), (32, False, "descact"),
+    (64, True, "gidx"), (-1, False, "none"),
+], ids=["g128-sym", "g64-asym", "g32-asym-descact", "g64-sym-gidx", "g-1-asym"])
+def test_identity_activations(gs, sym, gidx, dtype, device):
+    """x = I gives back exactly the effective weight: the kernels dequantize bit-exactly."""
+    k, n = 256, 136
+    layer = make_layer(k, n, gs, sym, gidx, dtype, False, device)
+    y = layer(torch.eye(k, device=device, dtype=dtype))
+    assert torch.equal(y, layer.dequantize().T.to(dtype))
+
+
+def test_empty_batch(device):
+    layer = make_layer(256, 64, 128, True, "none", F16, True, device)
+    y = layer(torch.empty(0, 256, device=device, dtype=F16))
+    assert y.shape == (0, 64)
+
+
+def test_from_linear_end_to_end(device):
+    """A real nn.Linear through from_linear: kernel matches its effective weight, and
+    the 4-bit error against the unquantized layer is what RTN at g128 gives (~10%)."""
+    lin = torch.nn.Linear(512, 256, dtype=F16, device=device)
+    layer = QuantLinear.from_linear(lin, group_size=128, sym=True)
+    x = torch.randn(8, 512, device=device).to(F16)
+    y = layer(x)
+    assert rel_err(y, reference(layer, x)) <= TOL[F16]
+    assert rel_err(y, lin.float()(x.float())) < 0.2
