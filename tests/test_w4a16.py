@@ -157,9 +157,66 @@ def test_explicit_config(m, k, n, gs, sym, gidx, dtype, bias, cfg, device):
         assert torch.equal(y, launch(layer, x, cfg))
 
 
+# The other two paths: CUDA-core GEMV (BLOCK_M >= M) and dequantize + cuBLAS.
+PATH_CONFIGS = [
+    Config(1, 16, 512, 1, kernel="gemv"),
+    Config(1, 32, 256, 3, kernel="gemv"),   # 784 -> 4 K tiles over 3 splits
+    Config(4, 16, 256, 1, kernel="gemv"),
+    Config(8, 64, 128, 2, kernel="gemv"),
+    Config(1, 64, 256, 1, kernel="dequant"),
+    Config(1, 32, 128, 1, kernel="dequant"),
+]
+#   M    K    N    gs    sym    g_idx      dtype bias
+PATH_CASES = [
+    (1, 784, 136, 128, True, "none", F16, True),
+    (1, 784, 200, 32, False, "gidx", BF16, False),
+    (3, 784, 64, -1, False, "none", BF16, True),
+    (1, 784, 136, 64, True, "descact", F16, False),
+]
+
+
+def path_id(c):
+    return f"{c.kernel}-BM{c.BLOCK_M}-BN{c.BLOCK_N}-BK{c.BLOCK_K}-SK{c.SPLIT_K}"
+
+
+@pytest.mark.parametrize("m,k,n,gs,sym,gidx,dtype,bias,cfg", [
+    pytest.param(*case, cfg, id=f"{case_id(*case)}-{path_id(cfg)}")
+    for case in PATH_CASES for cfg in PATH_CONFIGS
+    if not (cfg.kernel == "gemv" and case[0] > cfg.BLOCK_M)])  # gemv needs BLOCK_M >= M
+def test_gemv_and_dequant_paths(m, k, n, gs, sym, gidx, dtype, bias, cfg, device):
+    layer = make_layer(k, n, gs, sym, gidx, dtype, bias, device)
+    x = torch.randn(m, k, device=device).to(dtype)
+    y = launch(layer, x, cfg)
+    assert y.shape == (m, n) and torch.isfinite(y).all()
+    assert rel_err(y, reference(layer, x)) <= TOL[dtype]
+
+
+def test_gemv_refuses_large_m(device):
+    layer = make_layer(400, 64, 128, True, "none", F16, False, device)
+    with pytest.raises(ValueError, match="BLOCK_M >= M"):
+        launch(layer, torch.randn(3, 400, device=device).to(F16), Config(2, 16, 256, 1, kernel="gemv"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the inline-asm dequant runs on CUDA only")
+@pytest.mark.parametrize("cfg", [Config(1, 16, 256, 1, kernel="gemv"), Config(16, 64, 128, 2),
+                                 Config(64, 64, 64, 1), Config(1, 64, 256, 1, kernel="dequant")],
+                         ids=path_id)
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=DTYPE_NAMES.get)
+@pytest.mark.parametrize("gs,sym", [(128, True), (32, False), (-1, False)], ids=["g128-sym", "g32-asym", "g-1-asym"])
+def test_asm_dequant_matches_pure_triton(gs, sym, dtype, cfg):
+    """The lop3/half2 inline asm and its pure-Triton twin (what the interpreter runs)
+    produce bit-identical outputs."""
+    layer = make_layer(784, 200, gs, sym, "none", dtype, True, "cuda")
+    x = torch.randn(1 if cfg.kernel == "gemv" else 17, 784, device="cuda").to(dtype)
+    p = layer.packed()
+    args = (x, p.qweight, p.scales, p.zeros, p.perm, p.sorted_g_idx, layer.bias, p.in_features, p.group_size)
+    assert torch.equal(w4a16_launch(*args, config=cfg, use_asm=True), w4a16_launch(*args, config=cfg, use_asm=False))
+
+
 @pytest.mark.parametrize("cfg", [None, Config(16, 64, 128, 2), Config(32, 32, 32, 1),
-                                 Config(128, 64, 64, 1)],
-                         ids=lambda c: "heuristic" if c is None else cfg_id(c))
+                                 Config(128, 64, 64, 1), Config(4, 16, 256, 1, kernel="gemv"),
+                                 Config(4, 16, 128, 2, kernel="gemv")],
+                         ids=lambda c: "heuristic" if c is None else path_id(c))
 @pytest.mark.parametrize("k", [384, 896, 400])
 def test_reads_nothing_past_x(k, cfg, device):
     """x may be a view into a larger buffer: what follows it (NaN here) must not reach y.
