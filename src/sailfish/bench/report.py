@@ -1,0 +1,254 @@
+"""Output of `python -m sailfish.bench`: progress line, terminal tables, JSON, plots."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Dict, List, Optional, Sequence, Tuple
+
+ROW_KEYS = ("kernel", "K", "N", "M", "dtype", "group_size", "time_us", "gbps", "roofline",
+            "speedup_vs_fp16")
+TOP_KEYS = ("gpu", "torch", "triton", "hbm_gbps", "rows")
+
+
+# ----------------------------------------------------------------------------------
+# progress + per-row lines
+# ----------------------------------------------------------------------------------
+class Progress:
+    """`[#####.....] i/n` rewritten in place on a tty; plain `[i/n]` prefixes otherwise."""
+
+    def __init__(self, total: int, stream=None, width: int = 30):
+        self.total, self.done, self.width = max(1, total), 0, width
+        self.stream = stream or sys.stdout
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self._bar_shown = False
+        self.status = ""
+        self.prefix = 0 if self.tty else len(f"[{self.total}/{self.total}] ")
+
+    def _bar(self) -> str:
+        filled = int(self.width * self.done / self.total)
+        return f"[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} {self.status}"
+
+    def _clear(self) -> None:
+        if self.tty and self._bar_shown:
+            self.stream.write("\r\x1b[2K")
+            self._bar_shown = False
+
+    def line(self, text: str, counted: bool = False) -> None:
+        """Print a line above the bar (counted=True: prefix [i/n] when not a tty)."""
+        self._clear()
+        if not self.tty:
+            tag = f"[{min(self.total, self.done + 1)}/{self.total}]" if counted else ""
+            text = "\n".join(tag.ljust(self.prefix) + t if i == 0 else " " * self.prefix + t
+                             for i, t in enumerate(text.split("\n")))
+        self.stream.write(text + "\n")
+        self._show()
+
+    def step(self, n: int = 1, status: Optional[str] = None) -> None:
+        self.done = min(self.total, self.done + n)
+        if status is not None:
+            self.status = status
+        self._clear()
+        self._show()
+
+    def set_status(self, status: str) -> None:
+        self.status = status
+        self._clear()
+        self._show()
+
+    def _show(self) -> None:
+        if self.tty:
+            self.stream.write(self._bar())
+            self._bar_shown = True
+        self.stream.flush()
+
+    def close(self) -> None:
+        self._clear()
+        self.stream.flush()
+
+
+ROW_FMT = "{:<31} {:>6} {:>6} {:>5} {:>4} {:>10} {:>8} {:>6} {:>7} {:>8}{}"
+
+
+def row_header() -> str:
+    h = ROW_FMT.format("kernel/dtype/group", "K", "N", "M", "R", "time_us", "GB/s", "roof",
+                       "vs fp16", "rel err", "")
+    return h + "\n" + "-" * len(h)
+
+
+def _f(v, fmt: str) -> str:
+    return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, fmt)
+
+
+def format_row(r: dict) -> str:
+    err = r.get("err")
+    check = "-" if err is None else f"{err:.1e}"
+    note = r.get("note", "")
+    return ROW_FMT.format(r.get("id", r["kernel"])[:31], r["K"], r["N"], r["M"], r.get("R", "-"), _f(r.get("time_us"), ".2f"), _f(r.get("gbps"), ".0f"),
+                          _f(r.get("roofline"), ".3f"), _f(r.get("speedup_vs_fp16"), ".2f"), check,
+                          ("  " + note) if note else "")
+
+
+# ----------------------------------------------------------------------------------
+# summary (what the lead reads: the tail of the output)
+# ----------------------------------------------------------------------------------
+def summary_table(rows: Sequence[dict], baseline: Dict[Tuple[int, int, int], float],
+                  labels: Sequence[str]) -> str:
+    """Markdown table: one line per (K x N, M); fp16 cuBLAS us, then per kernel config
+    `speedup (roofline)`; '-' where the row was skipped or wrong."""
+    by: Dict[Tuple[int, int, int, str], dict] = {}
+    for r in rows:
+        by[(r["K"], r["N"], r["M"], r["label"])] = r
+    keys = sorted({(r["K"], r["N"], r["M"]) for r in rows} | set(baseline),
+                  key=lambda t: (_shape_order(t[0], t[1]), t[2]))
+    head = ["K x N", "M", "fp16 cuBLAS us"] + list(labels)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for k, n, m in keys:
+        base = baseline.get((k, n, m))
+        cells = [f"{k}x{n}", str(m), _f(base, ".1f")]
+        for lab in labels:
+            r = by.get((k, n, m, lab))
+            if r is None or r.get("time_us") is None:
+                cells.append("-")
+            else:
+                sp, rf = r.get("speedup_vs_fp16"), r.get("roofline")
+                cells.append(f"{_f(sp, '.2f')} ({_f(rf, '.2f')})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+_SHAPE_INDEX: Dict[Tuple[int, int], int] = {}
+
+
+def set_shape_order(shapes: Sequence[Tuple[int, int]]) -> None:
+    _SHAPE_INDEX.clear()
+    _SHAPE_INDEX.update({s: i for i, s in enumerate(shapes)})
+
+
+def _shape_order(k: int, n: int) -> int:
+    return _SHAPE_INDEX.get((k, n), len(_SHAPE_INDEX))
+
+
+# ----------------------------------------------------------------------------------
+# JSON
+# ----------------------------------------------------------------------------------
+def json_row(r: dict) -> dict:
+    """Exactly the documented row keys (floats to 6 significant digits; None stays null)."""
+    out = {}
+    for key in ROW_KEYS:
+        v = r.get(key)
+        if isinstance(v, float):
+            v = None if not math.isfinite(v) else float(f"{v:.6g}")
+        out[key] = v
+    return out
+
+
+def build_document(meta: dict, rows: Sequence[dict], extra: Optional[dict] = None) -> dict:
+    doc = {"gpu": meta["gpu"], "torch": meta["torch"], "triton": meta["triton"],
+           "hbm_gbps": meta.get("hbm_gbps"), "rows": [json_row(r) for r in rows]}
+    for k, v in (extra or {}).items():
+        if k not in doc:
+            doc[k] = v
+    return doc
+
+
+def validate_document(doc: dict) -> List[str]:
+    """Problems with a result document against the schema (empty list = valid)."""
+    errs = []
+    for k, t in (("gpu", str), ("torch", str), ("triton", str)):
+        if not isinstance(doc.get(k), t):
+            errs.append(f"top-level {k!r} must be {t.__name__}")
+    if not (doc.get("hbm_gbps") is None or isinstance(doc.get("hbm_gbps"), (int, float))):
+        errs.append("hbm_gbps must be a number (or null in correctness-only mode)")
+    if not isinstance(doc.get("rows"), list):
+        return errs + ["rows must be a list"]
+    types = {"kernel": str, "K": int, "N": int, "M": int, "dtype": str, "group_size": int}
+    for i, r in enumerate(doc["rows"]):
+        if set(r) != set(ROW_KEYS):
+            errs.append(f"row {i}: keys {sorted(r)} != {sorted(ROW_KEYS)}")
+            continue
+        for k, t in types.items():
+            if not isinstance(r[k], t) or isinstance(r[k], bool):
+                errs.append(f"row {i}: {k} must be {t.__name__}")
+        for k in ("time_us", "gbps", "roofline", "speedup_vs_fp16"):
+            if r[k] is not None and not isinstance(r[k], (int, float)):
+                errs.append(f"row {i}: {k} must be a number or null")
+    return errs
+
+
+def write_json(path: str, doc: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
+# ----------------------------------------------------------------------------------
+# plots (matplotlib is optional)
+# ----------------------------------------------------------------------------------
+def write_plots(out_dir: str, name: str, rows: Sequence[dict], labels: Sequence[str],
+                shapes: Sequence[Tuple[int, int]], gpu: str, baseline_label: str = "") -> List[str]:
+    """<name>_speedup.png and <name>_roofline.png (one panel per shape, one line per kernel
+    config, log2 M axis); the baseline is drawn in the roofline plot only. Returns the paths."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # noqa: BLE001
+        print(f"note: plots skipped, matplotlib is not importable ({type(e).__name__}: {e})")
+        return []
+    shapes = [s for s in shapes if any((r["K"], r["N"]) == s for r in rows)]
+    if not shapes:
+        return []
+    written = []
+    ncol = min(4, len(shapes))
+    nrow = -(-len(shapes) // ncol)
+    for metric, ylabel, fname in (("speedup_vs_fp16", "speedup over cuBLAS fp16", "speedup"),
+                                  ("roofline", "fraction of HBM roofline", "roofline")):
+        fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.4 * nrow), squeeze=False)
+        for idx, (k, n) in enumerate(shapes):
+            ax = axes[idx // ncol][idx % ncol]
+            for lab in labels:
+                if metric == "speedup_vs_fp16" and lab == baseline_label:
+                    continue
+                pts = sorted((r["M"], r[metric]) for r in rows
+                             if r["label"] == lab and (r["K"], r["N"]) == (k, n) and r.get(metric) is not None)
+                if pts:
+                    style = "--" if lab.startswith("cublas") else "-"
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", ms=3, label=lab)
+            if metric == "speedup_vs_fp16":
+                ax.axhline(1.0, color="grey", lw=0.8)
+            else:
+                ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+                ax.set_ylim(bottom=0)
+            ax.set_xscale("log", base=2)
+            mvals = sorted({r["M"] for r in rows if (r["K"], r["N"]) == (k, n)})
+            if mvals:
+                step = max(1, -(-len(mvals) // 7))
+                ax.set_xticks(mvals[::step])
+                ax.set_xticklabels([str(v) for v in mvals[::step]])
+                ax.minorticks_off()
+            ax.set_title(f"K={k} N={n}", fontsize=9)
+            ax.set_xlabel("M (tokens)", fontsize=8)
+            ax.set_ylabel(ylabel, fontsize=8)
+            ax.tick_params(labelsize=7)
+            ax.grid(True, alpha=0.3)
+        for idx in range(len(shapes), nrow * ncol):
+            axes[idx // ncol][idx % ncol].axis("off")
+        handles, leg = [], []
+        for row in axes:
+            for ax in row:
+                for h, l in zip(*ax.get_legend_handles_labels()):
+                    if l not in leg:
+                        handles.append(h)
+                        leg.append(l)
+        fig.legend(handles, leg, loc="lower center", ncol=min(5, max(1, len(leg))), fontsize=8)
+        fig.suptitle(f"{gpu}: {ylabel}", fontsize=10)
+        fig.tight_layout(rect=(0, 0.06 + 0.02 * (len(leg) // 5), 1, 0.96))
+        path = os.path.join(out_dir, f"{name}_{fname}.png")
+        os.makedirs(out_dir, exist_ok=True)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written
