@@ -3,13 +3,17 @@
     import sailfish
     layer = sailfish.QuantLinear.from_linear(linear, group_size=128, sym=True)
     y = layer(x)                      # x (..., K) fp16/bf16 on CUDA
+    # W4A8 (int8 per-token activations, QQQ weights): a QuantLinearW4A8
+    layer = sailfish.QuantLinear.from_linear(linear, act_bits=8, group_size=128)
 
 Importing sailfish does not touch the GPU and does not compile anything.
 """
-from .formats import GROUP_SIZES, QuantizedWeight, from_gptq, quantize, to_gptq
-from .nn import QuantLinear, quantize_model
+from .formats import (GROUP_SIZES, GROUP_SIZES_W4A8, QQQWeight, QuantizedWeight, from_gptq, quantize,
+                      quantize_qqq, to_gptq)
+from .nn import QuantLinear, QuantLinearW4A8, quantize_model
 from .tuning import Config
 
 __version__ = "0.1.0"
 __all__ = ["QuantLinear", "quantize_model", "quantize", "QuantizedWeight", "from_gptq", "to_gptq",
-           "GROUP_SIZES", "Config", "__version__"]
+           "GROUP_SIZES", "Config", "__version__",
+           "QuantLinearW4A8", "QQQWeight", "quantize_qqq", "GROUP_SIZES_W4A8"]

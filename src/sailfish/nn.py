@@ -11,6 +11,8 @@ from . import ops  # noqa: F401  (registers torch.ops.sailfish.*)
 from .formats.gptq import from_gptq as _read_gptq
 from .formats.int4 import (GROUP_SIZES, HALF_DTYPES, PackedW4, QuantizedWeight, _check_bits,
                            _check_group_size, default_g_idx, pack, padded_k, quantize, unpack)
+from .formats.qqq import (PackedQQQ, QQQWeight, check_group_size_w4a8, pack_qqq, quantize_qqq,
+                          unpack_qqq)
 
 log = logging.getLogger("sailfish")
 
@@ -86,9 +88,22 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, bits: int = 4, group_size: int = 128, sym: bool = True,
-                    dtype: Optional[torch.dtype] = None) -> "QuantLinear":
+                    dtype: Optional[torch.dtype] = None, act_bits: int = 16) -> nn.Module:
         """Quantize an nn.Linear (round to nearest). dtype: layer dtype, default the
-        linear's dtype if float16/bfloat16, else float16."""
+        linear's dtype if float16/bfloat16, else float16.
+
+        act_bits=16 (default): a W4A16 QuantLinear. act_bits=8: a QuantLinearW4A8 (int8
+        per-token activations, QQQ weights; group_size -1 or 128, sym only, no dtype:
+        the layer takes float16 and bfloat16 inputs)."""
+        _check_act_bits(act_bits)
+        if act_bits == 8:
+            _check_bits(bits)
+            if not sym:
+                raise ValueError("W4A8 (act_bits=8) weights are symmetric; sym=False is not supported")
+            if dtype is not None:
+                raise ValueError("dtype does not apply to W4A8 (act_bits=8): the layer takes "
+                                 "float16 and bfloat16 inputs and outputs the input dtype")
+            return QuantLinearW4A8.from_linear(linear, group_size=group_size)
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
         err = check_shape(linear.in_features, linear.out_features)
@@ -155,21 +170,148 @@ class QuantLinear(nn.Module):
                 f"sym={self.sym}, act_order={self.act_order}, dtype={str(self.dtype)[6:]}")
 
 
+ACT_BITS = (16, 8)
+
+
+def _check_act_bits(act_bits: int) -> None:
+    if act_bits not in ACT_BITS:
+        raise ValueError(f"act_bits={act_bits!r} is not supported; allowed: 16 (W4A16), 8 (W4A8)")
+
+
+class QuantLinearW4A8(nn.Module):
+    """y = x @ W^T + b with int8 per-token activations and 4-bit weights (W4A8, QQQ), run
+    on int8 tensor cores by Sailfish's Triton kernels. Math: formats/qqq.py.
+
+    forward(x): x (..., K) float16 or bfloat16 -> (..., N) in x's dtype, computed as
+        x_q, s_tok = quantize_per_token(x)      # int8 (M, K), float32 (M,)
+        y = s_tok[m] * s_ch[n] * (x_q @ w8^T)[m, n] + bias[n]
+
+    Buffers (formats.qqq.PackedQQQ layout): qweight int32 (N, Kp/8), Kp = K rounded up to
+    256; s_ch float32 (N,); s_g float16 (N, Kp/128) for group_size=128 (None for -1);
+    bias float32 (N,) or None. Their dtypes are part of the format: .half(), .to(dtype)
+    and friends move them between devices but never change their dtype.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 group_size: int = -1, device=None):
+        super().__init__()
+        check_group_size_w4a8(group_size)
+        err = check_shape(in_features, out_features)
+        if err:
+            raise ValueError(err)
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.bits, self.act_bits = 4, 8
+        kp = padded_k(in_features)
+        self.register_buffer("qweight", torch.zeros((out_features, kp // 8), dtype=torch.int32, device=device))
+        self.register_buffer("s_ch", torch.ones(out_features, dtype=torch.float32, device=device))
+        self.register_buffer("s_g", None if group_size == -1 else
+                             torch.zeros((out_features, kp // group_size), dtype=torch.float16, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float32, device=device) if bias else None)
+
+    # -- construction ---------------------------------------------------------------
+    @classmethod
+    def from_quantized(cls, qw: QQQWeight, bias: Optional[torch.Tensor] = None) -> "QuantLinearW4A8":
+        p = pack_qqq(qw)
+        layer = cls(qw.in_features, qw.out_features, bias is not None, group_size=qw.group_size,
+                    device=qw.qweight.device)
+        layer.qweight.copy_(p.qweight)
+        layer.s_ch.copy_(p.s_ch)
+        if p.s_g is not None:
+            layer.s_g.copy_(p.s_g)
+        if bias is not None:
+            layer.bias.copy_(bias.detach().float())
+        return layer
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, group_size: int = -1) -> "QuantLinearW4A8":
+        """Quantize an nn.Linear with formats.qqq.quantize_qqq (round to nearest)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        check_group_size_w4a8(group_size)
+        err = check_shape(linear.in_features, linear.out_features)
+        if err:
+            raise ValueError(err)
+        return cls.from_quantized(quantize_qqq(linear.weight, group_size), linear.bias)
+
+    def _apply(self, fn, recurse=True):
+        # Keep the format dtypes (float32 s_ch, float16 s_g, float32 bias) through
+        # model.half() / model.to(torch.bfloat16): follow the device change only.
+        before = {k: b for k, b in self._buffers.items() if b is not None}
+        super()._apply(fn, recurse)
+        for k, old in before.items():
+            new = self._buffers[k]
+            if new is not None and new.dtype != old.dtype:
+                self._buffers[k] = old.to(new.device)
+        return self
+
+    # -- use --------------------------------------------------------------------------
+    def packed(self) -> PackedQQQ:
+        return PackedQQQ(self.qweight, self.s_ch, self.s_g, self.in_features, self.group_size)
+
+    def quantized_weight(self) -> QQQWeight:
+        return unpack_qqq(self.packed())
+
+    def int8_weight(self) -> torch.Tensor:
+        """int8 (N, K): w8, the weight operand of the int8 product."""
+        return self.quantized_weight().int8_weight()
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 (N, K): the effective weight s_ch[n] * w8[n, k]; layer(x) equals
+        (per-token int8 x) @ dequantize().T + bias up to the output rounding."""
+        return self.quantized_weight().dequantize()
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if x.dtype not in HALF_DTYPES:
+            raise TypeError(f"input dtype {x.dtype} is not supported; allowed: float16, bfloat16")
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input last dim {x.shape[-1]} != in_features={self.in_features}")
+
+    def quantize_input(self, x: torch.Tensor):
+        """x (..., K) float16/bfloat16 -> (x_q int8 (M, K), s_tok float32 (M,)), M = x.numel() // K."""
+        self._check_input(x)
+        return torch.ops.sailfish.quantize_per_token(x.reshape(-1, self.in_features))
+
+    def forward_quantized(self, x_q: torch.Tensor, x_scales: torch.Tensor,
+                          out_dtype: torch.dtype) -> torch.Tensor:
+        """The GEMM alone: x_q int8 (M, K), x_scales float32 (M,) -> (M, N) in out_dtype."""
+        return torch.ops.sailfish.w4a8_gemm(x_q, x_scales, self.qweight, self.s_ch, self.s_g,
+                                            self.bias, self.in_features, self.group_size, out_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        lead = x.shape[:-1]
+        x_q, x_scales = torch.ops.sailfish.quantize_per_token(x.reshape(-1, self.in_features))
+        y = self.forward_quantized(x_q, x_scales, x.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, bits=4, act_bits=8, group_size={self.group_size}")
+
+
 def _skip_match(name: str, skip: Iterable[str]) -> bool:
     parts = name.split(".")
     return any(s == name or s in parts for s in skip)
 
 
 def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sym: bool = True,
-                   skip: Iterable[str] = ("lm_head",)) -> nn.Module:
+                   skip: Iterable[str] = ("lm_head",), act_bits: int = 16) -> nn.Module:
     """Replace, in place, every nn.Linear whose shape and dtype Sailfish supports.
+
+    act_bits=16: QuantLinear (W4A16); act_bits=8: QuantLinearW4A8 (group_size -1 or 128).
 
     skip: module names (or name components) left alone. Returns the model; what was
     quantized and what was skipped, with the reason, is logged and stored as
     model.sailfish_report = {"quantized": [names], "skipped": {name: reason}}.
     """
     _check_bits(bits)
-    _check_group_size(group_size)
+    _check_act_bits(act_bits)
+    if act_bits == 8:
+        check_group_size_w4a8(group_size)
+        if not sym:
+            raise ValueError("W4A8 (act_bits=8) weights are symmetric; sym=False is not supported")
+    else:
+        _check_group_size(group_size)
     skip = tuple(skip)
     quantized, skipped = [], {}
     for name, module in list(model.named_modules()):
@@ -188,7 +330,8 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, QuantLinear.from_linear(module, bits=bits, group_size=group_size, sym=sym))
+        setattr(parent, child, QuantLinear.from_linear(module, bits=bits, group_size=group_size, sym=sym,
+                                                       act_bits=act_bits))
         quantized.append(name)
     log.info("sailfish: quantized %d linear layers, skipped %d", len(quantized), len(skipped))
     model.sailfish_report = {"quantized": quantized, "skipped": skipped}

@@ -1,6 +1,10 @@
 """Weight formats: quantizers, the kernel layouts, checkpoint import. Pure PyTorch."""
 from .gptq import from_gptq, to_gptq
 from .int4 import GROUP_SIZES, PackedW4, QuantizedWeight, pack, quantize, unpack
+from .qqq import (GROUP_SIZES_W4A8, PackedQQQ, QQQWeight, pack_qqq, quantize_activations, quantize_qqq,
+                  unpack_qqq)
 
 __all__ = ["GROUP_SIZES", "PackedW4", "QuantizedWeight", "pack", "unpack", "quantize",
-           "from_gptq", "to_gptq"]
+           "from_gptq", "to_gptq",
+           "GROUP_SIZES_W4A8", "PackedQQQ", "QQQWeight", "pack_qqq", "unpack_qqq", "quantize_qqq",
+           "quantize_activations"]

@@ -1,0 +1,235 @@
+"""W4A8 (QQQ) formats: the one place for their math (pure PyTorch, exact).
+
+int8 activations x 4-bit weights on int8 tensor cores. A linear layer's weight W has
+shape (N, K); it is stored as 4-bit codes q in [0, 15] (signed value q - 8 in [-8, 7])
+and becomes an int8 weight w8 inside the kernel:
+
+    per-channel (group_size=-1):  w8[n, k] = q[n, k] - 8
+    per-group   (group_size=128): w8[n, k] = clamp(rne(s_g[g, n] * (q[n, k] - 8)), -127, 127)
+                                  g = k // 128 (the last group is shorter if 128 does not divide K)
+
+    effective weight W[n, k] = s_ch[n] * w8[n, k]     s_ch: float32 (N,), s_g: float16 (G, N)
+
+rne = round half to even. The product s_g * (q - 8) is exact in float32 (an fp16
+significand times a 4-bit integer), so the rounding happens once and the kernels
+(kernels/w4a8.py) and this module agree bit for bit.
+
+Activations are quantized per token (row), dynamically (`quantize_activations`):
+
+    amax = max_k |x[m, k]|  (float32),   s_tok[m] = amax / 127
+    x_q[m, k] = clamp(rne(x[m, k] * (127 / amax)), -127, 127)   (int8; an all-zero row: s = 0, x_q = 0)
+
+and the layer computes y[m, n] = s_tok[m] * s_ch[n] * sum_k x_q[m, k] * w8[n, k] (+ bias).
+Note x_q uses the reciprocal 127 / amax (one IEEE division per row, then a float32
+multiply per element), not x / s_tok: cheaper in the kernel, and matched here exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from .int4 import K_PAD, padded_k, unpack_codes
+
+GROUP_SIZES_W4A8 = (-1, 128)
+# Per-group RTN: the per-channel int8 step keeps |w_i8| <= 119 so that with the 4-bit
+# group scale s_g = max|w_i8| / 7.5 every code q - 8 in [-8, 7] maps into int8:
+# 8 * fp16(119 / 7.5) = 126.94 <= 127 (the progressive scheme of QServe / QQQ).
+INT8_LEVEL = 119
+# Rows with max|x| below 2**-60 are scaled by 2**64 before 127 / amax (exact, as a power
+# of two) so the reciprocal cannot overflow float32 (bf16 rows can be as small as 2**-133).
+_TINY = 2.0 ** -60
+_TINY_SCALE = 2.0 ** 64
+
+
+def check_group_size_w4a8(group_size: int) -> None:
+    if group_size not in GROUP_SIZES_W4A8:
+        raise ValueError(f"group_size={group_size!r} is not supported for W4A8; allowed: {GROUP_SIZES_W4A8}")
+
+
+def num_groups_w4a8(in_features: int, group_size: int) -> int:
+    return 1 if group_size == -1 else -(-in_features // group_size)
+
+
+# ----------------------------------------------------------------------------------
+# Activations
+# ----------------------------------------------------------------------------------
+def quantize_activations(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric int8 quantization (the exact reference of the Triton kernel).
+
+    x: (M, K) float16 / bfloat16 (any float dtype). Returns x_q int8 (M, K) in [-127, 127]
+    and scales float32 (M,), with x ~= scales[:, None] * x_q. Rounding: half to even.
+    All-zero rows give scale 0 and x_q 0 (no NaN anywhere).
+    """
+    xf = x.float()
+    amax = xf.abs().amax(dim=1) if xf.shape[1] else xf.new_zeros(xf.shape[0])
+    c = torch.where(amax < _TINY, torch.full_like(amax, _TINY_SCALE), torch.ones_like(amax))
+    den = torch.where(amax > 0, amax * c, torch.ones_like(amax))
+    # IEEE divisions, tensor by tensor: PyTorch computes `127.0 / t` as reciprocal(t) * 127
+    # and, on CUDA, `t / 127.0` as t * (1 / 127), each rounding twice.
+    c127 = torch.full_like(amax, 127.0)
+    inv = torch.where(amax > 0, c127 / den, torch.zeros_like(amax))
+    v = (xf * c[:, None]) * inv[:, None]
+    x_q = v.clamp(-127.0, 127.0).round().to(torch.int8)
+    return x_q, amax / c127
+
+
+# ----------------------------------------------------------------------------------
+# Weights
+# ----------------------------------------------------------------------------------
+def codes_to_int8(q: torch.Tensor, s_g: Optional[torch.Tensor], group_size: int) -> torch.Tensor:
+    """uint8 (N, K) codes (+ float16 (G, N) group scales) -> the kernel's int8 (N, K) weight."""
+    if group_size == -1:
+        return (q.to(torch.int16) - 8).to(torch.int8)
+    k = q.shape[1]
+    g = torch.arange(k, device=q.device) // group_size
+    p = (q.float() - 8.0) * s_g.float()[g].T  # exact in float32
+    return p.clamp(-127.0, 127.0).round().to(torch.int8)
+
+
+@dataclass
+class QQQWeight:
+    """A W4A8 weight in its canonical, unpacked form.
+
+    qweight:    uint8 (N, K), codes in [0, 15] (signed value code - 8).
+    s_ch:       float32 (N,), per output channel.
+    s_g:        float16 (G, N) with G = ceil(K / 128), or None (per-channel).
+    group_size: -1 (per-channel) or 128 (per-group, two-level).
+    """
+
+    qweight: torch.Tensor
+    s_ch: torch.Tensor
+    s_g: Optional[torch.Tensor]
+    group_size: int
+
+    def __post_init__(self) -> None:
+        check_group_size_w4a8(self.group_size)
+        if self.qweight.dim() != 2 or self.qweight.dtype != torch.uint8:
+            raise TypeError("qweight must be a uint8 (N, K) tensor, got "
+                            f"{self.qweight.dtype} {tuple(self.qweight.shape)}")
+        n, k = self.qweight.shape
+        if self.s_ch.dtype != torch.float32 or self.s_ch.shape != (n,):
+            raise ValueError(f"s_ch must be float32 of shape (N={n},), got {self.s_ch.dtype} {tuple(self.s_ch.shape)}")
+        if self.group_size == -1:
+            if self.s_g is not None:
+                raise ValueError("s_g must be None for per-channel weights (group_size=-1)")
+        else:
+            g = num_groups_w4a8(k, self.group_size)
+            if self.s_g is None or self.s_g.dtype != torch.float16 or self.s_g.shape != (g, n):
+                got = None if self.s_g is None else f"{self.s_g.dtype} {tuple(self.s_g.shape)}"
+                raise ValueError(f"s_g must be float16 of shape (ceil(K / {self.group_size})={g}, N={n}), got {got}")
+            if self.s_g.numel() and not bool(torch.isfinite(self.s_g).all()):
+                raise ValueError("s_g must be finite")
+        if self.qweight.numel() and int(self.qweight.max()) > 15:
+            raise ValueError("4-bit codes must lie in [0, 15]")
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1]
+
+    def int8_weight(self) -> torch.Tensor:
+        """int8 (N, K): w8, the integer operand of the int8 tensor-core product."""
+        return codes_to_int8(self.qweight, self.s_g, self.group_size)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 (N, K): the effective weight s_ch[n] * w8[n, k]."""
+        return self.s_ch[:, None] * self.int8_weight().float()
+
+
+def quantize_qqq(weight: torch.Tensor, group_size: int = -1) -> QQQWeight:
+    """Round-to-nearest (half to even) W4A8 quantization of a (N, K) weight.
+
+    per-channel: s_ch = max|W[n]| / 7.5, q = clamp(rne(W / s_ch) + 8, 0, 15).
+    per-group (two-level, as QQQ): first int8 per channel, s_ch = max|W[n]| / 119,
+        w_i8 = clamp(rne(W / s_ch), -119, 119); then 4 bits per group of 128 input
+        channels, s_g = fp16(max|w_i8 in group| / 7.5), q = clamp(rne(w_i8 / s_g) + 8, 0, 15).
+        The 119 (instead of 127) guarantees |s_g * (q - 8)| <= 127 for every code.
+    All-zero rows / groups get scale 1 (and codes 8).
+    """
+    check_group_size_w4a8(group_size)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError("weight must be a 2-D (out_features, in_features) tensor")
+    if not weight.is_floating_point():
+        raise TypeError(f"weight must be floating point, got {weight.dtype}")
+    n, k = weight.shape
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    if group_size == -1:
+        s_ch = amax / 7.5
+        s_ch = torch.where(s_ch == 0, torch.ones_like(s_ch), s_ch)
+        q = (torch.round(w / s_ch[:, None]) + 8).clamp(0, 15).to(torch.uint8)
+        return QQQWeight(q.contiguous(), s_ch.contiguous(), None, group_size)
+    s_ch = amax / INT8_LEVEL
+    s_ch = torch.where(s_ch == 0, torch.ones_like(s_ch), s_ch)
+    w_i8 = torch.round(w / s_ch[:, None]).clamp(-INT8_LEVEL, INT8_LEVEL)
+    g = num_groups_w4a8(k, group_size)
+    wg = torch.nn.functional.pad(w_i8, (0, g * group_size - k)).reshape(n, g, group_size)
+    a = wg.abs().amax(dim=2)  # (N, G), integers <= 119
+    s_g = (a / 7.5).to(torch.float16)
+    s_g = torch.where(a == 0, torch.ones_like(s_g), s_g)
+    q = (torch.round(wg / s_g.float()[..., None]) + 8).clamp(0, 15)
+    q = q.reshape(n, g * group_size)[:, :k].to(torch.uint8).contiguous()
+    return QQQWeight(q, s_ch.contiguous(), s_g.T.contiguous(), group_size)
+
+
+# ----------------------------------------------------------------------------------
+# Kernel layout
+# ----------------------------------------------------------------------------------
+@dataclass
+class PackedQQQ:
+    """The layout the W4A8 kernels read.
+
+    qweight: int32 (N, Kp // 8), Kp = K rounded up to K_PAD (256): word [n, i] holds the
+             codes of input channels 8i .. 8i+7, channel 8i + j in bits 4j .. 4j+3 (the
+             formats.int4.PackedW4 packing). Padding channels hold code 8 (w8 = 0).
+    s_ch:    float32 (N,).
+    s_g:     float16 (N, Kp // 128) or None; groups covering only padding have scale 0.
+    """
+
+    qweight: torch.Tensor
+    s_ch: torch.Tensor
+    s_g: Optional[torch.Tensor]
+    in_features: int
+    group_size: int
+
+
+def pack_codes(q: torch.Tensor, kp: int, pad_code: int = 8) -> torch.Tensor:
+    """uint8 (N, K) codes -> int32 (N, kp // 8) words, padding channels set to pad_code."""
+    n, k = q.shape
+    qp = torch.full((n, kp), pad_code, dtype=torch.int32, device=q.device)
+    qp[:, :k] = q.to(torch.int32)
+    qp = qp.reshape(n, kp // 8, 8)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=q.device)
+    words = (qp << shifts).sum(dim=2, dtype=torch.int64)  # disjoint bit fields
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+
+
+def pack_qqq(qw: QQQWeight) -> PackedQQQ:
+    """Arrange a QQQWeight in the kernel layout (exactly invertible by `unpack_qqq`)."""
+    n, k = qw.qweight.shape
+    kp = padded_k(k)
+    s_g = None
+    if qw.s_g is not None:
+        g = qw.s_g.shape[0]
+        s_g = torch.zeros((n, kp // qw.group_size), dtype=torch.float16, device=qw.s_g.device)
+        s_g[:, :g] = qw.s_g.T
+    return PackedQQQ(pack_codes(qw.qweight, kp), qw.s_ch.contiguous(), s_g, k, qw.group_size)
+
+
+def unpack_qqq(p: PackedQQQ) -> QQQWeight:
+    """Exact inverse of `pack_qqq`."""
+    k = p.in_features
+    q = unpack_codes(p.qweight, k)
+    s_g = None
+    if p.s_g is not None:
+        s_g = p.s_g[:, :num_groups_w4a8(k, p.group_size)].T.contiguous()
+    return QQQWeight(q, p.s_ch, s_g, p.group_size)
+
+
+__all__ = ["GROUP_SIZES_W4A8", "INT8_LEVEL", "K_PAD", "PackedQQQ", "QQQWeight", "codes_to_int8",
+           "pack_codes", "pack_qqq", "quantize_activations", "quantize_qqq", "unpack_qqq"]

@@ -1,0 +1,341 @@
+"""W4A8 (QQQ) launchers, configs and ops:
+
+    sailfish::quantize_per_token(x) -> (x_q, x_scales)
+    sailfish::w4a8_gemm(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size,
+                        out_dtype) -> y
+
+Formats: formats/qqq.py. Kernels: kernels/w4a8.py. `w4a8_linear` chains the two ops.
+
+Paths (tuning.Config.kernel), chosen per (K, N, bucketed M, group size, out dtype) by
+W4A8_TUNER: "gemv" (M = 1, CUDA cores), "mma" (int8 tensor-core tiles; BLOCK_M 16 / 32 /
+64 / 128 by M bucket, split-K when there are fewer than 2 tiles per SM), "dequant"
+(int8 weight + torch._int_mm; an autotuning candidate for M >= 256, never the heuristic's
+pick: unmeasured). `w4a8_launch(..., raw_acc=True)` returns the int32 accumulator.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ..formats.int4 import HALF_DTYPES, K_PAD
+from ..formats.qqq import GROUP_SIZES_W4A8, PackedQQQ, quantize_activations, unpack_qqq
+from ..tuning import Config, Tuner, m_bucket, problem_key, sm_count
+
+ACT_DTYPES = HALF_DTYPES + (torch.float32,)
+# Rows up to this many channels are quantized from registers in one pass (32 fp32 values
+# per thread at 8 warps); longer rows take a max pass and a quantize pass.
+QUANT_ONE_PASS_MAX = 8192
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# ----------------------------------------------------------------------------------
+# Activation quantization
+# ----------------------------------------------------------------------------------
+def quantize_per_token_launch(x: torch.Tensor, block_k: Optional[int] = None
+                              ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Run the per-token quantization kernel. x (M, K) fp16/bf16/fp32 ->
+    (x_q int8 (M, K) contiguous, scales float32 (M,)). block_k: tile over K (a power of
+    two); default: the whole row if K <= QUANT_ONE_PASS_MAX, else 4096 (two passes)."""
+    import triton
+
+    from ..kernels.w4a8 import _quantize_per_token_kernel
+
+    M, K = x.shape
+    x_q = torch.empty((M, K), dtype=torch.int8, device=x.device)
+    scales = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if M == 0:
+        return x_q, scales
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if block_k is None:
+        block_k = max(16, _next_pow2(K)) if K <= QUANT_ONE_PASS_MAX else 4096
+    if block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"block_k={block_k} must be a power of two >= 16")
+    one_pass = K <= block_k
+    warps = 4 if block_k <= 2048 else 8
+    _quantize_per_token_kernel[(M,)](x, x_q, scales, K, x.stride(0), x_q.stride(0),
+                                     BLOCK_K=block_k, ONE_PASS=one_pass, num_warps=warps)
+    return x_q, scales
+
+
+@torch.library.custom_op("sailfish::quantize_per_token", mutates_args=())
+def quantize_per_token(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-token dynamic int8 quantization (formats.qqq.quantize_activations).
+
+    x: (M, K) float16/bfloat16 (float32 accepted). Returns x_q int8 (M, K) in [-127, 127]
+    and scales float32 (M,) with scales = max|x[m]| / 127 and
+    x_q = clamp(round_half_even(x * (127 / max|x[m]|)), -127, 127); zero rows: 0 and 0.
+    """
+    from . import use_triton
+
+    if x.dtype not in ACT_DTYPES:
+        raise TypeError(f"x dtype {x.dtype} is not supported; allowed: float16, bfloat16, float32")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (M, K), got shape {tuple(x.shape)}")
+    if use_triton(x):
+        return quantize_per_token_launch(x)
+    return quantize_activations(x)
+
+
+@quantize_per_token.register_fake
+def _(x):
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty((x.shape[0],), dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------
+# GEMM configs
+# ----------------------------------------------------------------------------------
+def _split(tiles: int, k_tiles: int, sms: int) -> int:
+    """Smallest power-of-two split that gives >= 2 programs per SM, at most k_tiles."""
+    split = 1
+    while tiles * split < 2 * sms and split * 2 <= k_tiles and split < 16:
+        split *= 2
+    return split
+
+
+def _w4a8_heuristic(*, device, M, N, K, Kp, group_size) -> Config:
+    sms = sm_count(device.index or 0) if device.type == "cuda" else 132
+    if M == 1:  # CUDA-core GEMV; tile as W4A16's measured best on H200 (BN 16, BK 512)
+        bk = 512 if Kp % 512 == 0 else 256
+        return Config(1, 16, bk, _split(-(-N // 16), -(-K // bk), sms), 8, 4, 4, kernel="gemv")
+    if M <= 16:
+        bm, bn, bk, warps, stages = 16, 128, 128, 4, 4
+    elif M <= 64:
+        bm, bn, bk, warps, stages = (32 if M <= 32 else 64), 128, 128, 4, 4
+    else:
+        bm, bn, bk, warps, stages = 128, 128, 128, 8, 3
+    bn = min(bn, max(64, _next_pow2(N)))
+    tiles = -(-M // bm) * -(-N // bn)
+    split = _split(tiles, -(-K // bk), sms) if M <= 64 else 1
+    return Config(bm, bn, bk, split, 8, warps, stages)
+
+
+def _w4a8_candidates(*, device, M, N, K, Kp, group_size):
+    sms = sm_count(device.index or 0)
+    if M == 1:
+        space = [(1, 16, 512, 4, 4), (1, 32, 256, 4, 4), (1, 16, 256, 4, 6), (1, 32, 512, 4, 3),
+                 (1, 64, 256, 4, 4), (1, 16, 512, 2, 4)]
+        for bm, bn, bk, warps, stages in space:
+            if Kp % bk == 0:
+                for split in sorted({1, _split(-(-N // bn), -(-K // bk), sms)}):
+                    yield Config(bm, bn, bk, split, 8, warps, stages, kernel="gemv")
+        space = [(16, 64, 256, 4, 4), (16, 128, 128, 4, 4)]  # the tensor-core tiles too
+    elif M <= 16:
+        space = [(16, 64, 256, 4, 4), (16, 128, 128, 4, 4), (16, 128, 256, 4, 3),
+                 (16, 256, 128, 8, 3), (16, 64, 128, 4, 6)]
+    elif M <= 64:
+        bm = 32 if M <= 32 else 64
+        space = [(bm, 64, 128, 4, 4), (bm, 128, 128, 4, 4), (bm, 128, 256, 4, 3),
+                 (bm, 256, 128, 8, 3)]
+    else:
+        space = [(64, 128, 128, 4, 4), (128, 128, 128, 8, 3), (128, 256, 128, 8, 3),
+                 (256, 128, 128, 8, 3), (128, 128, 64, 8, 4)]
+    if M >= 256 and K % 8 == 0 and N % 8 == 0 and K >= 16 and N >= 16:
+        yield Config(1, 64, 256, 1, 8, 4, 1, kernel="dequant")  # int8 weight + torch._int_mm
+    seen = set()
+    for bm, bn, bk, warps, stages in space:
+        k_tiles = -(-K // bk)
+        s0 = _split(-(-M // bm) * -(-N // bn), k_tiles, sms)
+        for split in sorted({1, s0, min(2 * s0, k_tiles)}):
+            cfg = Config(bm, bn, bk, split, 8, warps, stages)
+            if cfg not in seen:
+                seen.add(cfg)
+                yield cfg
+
+
+def w4a8_key(k: int, n: int, m: int, group_size: int, out_dtype: torch.dtype) -> str:
+    return problem_key("w4a8", k, n, m, f"gs={group_size}|{str(out_dtype)[6:]}")
+
+
+W4A8_TUNER = Tuner("w4a8", _w4a8_heuristic, _w4a8_candidates)
+
+
+KERNELS = ("mma", "gemv", "dequant")
+
+
+def _check_config(cfg: Config, M: int, N: int, K: int, Kp: int) -> None:
+    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+        v = getattr(cfg, name)
+        if v < 1 or v & (v - 1) or (v < 16 and name != "BLOCK_M"):
+            raise ValueError(f"config {name}={v} must be a power of two (>= 16 except BLOCK_M)")
+    if cfg.kernel not in KERNELS:
+        raise ValueError(f"config kernel={cfg.kernel!r} is not one of {KERNELS}")
+    if cfg.kernel == "gemv" and M != 1:
+        raise ValueError(f"config kernel='gemv' needs M=1, got M={M}")
+    if cfg.kernel == "mma" and cfg.BLOCK_M < 16:
+        raise ValueError(f"config kernel='mma' needs BLOCK_M >= 16, got {cfg.BLOCK_M}")
+    if cfg.kernel == "dequant" and (M <= 16 or K % 8 or N % 8 or K < 16 or N < 16):
+        raise ValueError("config kernel='dequant' (torch._int_mm) needs M > 16 and K, N multiples "
+                         f"of 8, >= 16; got M={M}, K={K}, N={N}")
+    if cfg.BLOCK_K < 32 or Kp % cfg.BLOCK_K:
+        raise ValueError(f"config BLOCK_K={cfg.BLOCK_K} must be >= 32 and divide the padded K={Kp}")
+    k_tiles = -(-K // cfg.BLOCK_K)
+    if cfg.SPLIT_K < 1 or cfg.SPLIT_K > k_tiles or (cfg.kernel == "dequant" and cfg.SPLIT_K != 1):
+        raise ValueError(f"config SPLIT_K={cfg.SPLIT_K} must lie in [1, {k_tiles}] (1 for 'dequant')")
+
+
+# ----------------------------------------------------------------------------------
+# GEMM launcher
+# ----------------------------------------------------------------------------------
+def w4a8_reference(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size, out_dtype,
+                   raw_acc: bool = False) -> torch.Tensor:
+    """PyTorch twin of the kernel: exact integer product (float64), float32 epilogue."""
+    w8 = unpack_qqq(PackedQQQ(qweight, s_ch, s_g, in_features, group_size)).int8_weight()
+    acc = x_q.double() @ w8.double().T.to(x_q.device)  # exact: |acc| <= 127 * 127 * K < 2**53
+    if raw_acc:
+        return acc.to(torch.int32)
+    y = (acc.float() * s_ch.float()[None, :]) * x_scales.float()[:, None]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor,
+                s_ch: torch.Tensor, s_g: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                in_features: int, group_size: int, out_dtype: torch.dtype,
+                config: Optional[Config] = None, raw_acc: bool = False) -> torch.Tensor:
+    """Run the W4A8 Triton kernel. x_q int8 (M, K), x_scales float32 (M,) -> y (M, N) in
+    out_dtype; raw_acc=True returns the int32 accumulator sum_k x_q[m, k] * w8[n, k]
+    instead (no scales, no bias), for exact tests."""
+    import triton
+
+    from ..kernels.w4a8 import (_w4a8_dequant_kernel, _w4a8_gemv_kernel, _w4a8_kernel,
+                                _w4a8_splitk_reduce_kernel)
+
+    M, K = x_q.shape
+    N, Kp = qweight.shape[0], qweight.shape[1] * 8
+    y = torch.empty((M, N), dtype=torch.int32 if raw_acc else out_dtype, device=x_q.device)
+    if M == 0:
+        return y
+    if x_q.stride(1) != 1:
+        x_q = x_q.contiguous()
+    # the kernel indexes these with unit inner stride
+    x_scales, qweight, s_ch = x_scales.contiguous(), qweight.contiguous(), s_ch.contiguous()
+    s_g = None if s_g is None else s_g.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    gs = 0 if group_size == -1 else group_size
+    emu = out_dtype == torch.bfloat16 and not x_q.is_cuda  # interpreter bf16 twin (kernels/common.py)
+    s_g_arg = s_ch if s_g is None else s_g
+    bias_arg = s_ch if bias is None else bias
+    sg_stride = 0 if s_g is None else s_g.stride(0)
+
+    def reduce(ws: torch.Tensor, out: torch.Tensor, split: int) -> None:
+        """int32 ws (split, M, N) -> out: exact sum, then the epilogue (raw: the sum)."""
+        bm, bn = 16, 128
+        _w4a8_splitk_reduce_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+            ws, x_scales, s_ch, bias_arg, out, M, N, out.stride(0),
+            SPLIT_K=split, HAS_BIAS=bias is not None, RAW=raw_acc, EMU_BF16=emu,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+
+    def run(cfg: Config, out: torch.Tensor = y) -> None:
+        flags = dict(GROUP_SIZE=gs, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **cfg.launch())
+        if cfg.kernel == "dequant":
+            w8 = torch.empty((N, K), dtype=torch.int8, device=x_q.device)
+            _w4a8_dequant_kernel[(triton.cdiv(N, cfg.BLOCK_N), triton.cdiv(K, cfg.BLOCK_K))](
+                qweight, s_g_arg, w8, N, K, qweight.stride(0), sg_stride, w8.stride(0), **flags)
+            reduce(torch._int_mm(x_q, w8.t()), out, 1)
+            return
+        target = out
+        if cfg.SPLIT_K > 1:  # int32 partial sums, added exactly by the reduce kernel
+            target = torch.empty((cfg.SPLIT_K, M, N), dtype=torch.int32, device=x_q.device)
+        common = dict(HAS_BIAS=bias is not None, EVEN_K=(K % cfg.BLOCK_K == 0), SPLIT_K=cfg.SPLIT_K,
+                      RAW=raw_acc, EMU_BF16=emu, **flags)
+        ptrs = (x_q, x_scales, qweight, s_ch, s_g_arg, bias_arg, target)
+        if cfg.kernel == "gemv":
+            _w4a8_gemv_kernel[(triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)](
+                *ptrs, N, K, qweight.stride(0), sg_stride, **common)
+        else:
+            grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
+            _w4a8_kernel[grid](
+                *ptrs, M, N, K, x_q.stride(0), N if cfg.SPLIT_K > 1 else out.stride(0),
+                qweight.stride(0), sg_stride, BLOCK_M=cfg.BLOCK_M, GROUP_M=cfg.GROUP_M, **common)
+        if cfg.SPLIT_K > 1:
+            reduce(target, out, cfg.SPLIT_K)
+
+    if config is None:
+        key = w4a8_key(K, N, M, group_size, out_dtype)
+        scratch = None
+
+        def bench_run(cfg: Config) -> None:
+            nonlocal scratch
+            if scratch is None:
+                scratch = torch.empty_like(y)
+            run(cfg, scratch)
+
+        config = W4A8_TUNER.get(key, x_q.device, bench_run, M=m_bucket(M), N=N, K=K, Kp=Kp,
+                                group_size=group_size)
+    _check_config(config, M, N, K, Kp)
+    run(config)
+    return y
+
+
+# ----------------------------------------------------------------------------------
+# torch.library op
+# ----------------------------------------------------------------------------------
+@torch.library.custom_op("sailfish::w4a8_gemm", mutates_args=())
+def w4a8_gemm(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor,
+              s_ch: torch.Tensor, s_g: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+              in_features: int, group_size: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """y = s_tok[m] * s_ch[n] * (x_q @ w8^T)[m, n] (+ bias[n]) for a W4A8 weight in the
+    formats.qqq.PackedQQQ layout.
+
+    x_q: int8 (M, K), K = in_features; x_scales: float32 (M,) (from quantize_per_token);
+    qweight: int32 (N, Kp/8); s_ch: float32 (N,); s_g: float16 (N, Kp/128) when
+    group_size=128, None when group_size=-1; bias: (N,) float or None;
+    out_dtype: torch.float16 or torch.bfloat16. Returns (M, N) in out_dtype.
+    """
+    from . import use_triton
+
+    _validate(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size, out_dtype)
+    if use_triton(x_q):
+        return w4a8_launch(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size, out_dtype)
+    return w4a8_reference(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size, out_dtype)
+
+
+@w4a8_gemm.register_fake
+def _(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size, out_dtype):
+    return x_q.new_empty((x_q.shape[0], qweight.shape[0]), dtype=out_dtype)
+
+
+def w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, s_ch: torch.Tensor,
+                s_g: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                in_features: int, group_size: int) -> torch.Tensor:
+    """x (M, K) float16/bfloat16 -> y (M, N) in x's dtype: quantize_per_token + w4a8_gemm."""
+    x_q, x_scales = torch.ops.sailfish.quantize_per_token(x)
+    return torch.ops.sailfish.w4a8_gemm(x_q, x_scales, qweight, s_ch, s_g, bias,
+                                        in_features, group_size, x.dtype)
+
+
+def _validate(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size, out_dtype) -> None:
+    if out_dtype not in HALF_DTYPES:
+        raise TypeError(f"out_dtype {out_dtype} is not supported; allowed: float16, bfloat16")
+    if x_q.dtype != torch.int8:
+        raise TypeError(f"x_q must be int8 (from quantize_per_token), got {x_q.dtype}")
+    if x_q.dim() != 2 or x_q.shape[1] != in_features or in_features <= 0:
+        raise ValueError(f"x_q must have shape (M, {in_features}), got {tuple(x_q.shape)}")
+    if x_scales.dtype != torch.float32 or x_scales.shape != (x_q.shape[0],):
+        raise ValueError(f"x_scales must be float32 of shape ({x_q.shape[0]},), got "
+                         f"{x_scales.dtype} {tuple(x_scales.shape)}")
+    if group_size not in GROUP_SIZES_W4A8:
+        raise ValueError(f"group_size={group_size!r} is not supported for W4A8; allowed: {GROUP_SIZES_W4A8}")
+    if (qweight.dtype != torch.int32 or qweight.dim() != 2 or (qweight.shape[1] * 8) % K_PAD
+            or qweight.shape[1] * 8 < in_features):
+        raise ValueError(f"qweight must be int32 (N, Kp/8) with Kp >= in_features a multiple of {K_PAD}")
+    n, kp = qweight.shape[0], qweight.shape[1] * 8
+    if s_ch.dtype != torch.float32 or s_ch.shape != (n,):
+        raise ValueError(f"s_ch must be float32 of shape ({n},), got {s_ch.dtype} {tuple(s_ch.shape)}")
+    if group_size == -1:
+        if s_g is not None:
+            raise ValueError("s_g must be None for per-channel weights (group_size=-1)")
+    elif s_g is None or s_g.dtype != torch.float16 or s_g.shape != (n, kp // group_size):
+        got = None if s_g is None else f"{s_g.dtype} {tuple(s_g.shape)}"
+        raise ValueError(f"s_g must be float16 of shape ({n}, {kp // group_size}), got {got}")
+    if bias is not None and (not bias.is_floating_point() or bias.shape != (n,)):
+        raise ValueError(f"bias must be a float tensor of shape ({n},), got {bias.dtype} {tuple(bias.shape)}")
+    devs = {t.device for t in (x_q, x_scales, qweight, s_ch, s_g, bias) if t is not None}
+    if len(devs) > 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devs))}")

@@ -1,0 +1,590 @@
+"""W4A8 (QQQ): per-token int8 activation quantization, the int8 x int4 GEMM and the layer.
+
+References: the activation quantizer and the int8 weight are compared exactly with
+formats/qqq.py; the int32 accumulator exactly with the integer product; the layer with
+y_ref = s_tok[m] * (x_q @ w8^T)[m, n] * s_ch[n] + bias[n] in float64, where only the
+output rounding differs (tests/helpers.TOL). On CPU the kernels run in Triton's
+interpreter (tests/conftest.py), on CUDA on the GPU.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import sailfish
+
+from helpers import DTYPE_NAMES, TOL, rel_err
+from sailfish import Config, QuantLinear, QuantLinearW4A8, quantize_model
+from sailfish.formats.qqq import (QQQWeight, codes_to_int8, num_groups_w4a8, pack_qqq,
+                                  quantize_activations, quantize_qqq, unpack_qqq)
+from sailfish.ops import use_triton
+from sailfish.ops.w4a8 import quantize_per_token_launch, w4a8_launch, w4a8_reference
+
+F16, BF16 = torch.float16, torch.bfloat16
+# Frobenius bounds against the float64 reference. Every output element is that reference
+# rounded once to the output dtype (plus float32 epilogue error ~1e-7), so its relative
+# error is at most the unit roundoff u: fp16 2**-11 (helpers.TOL's 2e-3 has room); bf16
+# has 8 significant bits, u = 2**-8 ~ 3.9e-3, and correct results exceed helpers.TOL's
+# 2.5e-3 when a few large entries dominate the norm (seen: 2.57e-3 at M=1, N=200).
+# assert_rounded() below checks the tight per-element version of the same statement.
+TOL_W4A8 = {F16: TOL[F16], BF16: 2.0 ** -8}
+
+
+@pytest.fixture(autouse=True)
+def _no_autotune(monkeypatch):
+    """On CUDA, take the shipped table or the heuristic instead of benchmarking ~10 configs
+    per new shape (minutes of compilation); the explicit-config tests cover every path."""
+    monkeypatch.setenv("SAILFISH_AUTOTUNE", "0")
+
+
+def random_qqq(k, n, group_size, device, s_g_max=127 / 8):
+    """Random codes over [0, 15], channel scales of both signs, group scales over (0, s_g_max]."""
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=device)
+    s_ch = (torch.rand(n, device=device) * 0.01 + 1e-3) * torch.where(
+        torch.rand(n, device=device) < 0.1, -1.0, 1.0)
+    s_g = None
+    if group_size != -1:
+        g = num_groups_w4a8(k, group_size)
+        s_g = (torch.rand(g, n, device=device) * s_g_max).clamp_min(0.01).half()
+    return QQQWeight(q, s_ch, s_g, group_size)
+
+
+def random_layer(k, n, gs, bias, device, **kw):
+    b = torch.randn(n, device=device) if bias else None
+    return QuantLinearW4A8.from_quantized(random_qqq(k, n, gs, device, **kw), b)
+
+
+def layer_reference(layer, x):
+    """float64 y_ref from the per-token int8 x (formats reference) and the layer's w8."""
+    x_q, s_tok = quantize_activations(x.reshape(-1, layer.in_features))
+    acc = x_q.double() @ layer.int8_weight().double().T
+    y = s_tok.double()[:, None] * acc * layer.s_ch.double()[None, :]
+    if layer.bias is not None:
+        y = y + layer.bias.double()
+    return y.reshape(*x.shape[:-1], layer.out_features)
+
+
+def assert_rounded(y, ref, bias=None):
+    """Each y element is the float64 reference rounded to y's dtype: within half an ulp,
+    plus float32 slack for the epilogue (relative to the terms, which the bias may cancel)."""
+    p, emin = {F16: (11, -14), BF16: (8, -126)}[y.dtype]
+    ref = ref.double()
+    _, e = torch.frexp(ref)  # |ref| in [2**(e-1), 2**e)
+    ulp = torch.ldexp(torch.ones_like(ref), (e - p).clamp_min(emin - p + 1))
+    terms = ref.abs() + (0 if bias is None else 2 * bias.double().abs())
+    bad = (y.double() - ref).abs() > 0.5 * ulp + 1e-6 * terms
+    assert not bad.any(), f"{int(bad.sum())} elements off by more than half an ulp"
+
+
+def test_kernels_are_used(device):
+    assert use_triton(torch.empty(1, device=device))
+
+
+# ----------------------------------------------------------------------------------
+# activation quantization
+# ----------------------------------------------------------------------------------
+def special_rows(k, dtype, device):
+    """Rows with everything that can go wrong: random, zero, tiny, huge, a single value."""
+    rows = [torch.randn(k), torch.zeros(k), torch.randn(k) * 1e-6, torch.randn(k) * 1e-7,
+            torch.randn(k) * 1e4, torch.zeros(k)]
+    rows[-1][k // 2] = -3.0  # one non-zero value: quantizes to -127
+    if dtype == F16:
+        rows.append(torch.randn(k) * 2.0**-20)  # fp16 subnormals only
+        rows.append(torch.full((k,), 65504.0) * torch.sign(torch.randn(k)))
+    else:
+        rows.append(torch.randn(k) * 1e-38)      # bf16 subnormals (amax < 2**-60 path)
+        rows.append(torch.randn(k) * 2.0**-130)
+        rows.append(torch.randn(k) * 3e37)  # near the top of the range (max 3.4e38)
+    # near-ties: x / amax = (j + 1/2) / 127, so x * (127 / amax) lands next to j + 1/2
+    # (the rounding of 127 / amax decides the side; kernel and reference must agree)
+    a = 3.734375
+    j = torch.arange(k) % 254 - 127
+    rows.append(a * (j + 0.5) / 127)
+    rows[-1][0] = a
+    return torch.stack(rows).to(dtype).to(device)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=DTYPE_NAMES.get)
+@pytest.mark.parametrize("k,block_k", [(16, None), (400, None), (400, 64), (4096, 1024)],
+                         ids=["K16", "K400", "K400-twopass", "K4096-twopass"])
+def test_quantize_per_token_exact(k, block_k, dtype, device):
+    x = torch.cat([special_rows(k, dtype, device), torch.randn(7, k, device=device).to(dtype)])
+    x_q, s = quantize_per_token_launch(x, block_k=block_k)
+    r_q, r_s = quantize_activations(x)
+    assert x_q.dtype == torch.int8 and s.dtype == torch.float32
+    assert torch.equal(x_q, r_q) and torch.equal(s, r_s)
+    # the reference is the spec: |x - s * x_q| <= s / 2 and the largest element hits 127
+    # (s exact in float64: for bf16-subnormal rows the stored float32 s is subnormal too)
+    xf = x.double()
+    assert torch.isfinite(s).all() and int(x_q.abs().max()) <= 127
+    s64 = xf.abs().amax(dim=1) / 127
+    err = (xf - s64[:, None] * x_q.double()).abs().amax(dim=1)
+    assert (err <= s64 * (0.5 + 1e-5)).all()
+    nz = xf.abs().amax(dim=1) > 0
+    assert (x_q[nz].abs().amax(dim=1) == 127).all() and (x_q[~nz] == 0).all() and (s[~nz] == 0).all()
+
+
+def test_quantize_rounds_half_to_even(device):
+    # scale 1 (max 127): the quotients are the values themselves, .5 ties go to even
+    x = torch.tensor([[127.0, 0.5, 1.5, 2.5, -2.5, -0.5, 126.5, -3.5]], device=device).half()
+    expected = torch.tensor([[127, 0, 2, 2, -2, 0, 126, -4]], dtype=torch.int8, device=device)
+    x_q, s = torch.ops.sailfish.quantize_per_token(x)
+    assert torch.equal(x_q, expected) and float(s) == 1.0
+    assert torch.equal(quantize_activations(x)[0], expected)
+
+
+def test_quantize_per_token_op(device):
+    x = torch.randn(3, 5, 48, device=device).to(BF16)
+    layer = random_layer(48, 16, -1, False, device)
+    x_q, s = layer.quantize_input(x)
+    assert x_q.shape == (15, 48) and s.shape == (15,)
+    with pytest.raises(TypeError, match="dtype"):
+        torch.ops.sailfish.quantize_per_token(torch.ones(2, 16, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="2-D"):
+        torch.ops.sailfish.quantize_per_token(torch.ones(16, device=device).half())
+
+
+# ----------------------------------------------------------------------------------
+# weight format
+# ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("gs", [-1, 128], ids=["chan", "g128"])
+def test_quantizer(gs, device):
+    k, n = 400, 64
+    w = torch.randn(n, k, device=device)
+    w[3] = 0  # an all-zero row
+    qw = quantize_qqq(w, gs)
+    assert qw.qweight.dtype == torch.uint8 and int(qw.qweight.max()) <= 15
+    assert (qw.qweight[3] == 8).all() and torch.isfinite(qw.s_ch).all()
+    if gs == 128:
+        assert qw.s_g.shape == (4, n) and qw.s_g.dtype == torch.float16
+        # every code maps into int8 without clamping: 8 * s_g <= 127
+        assert float(qw.s_g.float().abs().max()) * 8 <= 127
+        p = (qw.qweight.float() - 8) * qw.s_g.float()[torch.arange(k, device=device) // 128].T
+        assert torch.equal(p.round().to(torch.int8), qw.int8_weight())
+    else:
+        assert torch.equal(qw.int8_weight(), (qw.qweight.int() - 8).to(torch.int8))
+    err = rel_err(qw.dequantize(), w)
+    assert err < 0.15, err  # 4-bit RTN on a Gaussian weight: ~0.11-0.12
+
+
+def test_group_scales_help_uneven_columns(device):
+    w = torch.randn(32, 512, device=device)
+    w[:, :128] *= 20  # one loud group of input channels
+    chan, grp = quantize_qqq(w, -1), quantize_qqq(w, 128)
+    quiet = slice(128, None)
+    assert rel_err(grp.dequantize()[:, quiet], w[:, quiet]) < 0.5 * rel_err(chan.dequantize()[:, quiet], w[:, quiet])
+
+
+@pytest.mark.parametrize("gs", [-1, 128], ids=["chan", "g128"])
+def test_pack_roundtrip(gs, device):
+    qw = random_qqq(208, 24, gs, device)
+    p = pack_qqq(qw)
+    assert p.qweight.shape == (24, 256 // 8) and p.qweight.dtype == torch.int32
+    back = unpack_qqq(p)
+    assert torch.equal(back.qweight, qw.qweight) and torch.equal(back.s_ch, qw.s_ch)
+    if gs == 128:
+        assert p.s_g.shape == (24, 2) and torch.equal(back.s_g, qw.s_g)
+    # padding channels hold code 8, i.e. w8 = 0
+    pad = ((p.qweight[:, 208 // 8:].unsqueeze(-1) >> torch.arange(0, 32, 4, device=device)) & 0xF)
+    assert (pad == 8).all()
+
+
+def test_int8_conversion_clamps_and_rounds_half_even(device):
+    q = torch.tensor([[0, 1, 7, 9, 15, 8]], dtype=torch.uint8, device=device)
+    s_g = torch.tensor([[20.0]], device=device).half()  # > 127 / 8: -8 * 20 clamps
+    assert codes_to_int8(q, s_g, 128).tolist() == [[-127, -127, -20, 20, 127, 0]]
+    s_g = torch.tensor([[2.5]], device=device).half()   # 2.5 * odd = .5 ties
+    assert codes_to_int8(q, s_g, 128).tolist() == [[-20, -18, -2, 2, 18, 0]]
+
+
+# ----------------------------------------------------------------------------------
+# GEMM: the int32 accumulator, exactly
+# ----------------------------------------------------------------------------------
+RAW_CASES = [  # M, K, N, gs, config (None: the heuristic), s_g_max
+    (1, 400, 200, 128, None, 127 / 8),
+    (3, 272, 136, -1, None, None),
+    (17, 512, 64, 128, None, 20.0),                       # s_g past 127/8: clamping
+    (100, 400, 136, -1, None, None),                      # large-M path
+    (100, 272, 200, 128, None, 127 / 8),
+    (5, 400, 136, 128, Config(16, 64, 64, 1), 127 / 8),   # BLOCK_K < group
+    (5, 400, 136, 128, Config(16, 64, 256, 2), 127 / 8),  # BLOCK_K spans 2 groups, split-K
+    (33, 272, 200, -1, Config(32, 128, 64, 3), None),     # split-K 3 of 5 K tiles
+    (64, 512, 64, 128, Config(64, 64, 128, 4), 127 / 8),  # split-K, even K
+    (1, 400, 136, -1, None, None),                                  # M=1: the GEMV path
+    (1, 272, 200, 128, Config(1, 16, 512, 1, kernel="gemv"), 20.0),
+    (1, 400, 64, 128, Config(1, 32, 128, 3, kernel="gemv"), 127 / 8),
+    (1, 512, 136, -1, Config(16, 64, 128, 2), None),               # M=1 on the tensor-core tiles
+    (17, 400, 136, 128, Config(1, 64, 256, kernel="dequant"), 127 / 8),  # int8 weight + _int_mm
+    (40, 272, 64, -1, Config(1, 32, 64, kernel="dequant"), None),
+]
+
+
+def raw_id(case):
+    m, k, n, gs, cfg, _ = case
+    s = f"M{m}-K{k}-N{n}-g{gs}"
+    return s + (f"-{cfg.kernel}-bm{cfg.BLOCK_M}bn{cfg.BLOCK_N}bk{cfg.BLOCK_K}s{cfg.SPLIT_K}" if cfg else "")
+
+
+@pytest.mark.parametrize("case", RAW_CASES, ids=raw_id)
+def test_int32_accumulator_exact(case, device):
+    m, k, n, gs, cfg, s_g_max = case
+    qw = random_qqq(k, n, gs, device, s_g_max=s_g_max or 127 / 8)
+    p = pack_qqq(qw)
+    x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device=device)
+    x_s = torch.rand(m, device=device)
+    acc = w4a8_launch(x_q, x_s, p.qweight, p.s_ch, p.s_g, None, k, gs, F16, config=cfg, raw_acc=True)
+    ref = (x_q.double() @ qw.int8_weight().double().T).long()  # exact below 2**53
+    assert acc.dtype == torch.int32 and torch.equal(acc.long(), ref)
+
+
+@pytest.mark.parametrize("gs", [-1, 128], ids=["chan", "g128"])
+def test_identity_activations(gs, device):
+    """x_q = I gives back the int8 weight bit for bit (unpacking, nibble order, scales)."""
+    k, n = 272, 136
+    qw = random_qqq(k, n, gs, device)
+    p = pack_qqq(qw)
+    eye = torch.eye(k, dtype=torch.int8, device=device)
+    acc = w4a8_launch(eye, torch.ones(k, device=device), p.qweight, p.s_ch, p.s_g, None, k, gs, F16,
+                      raw_acc=True)
+    assert torch.equal(acc, qw.int8_weight().T.int())
+
+
+def test_split_k_deterministic(device):
+    """Split-K partial sums are int32, added exactly: the same bits for any split."""
+    k, n, m = 512, 136, 3
+    layer = random_layer(k, n, 128, True, device)
+    x = torch.randn(m, k, device=device).half()
+    x_q, x_s = layer.quantize_input(x)
+    args = (x_q, x_s, layer.qweight, layer.s_ch, layer.s_g, layer.bias, k, 128, F16)
+    raws = [w4a8_launch(*args, config=Config(16, 64, 128, s), raw_acc=True) for s in (1, 2, 4, 4)]
+    assert all(torch.equal(r, raws[0]) for r in raws[1:])
+    ys = [w4a8_launch(*args, config=Config(16, 64, 128, s)) for s in (1, 4, 4)]
+    assert torch.equal(ys[1], ys[2])
+    for y in ys:
+        assert_rounded(y, layer_reference(layer, x), layer.bias)
+
+
+@pytest.mark.parametrize("m,cfg", [
+    (1, Config(1, 16, 256, 1, kernel="gemv")),
+    (1, Config(1, 32, 128, 2, kernel="gemv")),
+    (20, Config(1, 64, 128, kernel="dequant")),
+    (20, Config(32, 64, 64, 2)),
+], ids=["gemv", "gemv-split2", "dequant", "mma-split2"])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=DTYPE_NAMES.get)
+def test_paths_epilogue(m, cfg, dtype, device):
+    """Every path's epilogue (scales, bias, output rounding), against the reference."""
+    k, n = 272, 136
+    layer = random_layer(k, n, 128, True, device)
+    x = torch.randn(m, k, device=device).to(dtype)
+    x_q, x_s = layer.quantize_input(x)
+    y = w4a8_launch(x_q, x_s, layer.qweight, layer.s_ch, layer.s_g, layer.bias, k, 128, dtype, config=cfg)
+    assert y.dtype == dtype
+    assert_rounded(y, layer_reference(layer, x), layer.bias)
+
+
+@pytest.mark.parametrize("m,cfg,match", [
+    (3, Config(1, 16, 256, kernel="gemv"), "gemv' needs M=1"),
+    (3, Config(8, 64, 64), "BLOCK_M >= 16"),
+    (16, Config(1, 64, 64, kernel="dequant"), "needs M > 16"),
+    (17, Config(1, 64, 64, 2, kernel="dequant"), "1 for 'dequant'"),
+    (3, Config(16, 64, 16), "BLOCK_K=16 must be >= 32"),
+    (3, Config(16, 64, 512), "divide the padded K=256"),
+    (3, Config(16, 64, 64, kernel="tiles"), "kernel='tiles'"),
+], ids=["gemv-M3", "mma-bm8", "dequant-M16", "dequant-split", "bk16", "bk512", "name"])
+def test_bad_config(m, cfg, match, device):
+    layer = random_layer(208, 64, -1, False, device)
+    x_q = torch.zeros(m, 208, dtype=torch.int8, device=device)
+    with pytest.raises(ValueError, match=match):
+        w4a8_launch(x_q, torch.ones(m, device=device), layer.qweight, layer.s_ch, None, None,
+                    208, -1, F16, config=cfg)
+
+
+# ----------------------------------------------------------------------------------
+# layer against the per-token int8 reference
+# ----------------------------------------------------------------------------------
+#   M    K    N   gs   dtype bias
+LAYER_CASES = [
+    (1, 400, 136, 128, F16, True),
+    (1, 272, 200, -1, BF16, False),
+    (3, 400, 200, -1, F16, False),
+    (3, 208, 64, 128, BF16, True),
+    (17, 272, 136, 128, BF16, False),
+    (17, 400, 64, -1, F16, True),
+    (100, 400, 200, 128, F16, False),
+    (100, 272, 136, -1, BF16, True),
+]
+
+
+def layer_id(case):
+    m, k, n, gs, dtype, bias = case
+    return f"M{m}-K{k}-N{n}-g{gs}-{DTYPE_NAMES[dtype]}" + ("-bias" if bias else "")
+
+
+@pytest.mark.parametrize("case", LAYER_CASES, ids=layer_id)
+def test_layer_matches_reference(case, device):
+    m, k, n, gs, dtype, bias = case
+    layer = random_layer(k, n, gs, bias, device)
+    x = torch.randn(m, k, device=device).to(dtype)
+    x[0, : k // 2] *= 50  # uneven magnitudes inside a row
+    y = layer(x)
+    assert y.shape == (m, n) and y.dtype == dtype
+    ref = layer_reference(layer, x)
+    assert rel_err(y, ref) <= TOL_W4A8[dtype]
+    assert_rounded(y, ref, layer.bias)
+    # the same numbers through the effective float weight (dequantize())
+    x_q, s_tok = quantize_activations(x)
+    ref2 = (s_tok.double()[:, None] * x_q.double()) @ layer.dequantize().double().T
+    if bias:
+        ref2 = ref2 + layer.bias.double()
+    assert rel_err(y, ref2) <= TOL_W4A8[dtype]
+    # and through the op's PyTorch fallback (what a CPU without TRITON_INTERPRET runs)
+    y_fb = w4a8_reference(x_q, s_tok, layer.qweight, layer.s_ch, layer.s_g, layer.bias, k, gs, dtype)
+    assert_rounded(y_fb, ref, layer.bias)
+
+
+@pytest.mark.parametrize("gs", [-1, 128], ids=["chan", "g128"])
+def test_from_linear_end_to_end(gs, device):
+    lin = torch.nn.Linear(256, 136, bias=True, device=device).half()
+    layer = QuantLinear.from_linear(lin, act_bits=8, group_size=gs)
+    assert isinstance(layer, QuantLinearW4A8) and layer.group_size == gs
+    x = torch.randn(2, 9, 256, device=device).half()
+    y = layer(x)
+    assert y.shape == (2, 9, 136) and y.dtype == F16
+    assert rel_err(y, layer_reference(layer, x)) <= TOL_W4A8[F16]
+    assert_rounded(y, layer_reference(layer, x), layer.bias)
+    # against the float layer: 4-bit weights and 8-bit activations, loose
+    with torch.no_grad():
+        assert rel_err(y, lin(x)) < 0.2
+
+
+def test_zero_and_tiny_rows_through_layer(device):
+    layer = random_layer(272, 64, 128, False, device)
+    x = torch.randn(4, 272, device=device).half()
+    x[1] = 0
+    x[2] *= 1e-6  # fp16 subnormals
+    y = layer(x)
+    assert torch.isfinite(y).all() and (y[1] == 0).all()
+    assert_rounded(y, layer_reference(layer, x))  # row 2: fp16 subnormal outputs, exactly rounded
+    assert y[2].abs().max() > 0
+
+
+def test_empty_batch(device):
+    layer = random_layer(64, 16, -1, True, device)
+    assert layer(torch.empty(0, 64, device=device).half()).shape == (0, 16)
+
+
+# ----------------------------------------------------------------------------------
+# module API
+# ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("gs", [-1, 128], ids=["chan", "g128"])
+def test_state_dict_roundtrip(gs, device):
+    layer = random_layer(208, 24, gs, True, device)
+    sd = layer.state_dict()
+    assert set(sd) == ({"qweight", "s_ch", "bias"} | ({"s_g"} if gs == 128 else set()))
+    fresh = QuantLinearW4A8(208, 24, True, group_size=gs, device=device)
+    fresh.load_state_dict(sd)
+    assert torch.equal(fresh.dequantize(), layer.dequantize())
+    x = torch.randn(3, 208, device=device).half()
+    assert torch.equal(fresh(x), layer(x))
+
+
+def test_dtype_conversion_keeps_format(device):
+    layer = random_layer(64, 16, 128, True, device)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    layer.half()
+    layer.to(torch.bfloat16)
+    for k, v in layer.state_dict().items():
+        assert v.dtype == before[k].dtype and torch.equal(v, before[k]), k
+
+
+def test_extra_repr():
+    layer = QuantLinearW4A8(64, 16, group_size=128)
+    assert repr(layer) == ("QuantLinearW4A8(in_features=64, out_features=16, bias=True, bits=4, "
+                           "act_bits=8, group_size=128)")
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(in_features=100, out_features=64), ValueError, "in_features=100 must be a positive multiple of 16"),
+    (dict(in_features=64, out_features=20), ValueError, "out_features=20 must be a positive multiple of 8"),
+    (dict(in_features=64, out_features=64, group_size=64), ValueError, r"group_size=64 .* W4A8; allowed: \(-1, 128\)"),
+])
+def test_constructor_errors(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        QuantLinearW4A8(**kwargs)
+
+
+def test_from_linear_errors():
+    lin = torch.nn.Linear(64, 32).half()
+    with pytest.raises(ValueError, match="act_bits=4 is not supported"):
+        QuantLinear.from_linear(lin, act_bits=4)
+    with pytest.raises(ValueError, match="group_size=32"):
+        QuantLinear.from_linear(lin, act_bits=8, group_size=32)
+    with pytest.raises(ValueError, match="symmetric"):
+        QuantLinear.from_linear(lin, act_bits=8, sym=False)
+    with pytest.raises(ValueError, match="dtype does not apply"):
+        QuantLinear.from_linear(lin, act_bits=8, dtype=F16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        QuantLinear.from_linear(torch.nn.Linear(72, 32), act_bits=8)
+    with pytest.raises(TypeError, match="nn.Linear"):
+        QuantLinearW4A8.from_linear(torch.nn.Conv1d(4, 4, 1))
+    assert isinstance(QuantLinear.from_linear(lin), QuantLinear)  # act_bits=16 default
+
+
+def test_forward_errors(device):
+    layer = random_layer(64, 16, -1, False, device)
+    with pytest.raises(TypeError, match="float32 is not supported"):
+        layer(torch.randn(2, 64, device=device))
+    with pytest.raises(ValueError, match="last dim 48 != in_features=64"):
+        layer(torch.randn(2, 48, device=device).half())
+
+
+def test_op_errors(device):
+    layer = random_layer(64, 16, 128, False, device)
+    x_q = torch.zeros(2, 64, dtype=torch.int8, device=device)
+    s = torch.ones(2, device=device)
+    op = torch.ops.sailfish.w4a8_gemm
+    with pytest.raises(TypeError, match="out_dtype"):
+        op(x_q, s, layer.qweight, layer.s_ch, layer.s_g, None, 64, 128, torch.float32)
+    with pytest.raises(TypeError, match="x_q must be int8"):
+        op(x_q.half(), s, layer.qweight, layer.s_ch, layer.s_g, None, 64, 128, F16)
+    with pytest.raises(ValueError, match="x_scales"):
+        op(x_q, s.half(), layer.qweight, layer.s_ch, layer.s_g, None, 64, 128, F16)
+    with pytest.raises(ValueError, match="s_g must be float16"):
+        op(x_q, s, layer.qweight, layer.s_ch, None, None, 64, 128, F16)
+    with pytest.raises(ValueError, match="s_g must be None"):
+        op(x_q, s, layer.qweight, layer.s_ch, layer.s_g, None, 64, -1, F16)
+    with pytest.raises(ValueError, match="shape \\(M, 64\\)"):
+        op(x_q[:, :48], s, layer.qweight, layer.s_ch, layer.s_g, None, 64, 128, F16)
+    with pytest.raises(ValueError, match="SPLIT_K"):
+        w4a8_launch(x_q, s, layer.qweight, layer.s_ch, layer.s_g, None, 64, 128, F16,
+                    config=Config(16, 64, 64, 2))
+
+
+class TinyMLP(torch.nn.Module):
+    def __init__(self, device):
+        super().__init__()
+        self.up = random_layer(256, 512, 128, True, device)
+        self.down = random_layer(512, 256, -1, False, device)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.silu(self.up(x)))
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=DTYPE_NAMES.get)
+def test_torch_compile_fullgraph(dtype, device):
+    model = TinyMLP(device)
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    for m in (3, 17):
+        x = torch.randn(2, m, 256, device=device).to(dtype)
+        with torch.no_grad():
+            y, ref = compiled(x), model(x)
+        assert y.shape == (2, m, 256) and y.dtype == dtype
+        assert rel_err(y, ref) <= TOL_W4A8[dtype]
+
+
+def test_quantize_model(device):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 40),
+                                torch.nn.Linear(40, 12)).half().to(device)
+    x = torch.randn(5, 64, device=device).half()
+    quantize_model(model, act_bits=8, group_size=-1)
+    assert isinstance(model[0], QuantLinearW4A8) and isinstance(model[2], QuantLinearW4A8)
+    assert isinstance(model[3], torch.nn.Linear)  # K = 40 is not a multiple of 16
+    assert model.sailfish_report["quantized"] == ["0", "2"] and "3" in model.sailfish_report["skipped"]
+    assert model(x).shape == (5, 12)
+    with pytest.raises(ValueError, match="act_bits=2"):
+        quantize_model(torch.nn.Linear(64, 64).half(), act_bits=2)
+    with pytest.raises(ValueError, match="group_size=256 .* W4A8"):
+        quantize_model(torch.nn.Linear(64, 64).half(), act_bits=8, group_size=256)
+
+
+_FALLBACK_CHILD = r"""
+import sys, torch, sailfish
+from sailfish.ops import use_triton
+src = torch.load(sys.argv[1])
+layer = sailfish.QuantLinearW4A8(**src["args"])
+layer.load_state_dict(src["state"])
+assert not use_triton(src["x"]), "TRITON_INTERPRET leaked into the child"
+y = layer(src["x"])
+assert "sailfish.kernels.w4a8" not in sys.modules, "the fallback must not run the kernels"
+torch.save(y, sys.argv[2])
+"""
+
+
+def test_cpu_fallback_matches_kernel(device, tmp_path):
+    """CPU without TRITON_INTERPRET runs the PyTorch reference: the same numbers."""
+    k, n = 272, 136
+    layer = random_layer(k, n, 128, True, device)
+    x = torch.randn(5, k).to(BF16)
+    x[1] = 0
+    state = {key: v.cpu() for key, v in layer.state_dict().items()}
+    args = dict(in_features=k, out_features=n, bias=True, group_size=128)
+    torch.save({"args": args, "state": state, "x": x}, tmp_path / "in.pt")
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    src_dir = os.path.dirname(os.path.dirname(sailfish.__file__))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src_dir, env.get("PYTHONPATH")]))
+    subprocess.run([sys.executable, "-c", _FALLBACK_CHILD, str(tmp_path / "in.pt"),
+                    str(tmp_path / "out.pt")], env=env, check=True, timeout=300)
+    y_fallback = torch.load(tmp_path / "out.pt")
+    ref = layer_reference(layer.cpu(), x)
+    assert_rounded(y_fallback, ref, layer.bias)
+    y_kernel = layer.to(device)(x.to(device)).cpu()
+    assert_rounded(y_kernel, ref, layer.bias.cpu())
+
+
+_COMPILE_CHILD = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from sailfish.kernels import w4a8 as K
+
+def build(fn, sig, consts, warps=4, stages=3):
+    src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
+
+q = {"x_ptr": "*bf16", "xq_ptr": "*i8", "s_ptr": "*fp32", "K": "i32", "stride_xm": "i32", "stride_qm": "i32"}
+ptx = build(K._quantize_per_token_kernel, q, {"BLOCK_K": 8192, "ONE_PASS": True}, 8)
+assert "div.rn.f32" in ptx and "div.full" not in ptx and "fma" not in ptx and ".ftz" not in ptx
+build(K._quantize_per_token_kernel, dict(q, x_ptr="*fp16"), {"BLOCK_K": 1024, "ONE_PASS": False})
+g = {"xq_ptr": "*i8", "xs_ptr": "*fp32", "qw_ptr": "*i32", "sch_ptr": "*fp32", "sg_ptr": "*fp16",
+     "bias_ptr": "*fp32", "y_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
+     "stride_ym": "i32", "stride_qn": "i32", "stride_gn": "i32"}
+for gs, (bm, bn, bk, split, warps, stages), out in [(0, (16, 128, 128, 1, 4, 4), "*bf16"),
+                                                   (128, (16, 64, 256, 2, 4, 4), "*i32"),
+                                                   (128, (128, 128, 128, 1, 8, 3), "*fp16")]:
+    ptx = build(K._w4a8_kernel, dict(g, y_ptr=out), dict(
+        GROUP_SIZE=gs, HAS_BIAS=True, EVEN_K=False, SPLIT_K=split, RAW=False, EMU_BF16=False,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8), warps, stages)
+    assert ".s32.s8.s8" in ptx, "the int8 tiles must run on int8 tensor cores"
+v = {k: t for k, t in g.items() if k not in ("M", "stride_xm", "stride_ym")}
+for gs, split in [(0, 2), (128, 1)]:
+    build(K._w4a8_gemv_kernel, dict(v, y_ptr="*i32" if split > 1 else "*bf16"), dict(
+        GROUP_SIZE=gs, HAS_BIAS=True, EVEN_K=True, SPLIT_K=split, RAW=False, EMU_BF16=False,
+        BLOCK_N=16, BLOCK_K=512), 4, 4)
+build(K._w4a8_dequant_kernel, {"qw_ptr": "*i32", "sg_ptr": "*fp16", "w_ptr": "*i8", "N": "i32", "K": "i32",
+      "stride_qn": "i32", "stride_gn": "i32", "stride_wn": "i32"}, dict(GROUP_SIZE=128, BLOCK_N=64, BLOCK_K=256), 4, 1)
+for raw in (False, True):
+    build(K._w4a8_splitk_reduce_kernel, {"ws_ptr": "*i32", "xs_ptr": "*fp32", "sch_ptr": "*fp32",
+          "bias_ptr": "*fp32", "y_ptr": "*i32" if raw else "*bf16", "M": "i32", "N": "i32", "stride_ym": "i32"},
+          dict(SPLIT_K=4, HAS_BIAS=True, RAW=raw, EMU_BF16=False, BLOCK_M=16, BLOCK_N=128), 4, 1)
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the kernels themselves")
+def test_kernels_compile_for_sm90(tmp_path):
+    """The interpreter does not run Triton's compiler (it accepts code the compiler rejects,
+    e.g. statements after a `return` in a constexpr `if`). Compile every W4A8 kernel for
+    sm_90 here, without a GPU, and check the exactness-critical instructions in the PTX."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    src_dir = os.path.dirname(os.path.dirname(sailfish.__file__))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src_dir, env.get("PYTHONPATH")]))
+    r = subprocess.run([sys.executable, "-c", _COMPILE_CHILD], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
