@@ -32,12 +32,13 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx) -> Config:
         return Config(1, 16, bk, _w4a16_split(tiles, Kp // bk, sms), 8, 4, 4, kernel="gemv")
     if M >= 1024 and device.type == "cuda":  # dequantize + cuBLAS beats the fused tiles here
         return Config(1, 64, 256, 1, 8, 4, 1, kernel="dequant")
+    # tiles: the tuned best on H200 for most Llama shapes (docs/perf_log.md)
     if M <= 16:
-        bm, bn, bk, warps, stages = 16, 128, 128, 4, 4
+        bm, bn, bk, warps, stages = 16, 64, 128, 4, 6
     elif M <= 64:
-        bm, bn, bk, warps, stages = (32 if M <= 32 else 64), 128, 128, 4, 4
+        bm, bn, bk, warps, stages = (32 if M <= 32 else 64), 64, 128, 4, 4
     else:
-        bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
+        bm, bn, bk, warps, stages = 128, 128, 128, 8, 3
     bn = min(bn, max(64, triton_next_pow2(N)))
     tiles = -(-M // bm) * -(-N // bn)
     split = _w4a16_split(tiles, Kp // bk, sms) if M <= 64 else 1
