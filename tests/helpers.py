@@ -12,9 +12,11 @@ from sailfish.formats.int4 import QuantizedWeight, num_groups
 TOL = {
     # fp16 output rounding is at most u = 2**-11 ~ 4.9e-4 relative per element.
     torch.float16: 2e-3,
-    # bf16 round-to-nearest output rounding alone is up to u = 2**-9 ~ 1.95e-3
-    # relative per element; accumulation-order differences add < 1e-4.
-    torch.bfloat16: 2.5e-3,
+    # bf16 keeps 8 significant bits: round-to-nearest output rounding alone is up to
+    # u = 2**-8 ~ 3.9e-3 relative per element (a correctly rounded result measured
+    # 2.57e-3); fp32 accumulation-order differences add < 1e-4. Kernel bugs (a wrong
+    # nibble, scale or group) give errors of 1e-2 and up.
+    torch.bfloat16: 4e-3,
 }
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}

@@ -255,6 +255,50 @@ def build_cublas_int8(k: int, n: int, ctx: BuildContext) -> Built:
     return Built(case, r, tensor_bytes(w0))
 
 
+def w4a8_min_bytes(m: int, k: int, n: int, group_size: int, quantize: bool) -> int:
+    """W4A8: 4-bit weights + fp32 channel scales (+ fp16 group scales), fp16 output; the
+    activations are read as fp16 when the row includes their quantization, else as int8
+    plus one fp32 scale per token."""
+    groups = 0 if group_size == -1 else -(-k // group_size)
+    act = 2 * m * k if quantize else m * k + 4 * m
+    return n * k // 2 + 4 * n + 2 * n * groups + act + 2 * m * n
+
+
+def build_sailfish_w4a8(k: int, n: int, ctx: BuildContext, *, group_size: int, dtype: torch.dtype,
+                        quantize: bool) -> Built:
+    """QuantLinearW4A8 (QQQ weights, per-token int8 activations). quantize=True times the
+    whole layer (activation quantization included), False only the GEMM on pre-quantized
+    x. Reference: (s_tok * x_q) @ dequantize().T in fp32, on the kernel's own x_q."""
+    from ..nn import QuantLinear, check_shape
+
+    err = check_shape(k, n)
+    if err:
+        raise Skip(err)
+    torch.manual_seed(ctx.seed + k * 11 + n)
+    lin = torch.nn.Linear(k, n, bias=False, dtype=dtype, device=ctx.device)
+    base = QuantLinear.from_linear(lin, act_bits=8, group_size=group_size)
+    del lin
+    nbytes = tensor_bytes(*base.buffers())
+    r = ctx.copies(nbytes)
+    layers = [base] + [copy.deepcopy(base) for _ in range(r - 1)]
+    w_ref = base.dequantize()
+    tol = 3e-3 if dtype == torch.float16 else 5e-3
+    gen = _gen(ctx, 5)
+
+    def case(m: int) -> Case:
+        x = torch.randn(m, k, dtype=dtype, device=ctx.device, generator=gen)
+        x_q, x_s = base.quantize_input(x)
+        ref = (x_s[:, None] * x_q.float()) @ w_ref.T
+        if quantize:
+            calls = [functools.partial(layer, x) for layer in layers]
+        else:
+            calls = [functools.partial(layer.forward_quantized, x_q, x_s, dtype) for layer in layers]
+        return Case(calls=calls, check=lambda: rel_err(calls[0](), ref), tol=tol,
+                    min_bytes=w4a8_min_bytes(m, k, n, group_size, quantize))
+
+    return Built(case, r, nbytes)
+
+
 def _scaled_mm(a, b, sa, sb):
     out = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
     return out[0] if isinstance(out, tuple) else out  # torch <= 2.4 returned (out, amax)
@@ -438,6 +482,13 @@ register(KernelSpec("cublas-bf16", "bf16", 0, functools.partial(build_cublas_hal
 register(KernelSpec("tinygemm", "bf16", 128, build_tinygemm, sym=False, short="tinygemm"))
 register(KernelSpec("gemlite", "fp16", 128, build_gemlite, sym=False, optional=True,
                     available=gemlite_available, short="gemlite"))
+for _gs, _short_gs in ((128, "g128"), (-1, "chan")):
+    register(KernelSpec("sailfish-w4a8", "fp16", _gs, functools.partial(
+        build_sailfish_w4a8, group_size=_gs, dtype=torch.float16, quantize=True),
+        sym=True, ours=True, cpu=True, short=f"sf w4a8 {_short_gs}"))
+    register(KernelSpec("sailfish-w4a8-gemm", "fp16", _gs, functools.partial(
+        build_sailfish_w4a8, group_size=_gs, dtype=torch.float16, quantize=False),
+        sym=True, ours=True, cpu=True, short=f"sf w4a8-gemm {_short_gs}"))
 register(KernelSpec("cublas-int8", "int8", 0, build_cublas_int8, short="int8 cublas"))
 register(KernelSpec("cublas-fp8", "fp8", 0, build_cublas_fp8, short="fp8 cublas"))
 
