@@ -44,6 +44,18 @@ class Config:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def split_k_for(tiles: int, k_tiles: int, sms: int) -> int:
+    """Smallest power-of-two split-K that gives >= 2 programs per SM (at most k_tiles, 16)."""
+    split = 1
+    while tiles * split < 2 * sms and split * 2 <= k_tiles and split < 16:
+        split *= 2
+    return split
+
+
 def m_bucket(m: int) -> int:
     for b in M_BUCKETS:
         if m <= b:

@@ -32,3 +32,25 @@ def cast_out(x, DTYPE: tl.constexpr, EMU_BF16: tl.constexpr):
         return to_bf16_emu(x)
     else:
         return x.to(DTYPE)
+
+
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (pid_m, pid_n) in grouped order: GROUP_M row tiles in a row share each
+    weight tile while it is in L2 (the swizzle of the GPTQ split-K seed / Triton's matmul)."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_pid_n
+    first_m = (pid // width) * GROUP_M
+    rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % width) % rows, (pid % width) // rows
+
+
+@triton.jit
+def split_k_range(pid_k, K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The K tiles [kt0, kt1) of split pid_k: a fixed partition of the tiles that hold real
+    channels (tiles wholly in the K padding are skipped), so the split-K sum is deterministic."""
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    kt0 = pid_k * per_split
+    return kt0, tl.minimum(kt0 + per_split, k_tiles)

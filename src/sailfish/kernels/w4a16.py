@@ -20,7 +20,7 @@ Design (why, see docs/perf_log.md for the measurements):
 import triton
 import triton.language as tl
 
-from .common import cast_out, round_bf16_emu
+from .common import cast_out, grouped_tile, round_bf16_emu, split_k_range
 
 
 @triton.jit
@@ -198,14 +198,7 @@ def _w4a16_kernel(
     DTYPE = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # grouped order: GROUP_M row-tiles share each weight tile while it is in L2
-    width = GROUP_M * num_pid_n
-    first_m = (pid // width) * GROUP_M
-    rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % rows
-    pid_n = (pid % width) // rows
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -213,10 +206,7 @@ def _w4a16_kernel(
     rm = offs_m % M
     rn = offs_n % N
 
-    k_tiles = tl.cdiv(K, BLOCK_K)  # tiles wholly in the K padding hold no data: skip them
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
-    kt0 = pid_k * per_split
-    kt1 = tl.minimum(kt0 + per_split, k_tiles)
+    kt0, kt1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
 
     offs_w = tl.arange(0, BLOCK_K // 8)
     offs_k = tl.arange(0, BLOCK_K)
@@ -276,10 +266,7 @@ def _w4a16_gemv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     rn = offs_n % N
     rm = offs_m % M
-    k_tiles = tl.cdiv(K, BLOCK_K)  # tiles wholly in the K padding hold no data: skip them
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
-    kt0 = pid_k * per_split
-    kt1 = tl.minimum(kt0 + per_split, k_tiles)
+    kt0, kt1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = qw_ptr + rn[:, None] * stride_qn + (kt0 * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8))[None, :]
     # BLOCK_M == 1 keeps a 2-D accumulator and a 1-D x load: the 3-D form costs 20-30%

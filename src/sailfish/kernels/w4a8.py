@@ -34,7 +34,7 @@ Math and layouts: formats/qqq.py. Design (why):
 import triton
 import triton.language as tl
 
-from .common import cast_out
+from .common import cast_out, grouped_tile, split_k_range
 
 _RND = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + _RND has ulp 1 for |x| <= 2**22
 _RND_BITS = tl.constexpr(0x4B400000)  # bit pattern of _RND
@@ -170,14 +170,7 @@ def _w4a8_kernel(
     """
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # grouped order: GROUP_M row-tiles share each weight tile while it is in L2
-    width = GROUP_M * num_pid_n
-    first_m = (pid // width) * GROUP_M
-    rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % rows
-    pid_n = (pid % width) // rows
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -185,11 +178,7 @@ def _w4a8_kernel(
     rm = offs_m % M
     rn = offs_n % N
 
-    # K tiles that hold real channels (the packed weight is padded further, to Kp)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
-    kt0 = pid_k * per_split
-    kt1 = tl.minimum(kt0 + per_split, k_tiles)
+    kt0, kt1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
 
     offs_w = tl.arange(0, BLOCK_K // 8)
     offs_k = tl.arange(0, BLOCK_K)
@@ -235,10 +224,7 @@ def _w4a8_gemv_kernel(
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = offs_n % N
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
-    kt0 = pid_k * per_split
-    kt1 = tl.minimum(kt0 + per_split, k_tiles)
+    kt0, kt1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = qw_ptr + rn[:, None] * stride_qn + (kt0 * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8))[None, :]
     x_ptrs = xq_ptr + kt0 * BLOCK_K + offs_k

@@ -10,26 +10,18 @@ from typing import Optional
 import torch
 
 from ..formats.int4 import HALF_DTYPES, K_PAD
-from ..tuning import Config, Tuner, m_bucket, problem_key, sm_count
+from ..tuning import Config, Tuner, m_bucket, next_pow2, problem_key, sm_count, split_k_for
 
 
 # ----------------------------------------------------------------------------------
 # W4A16 configs
 # ----------------------------------------------------------------------------------
-def _w4a16_split(tiles: int, k_tiles: int, sms: int) -> int:
-    """Smallest power-of-two split that gives >= 2 programs per SM, at most k_tiles."""
-    split = 1
-    while tiles * split < 2 * sms and split * 2 <= k_tiles and split < 16:
-        split *= 2
-    return split
-
-
 def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx) -> Config:
     sms = sm_count(device.index or 0) if device.type == "cuda" else 132
     if M == 1:  # CUDA-core GEMV; BN=16, BK=512 measured best on H200 (docs/perf_log.md)
         bk = 512 if Kp % 512 == 0 else 256
         tiles = -(-N // 16)
-        return Config(1, 16, bk, _w4a16_split(tiles, Kp // bk, sms), 8, 4, 4, kernel="gemv")
+        return Config(1, 16, bk, split_k_for(tiles, Kp // bk, sms), 8, 4, 4, kernel="gemv")
     if M >= 1024 and device.type == "cuda":  # dequantize + cuBLAS beats the fused tiles here
         return Config(1, 64, 256, 1, 8, 4, 1, kernel="dequant")
     # tiles: the tuned best on H200 for most Llama shapes (docs/perf_log.md)
@@ -39,9 +31,9 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx) -> Config:
         bm, bn, bk, warps, stages = (32 if M <= 32 else 64), 64, 128, 4, 4
     else:
         bm, bn, bk, warps, stages = 128, 128, 128, 8, 3
-    bn = min(bn, max(64, triton_next_pow2(N)))
+    bn = min(bn, max(64, next_pow2(N)))
     tiles = -(-M // bm) * -(-N // bn)
-    split = _w4a16_split(tiles, Kp // bk, sms) if M <= 64 else 1
+    split = split_k_for(tiles, Kp // bk, sms) if M <= 64 else 1
     return Config(bm, bn, bk, split, 8, warps, stages)
 
 
@@ -56,7 +48,7 @@ def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx):
         space = []
     for bm, bn, bk, warps, stages in space:
         if Kp % bk == 0 and bn >= 8:
-            for split in sorted({1, _w4a16_split(-(-N // bn), Kp // bk, sms)}):
+            for split in sorted({1, split_k_for(-(-N // bn), Kp // bk, sms)}):
                 yield Config(bm, bn, bk, split, 8, warps, stages, kernel="gemv")
     if M >= 256:
         yield Config(1, 64, 256, 1, 8, 4, 1, kernel="dequant")
@@ -75,16 +67,12 @@ def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx):
     seen = set()
     for bm, bn, bk, warps, stages in space:
         tiles = -(-M // bm) * -(-N // bn)
-        s0 = _w4a16_split(tiles, Kp // bk, sms)
+        s0 = split_k_for(tiles, Kp // bk, sms)
         for split in sorted({1, s0, min(2 * s0, Kp // bk)}):
             cfg = Config(bm, bn, bk, split, 8, warps, stages)
             if cfg not in seen and Kp % bk == 0:
                 seen.add(cfg)
                 yield cfg
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def w4a16_key(kp: int, n: int, m: int, group_size: int, has_zeros: bool, general_gidx: bool,

@@ -20,16 +20,12 @@ import torch
 
 from ..formats.int4 import HALF_DTYPES, K_PAD
 from ..formats.qqq import GROUP_SIZES_W4A8, PackedQQQ, quantize_activations, unpack_qqq
-from ..tuning import Config, Tuner, m_bucket, problem_key, sm_count
+from ..tuning import Config, Tuner, m_bucket, next_pow2, problem_key, sm_count, split_k_for
 
 ACT_DTYPES = HALF_DTYPES + (torch.float32,)
 # Rows up to this many channels are quantized from registers in one pass (32 fp32 values
 # per thread at 8 warps); longer rows take a max pass and a quantize pass.
 QUANT_ONE_PASS_MAX = 8192
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 # ----------------------------------------------------------------------------------
@@ -52,7 +48,7 @@ def quantize_per_token_launch(x: torch.Tensor, block_k: Optional[int] = None
     if x.stride(1) != 1:
         x = x.contiguous()
     if block_k is None:
-        block_k = max(16, _next_pow2(K)) if K <= QUANT_ONE_PASS_MAX else 4096
+        block_k = max(16, next_pow2(K)) if K <= QUANT_ONE_PASS_MAX else 4096
     if block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"block_k={block_k} must be a power of two >= 16")
     one_pass = K <= block_k
@@ -89,28 +85,20 @@ def _(x):
 # ----------------------------------------------------------------------------------
 # GEMM configs
 # ----------------------------------------------------------------------------------
-def _split(tiles: int, k_tiles: int, sms: int) -> int:
-    """Smallest power-of-two split that gives >= 2 programs per SM, at most k_tiles."""
-    split = 1
-    while tiles * split < 2 * sms and split * 2 <= k_tiles and split < 16:
-        split *= 2
-    return split
-
-
 def _w4a8_heuristic(*, device, M, N, K, Kp, group_size) -> Config:
     sms = sm_count(device.index or 0) if device.type == "cuda" else 132
     if M == 1:  # CUDA-core GEMV; tile as W4A16's measured best on H200 (BN 16, BK 512)
         bk = 512 if Kp % 512 == 0 else 256
-        return Config(1, 16, bk, _split(-(-N // 16), -(-K // bk), sms), 8, 4, 4, kernel="gemv")
+        return Config(1, 16, bk, split_k_for(-(-N // 16), -(-K // bk), sms), 8, 4, 4, kernel="gemv")
     if M <= 16:
         bm, bn, bk, warps, stages = 16, 128, 128, 4, 4
     elif M <= 64:
         bm, bn, bk, warps, stages = (32 if M <= 32 else 64), 128, 128, 4, 4
     else:
         bm, bn, bk, warps, stages = 128, 128, 128, 8, 3
-    bn = min(bn, max(64, _next_pow2(N)))
+    bn = min(bn, max(64, next_pow2(N)))
     tiles = -(-M // bm) * -(-N // bn)
-    split = _split(tiles, -(-K // bk), sms) if M <= 64 else 1
+    split = split_k_for(tiles, -(-K // bk), sms) if M <= 64 else 1
     return Config(bm, bn, bk, split, 8, warps, stages)
 
 
@@ -121,7 +109,7 @@ def _w4a8_candidates(*, device, M, N, K, Kp, group_size):
                  (1, 64, 256, 4, 4), (1, 16, 512, 2, 4)]
         for bm, bn, bk, warps, stages in space:
             if Kp % bk == 0:
-                for split in sorted({1, _split(-(-N // bn), -(-K // bk), sms)}):
+                for split in sorted({1, split_k_for(-(-N // bn), -(-K // bk), sms)}):
                     yield Config(bm, bn, bk, split, 8, warps, stages, kernel="gemv")
         space = [(16, 64, 256, 4, 4), (16, 128, 128, 4, 4)]  # the tensor-core tiles too
     elif M <= 16:
@@ -139,7 +127,7 @@ def _w4a8_candidates(*, device, M, N, K, Kp, group_size):
     seen = set()
     for bm, bn, bk, warps, stages in space:
         k_tiles = -(-K // bk)
-        s0 = _split(-(-M // bm) * -(-N // bn), k_tiles, sms)
+        s0 = split_k_for(-(-M // bm) * -(-N // bn), k_tiles, sms)
         for split in sorted({1, s0, min(2 * s0, k_tiles)}):
             cfg = Config(bm, bn, bk, split, 8, warps, stages)
             if cfg not in seen:
