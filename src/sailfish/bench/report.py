@@ -209,14 +209,15 @@ def write_plots(out_dir: str, name: str, rows: Sequence[dict], labels: Sequence[
         fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.4 * nrow), squeeze=False)
         for idx, (k, n) in enumerate(shapes):
             ax = axes[idx // ncol][idx % ncol]
-            for lab in labels:
+            for li, lab in enumerate(labels):
                 if metric == "speedup_vs_fp16" and lab == baseline_label:
                     continue
                 pts = sorted((r["M"], r[metric]) for r in rows
                              if r["label"] == lab and (r["K"], r["N"]) == (k, n) and r.get(metric) is not None)
                 if pts:
                     style = "--" if lab.startswith("cublas") else "-"
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", ms=3, label=lab)
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", ms=3, label=lab,
+                            color=plt.get_cmap("tab20")(li % 20))  # > 10 lines: the default cycle repeats
             if metric == "speedup_vs_fp16":
                 ax.axhline(1.0, color="grey", lw=0.8)
             else:
