@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import logging
-from typing import Dict, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
 
 from . import ops  # noqa: F401  (registers torch.ops.sailfish.*)
 from .formats.gptq import from_gptq as _read_gptq
-from .formats.int4 import (GROUP_SIZES, HALF_DTYPES, PackedW4, QuantizedWeight, _check_bits,
+from .formats.int4 import (HALF_DTYPES, PackedW4, QuantizedWeight, _check_bits,
                            _check_group_size, default_g_idx, pack, padded_k, quantize, unpack)
 from .formats.qqq import (PackedQQQ, QQQWeight, check_group_size_w4a8, pack_qqq, quantize_qqq,
                           unpack_qqq)

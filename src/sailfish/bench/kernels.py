@@ -45,7 +45,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -433,7 +433,6 @@ def build_gemlite(k: int, n: int, ctx: BuildContext, *, group_size: int = 128) -
             layers.append(copy.deepcopy(base))
         except Exception:  # noqa: BLE001 - fall back to packing again
             layers.append(make())
-    del q
 
     def case(m: int) -> Case:
         x = torch.randn(m, k, dtype=torch.float16, device=dev, generator=gen)

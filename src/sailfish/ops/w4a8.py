@@ -36,7 +36,6 @@ def quantize_per_token_launch(x: torch.Tensor, block_k: Optional[int] = None
     """Run the per-token quantization kernel. x (M, K) fp16/bf16/fp32 ->
     (x_q int8 (M, K) contiguous, scales float32 (M,)). block_k: tile over K (a power of
     two); default: the whole row if K <= QUANT_ONE_PASS_MAX, else 4096 (two passes)."""
-    import triton
 
     from ..kernels.w4a8 import _quantize_per_token_kernel
 
