@@ -65,6 +65,7 @@ def _w4a8_family(k, n, group_size, sym, dtype):
     from ..formats.int4 import padded_k
     from ..nn import QuantLinear
     from ..ops.w4a8 import _w4a8_candidates, _w4a8_heuristic, w4a8_key, w4a8_launch
+    from ..tuning import problem_key
     kp = padded_k(k)
 
     def make(lin):
@@ -84,7 +85,10 @@ def _w4a8_family(k, n, group_size, sym, dtype):
         return [_w4a8_heuristic(device=dev, **problem), *_w4a8_candidates(device=dev, **problem)]
 
     def keys(m):
-        return [w4a8_key(k, n, m, group_size, dtype)]
+        out = [w4a8_key(k, n, m, group_size, dtype)]
+        if group_size == 128 and dtype == torch.float16:  # the default for other formats
+            out.append(problem_key("w4a8", k, n, m, "any"))
+        return out
 
     return make, launch, prepare, candidates, keys
 
