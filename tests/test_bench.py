@@ -119,6 +119,24 @@ def test_wrong_kernel_is_not_timed():
     assert not timed and not res.rows and res.failures and res.checks[0]["ok"] is False
 
 
+def test_merge_later_runs_replace_rows():
+    from sailfish.bench.merge import merge
+
+    def row(kernel, m, t):
+        return {"kernel": kernel, "K": 64, "N": 32, "M": m, "dtype": "fp16", "group_size": 128,
+                "time_us": t, "gbps": 1.0, "roofline": 0.5, "speedup_vs_fp16": 1.0}
+
+    a = {"gpu": "h200", "hbm_gbps": 4000.0, "command": "run a", "rows": [row("x", 1, 10.0), row("x", 16, 20.0),
+                                                                      row("y", 1, 30.0)]}
+    b = {"gpu": "h200", "hbm_gbps": 4200.0, "command": "run b", "rows": [row("x", 16, 15.0), row("x", 64, 40.0)]}
+    doc = merge([a, b])
+    assert [(r["kernel"], r["M"], r["time_us"]) for r in doc["rows"]] == [
+        ("x", 1, 10.0), ("x", 16, 15.0), ("y", 1, 30.0), ("x", 64, 40.0)]
+    assert doc["hbm_gbps"] == 4100.0 and doc["command"] == "run a && run b"
+    with pytest.raises(ValueError, match="different GPUs"):
+        merge([a, dict(b, gpu="h100")])
+
+
 def test_schema_validation_catches_extra_keys():
     row = dict.fromkeys(RP.ROW_KEYS, 1)
     row.update(kernel="k", dtype="fp16", extra=3)

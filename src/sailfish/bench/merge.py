@@ -3,9 +3,11 @@
 
     python -m sailfish.bench.merge benchmarks/results/h200.json h200_8b.json h200_70b.json
 
-Rows are kept as measured (each row's roofline fraction uses its own run's HBM ceiling);
-the merged "hbm_gbps" is the mean of the runs' ceilings, and "runs" lists every run's
-command, date and ceiling.
+Rows are kept as measured: each row's roofline fraction uses its own run's HBM ceiling and
+its speedup the cuBLAS fp16 time of its own run. A row measured again in a later input
+(same kernel, dtype, group size, K, N, M) replaces the earlier one, so a re-run of some
+kernels can be merged into an existing file. The merged "hbm_gbps" is the mean of the
+runs' ceilings, and "runs" lists every run's command, date and ceiling.
 """
 from __future__ import annotations
 
@@ -22,7 +24,11 @@ def merge(docs: list) -> dict:
     if len(gpus) != 1:
         raise ValueError(f"results come from different GPUs: {sorted(gpus)}")
     out = dict(docs[0])
-    out["rows"] = [r for d in docs for r in d["rows"]]
+    rows = {}
+    for d in docs:
+        for r in d["rows"]:
+            rows[(r["kernel"], r["dtype"], r["group_size"], r["K"], r["N"], r["M"])] = r
+    out["rows"] = list(rows.values())
     for key in ("checks", "skipped"):
         out[key] = [c for d in docs for c in d.get(key, [])]
     for key in ("configs", "kernel_notes", "bytes_models"):
