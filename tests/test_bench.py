@@ -133,6 +133,13 @@ def test_merge_later_runs_replace_rows():
     assert [(r["kernel"], r["M"], r["time_us"]) for r in doc["rows"]] == [
         ("x", 1, 10.0), ("x", 16, 15.0), ("y", 1, 30.0), ("x", 64, 40.0)]
     assert doc["hbm_gbps"] == 4100.0 and doc["command"] == "run a && run b"
+    # a merged file merged again keeps its runs (and their environment) separate
+    c = {"gpu": "h200", "hbm_gbps": 4300.0, "command": "run c", "env": {"SAILFISH_AUTOTUNE": "0"},
+         "rows": [row("y", 1, 25.0)]}
+    again = merge([doc, c])
+    assert [r["command"] for r in again["runs"]] == ["run a", "run b", "run c"]
+    assert again["runs"][2]["env"] == {"SAILFISH_AUTOTUNE": "0"}
+    assert again["hbm_gbps"] == pytest.approx((4000 + 4200 + 4300) / 3) and [r["time_us"] for r in again["rows"]] == [10.0, 15.0, 25.0, 40.0]
     with pytest.raises(ValueError, match="different GPUs"):
         merge([a, dict(b, gpu="h100")])
 

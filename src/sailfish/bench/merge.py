@@ -7,7 +7,8 @@ Rows are kept as measured: each row's roofline fraction uses its own run's HBM c
 its speedup the cuBLAS fp16 time of its own run. A row measured again in a later input
 (same kernel, dtype, group size, K, N, M) replaces the earlier one, so a re-run of some
 kernels can be merged into an existing file. The merged "hbm_gbps" is the mean of the
-runs' ceilings, and "runs" lists every run's command, date and ceiling.
+runs' ceilings, and "runs" lists every run's command, date, ceiling and SAILFISH_*
+environment (an input that is itself a merged file contributes its runs).
 """
 from __future__ import annotations
 
@@ -36,10 +37,14 @@ def merge(docs: list) -> dict:
         for d in docs:
             merged.update(d.get(key, {}))
         out[key] = merged
-    out["hbm_gbps"] = sum(d["hbm_gbps"] for d in docs) / len(docs)
-    out["runs"] = [{"command": d.get("command"), "date": d.get("date"), "hbm_gbps": d["hbm_gbps"]}
-                   for d in docs]
-    out["command"] = " && ".join(d.get("command", "?") for d in docs)
+    runs = []
+    for d in docs:  # an input that is itself a merge contributes its own runs
+        for r in d.get("runs") or [{"command": d.get("command"), "date": d.get("date"),
+                                     "hbm_gbps": d["hbm_gbps"]}]:
+            runs.append(dict(r, env=r.get("env", d.get("env", {}))))
+    out["runs"] = runs
+    out["hbm_gbps"] = sum(r["hbm_gbps"] for r in runs) / len(runs)
+    out["command"] = " && ".join(r.get("command") or "?" for r in runs)
     return out
 
 
