@@ -135,3 +135,17 @@ def test_launchers_pass_the_shape_fallback(family, monkeypatch):
             w4a8_launch(x_q, x_s, layer.qweight, layer.s_ch, layer.s_g, layer.bias, 256, -1, torch.float16)
         assert seen["key"] == w4a8_key(256, 64, 5, -1, torch.float16)
         assert seen["fallback_key"] == problem_key("w4a8", 256, 64, 5, "any")
+
+
+@pytest.mark.parametrize("m,n,split", [(16, 1024, 16), (128, 1024, 16), (256, 1024, 8), (128, 14336, 1),
+                                       (512, 4096, 1), (128, 4096, 4)])
+def test_heuristic_split_k(m, n, split):
+    """Split-K in the heuristic (H200 measurements in ops/w4a16.py): at small M up to 2
+    programs per SM; at M > 64 only while the tiles fill under half the SMs (4096x1024 at
+    M = 128: 0.17x -> 0.63x cuBLAS; 4096x14336 at M = 128 stays unsplit, 0.71x)."""
+    from sailfish.ops.w4a8 import _w4a8_heuristic
+    from sailfish.ops.w4a16 import _w4a16_heuristic
+    dev = types.SimpleNamespace(type="cpu", index=None)  # CPU: 132 SMs assumed (H100/H200)
+    cfg = _w4a16_heuristic(device=dev, M=m, N=n, Kp=4096, group_size=128, general_gidx=False)
+    assert cfg.kernel == "mma" and cfg.SPLIT_K == split
+    assert _w4a8_heuristic(device=dev, M=m, N=n, K=4096, Kp=4096, group_size=128).SPLIT_K == split

@@ -97,7 +97,7 @@ def _w4a8_heuristic(*, device, M, N, K, Kp, group_size) -> Config:
         bm, bn, bk, warps, stages = 128, 128, 128, 8, 3
     bn = min(bn, max(64, next_pow2(N)))
     tiles = -(-M // bm) * -(-N // bn)
-    split = split_k_for(tiles, -(-K // bk), sms) if M <= 64 else 1
+    split = split_k_for(tiles, -(-K // bk), sms if M <= 64 else sms // 4)  # as W4A16's heuristic
     return Config(bm, bn, bk, split, 8, warps, stages)
 
 
