@@ -149,3 +149,16 @@ def test_heuristic_split_k(m, n, split):
     cfg = _w4a16_heuristic(device=dev, M=m, N=n, Kp=4096, group_size=128, general_gidx=False)
     assert cfg.kernel == "mma" and cfg.SPLIT_K == split
     assert _w4a8_heuristic(device=dev, M=m, N=n, K=4096, Kp=4096, group_size=128).SPLIT_K == split
+
+
+def test_scratch_runner_allocates_once_and_lazily():
+    from sailfish.tuning import scratch_runner
+    like = torch.zeros(3, 5, dtype=torch.float16)
+    outs = []
+    run = scratch_runner(lambda cfg, out: outs.append((cfg, out)), like)
+    assert outs == []  # nothing allocated or run before the first candidate
+    run("a")
+    run("b")
+    assert [c for c, _ in outs] == ["a", "b"]
+    assert outs[0][1] is outs[1][1] and outs[0][1] is not like
+    assert outs[0][1].shape == like.shape and outs[0][1].dtype == like.dtype

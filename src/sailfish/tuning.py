@@ -93,6 +93,21 @@ def _load_table(path: str) -> Dict[str, dict]:
     return data.get("configs", {})
 
 
+def scratch_runner(run: Callable[[Config, torch.Tensor], None], like: torch.Tensor
+                   ) -> Callable[[Config], None]:
+    """`run(cfg, out)` as the tuner's `run(cfg)`: candidates write into a scratch tensor shaped
+    like `like`, allocated on the first benchmark only (table hits never allocate it)."""
+    scratch: Optional[torch.Tensor] = None
+
+    def bench_run(cfg: Config) -> None:
+        nonlocal scratch
+        if scratch is None:
+            scratch = torch.empty_like(like)
+        run(cfg, scratch)
+
+    return bench_run
+
+
 class Tuner:
     """Chooses a Config per problem; one instance per kernel family."""
 

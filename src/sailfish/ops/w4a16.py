@@ -10,7 +10,8 @@ from typing import Optional
 import torch
 
 from ..formats.int4 import HALF_DTYPES, K_PAD
-from ..tuning import Config, Tuner, m_bucket, next_pow2, problem_key, sm_count, split_k_for
+from ..tuning import (Config, Tuner, m_bucket, next_pow2, problem_key, scratch_runner, sm_count,
+                      split_k_for)
 
 
 # ----------------------------------------------------------------------------------
@@ -184,16 +185,8 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
     if config is None:
         key = w4a16_key(Kp, N, M, group_size, zeros is not None, sorted_g_idx is not None, x.dtype)
-        scratch = None
-
-        def bench_run(cfg: Config) -> None:
-            nonlocal scratch
-            if scratch is None:
-                scratch = torch.empty_like(y)
-            run(cfg, scratch)
-
-        config = W4A16_TUNER.get(key, x.device, bench_run, fallback_key=problem_key("w4a16", Kp, N, M, "any"),
-                                 M=m_bucket(M), N=N, Kp=Kp,
+        config = W4A16_TUNER.get(key, x.device, scratch_runner(run, y),
+                                 fallback_key=problem_key("w4a16", Kp, N, M, "any"), M=m_bucket(M), N=N, Kp=Kp,
                                  group_size=group_size, general_gidx=sorted_g_idx is not None)
     _check_config(config, Kp, M)
     run(config)

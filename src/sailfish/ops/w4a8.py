@@ -20,7 +20,8 @@ import torch
 
 from ..formats.int4 import HALF_DTYPES, K_PAD
 from ..formats.qqq import GROUP_SIZES_W4A8, PackedQQQ, quantize_activations, unpack_qqq
-from ..tuning import Config, Tuner, m_bucket, next_pow2, problem_key, sm_count, split_k_for
+from ..tuning import (Config, Tuner, m_bucket, next_pow2, problem_key, scratch_runner, sm_count,
+                      split_k_for)
 
 ACT_DTYPES = HALF_DTYPES + (torch.float32,)
 # Rows up to this many channels are quantized from registers in one pass (32 fp32 values
@@ -245,18 +246,11 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
 
     if config is None:
         key = w4a8_key(K, N, M, group_size, out_dtype)
-        scratch = None
-
-        def bench_run(cfg: Config) -> None:
-            nonlocal scratch
-            if scratch is None:
-                scratch = torch.empty_like(y)
-            run(cfg, scratch)
-
         # no entry for this group size / output dtype: the same shape's g128 fp16 config
         # (every config runs every format). Per-channel on heuristics alone chose the fused
         # tiles at large M, 0.63-0.71x cuBLAS fp16 on H200 8192x57344 vs 1.04-1.22x for g128.
-        config = W4A8_TUNER.get(key, x_q.device, bench_run, fallback_key=problem_key("w4a8", K, N, M, "any"),
+        config = W4A8_TUNER.get(key, x_q.device, scratch_runner(run, y),
+                                fallback_key=problem_key("w4a8", K, N, M, "any"),
                                 M=m_bucket(M), N=N, K=K, Kp=Kp, group_size=group_size)
     _check_config(config, M, N, K, Kp)
     run(config)
