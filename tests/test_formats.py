@@ -94,14 +94,32 @@ def test_pack_unpack_roundtrip(k, n, gs, sym, gidx, dtype):
     assert torch.equal(back.dequantize(), qw.dequantize())
 
 
+def _fragment_position(k):
+    """(word, nibble) of channel k, written out from the wgmma fp16 A-fragment ownership
+    (lane t = lane % 4 holds channels 2t + e + 8h of each 16-channel step r = 2a + r0 of a
+    128-channel chunk c) rather than from the packer's reshape/permute."""
+    c, r = divmod(k, 128)
+    step, kk = divmod(r, 16)
+    a, r0 = divmod(step, 2)
+    h, kk = divmod(kk, 8)
+    t, e = divmod(kk, 2)
+    return 16 * c + 4 * t + a, 4 * e + 2 * h + r0
+
+
 def test_pack_word_layout():
-    """Word [n, i] holds channels 8i..8i+7, channel 8i + j in bits 4j..4j+3."""
-    q = torch.arange(16, dtype=torch.uint8).repeat(8, 2)  # (8, 32)
-    qw = QuantizedWeight(q, torch.ones(1, 8, dtype=F16), None, None, 32)
+    """Fragment order: channel k of a row is nibble 4e + 2h + r0 of word 16c + 4t + a."""
+    k = 512
+    q = torch.randint(0, 16, (3, k), dtype=torch.uint8)
+    qw = QuantizedWeight(q[:, :300].contiguous(), torch.ones(3, 3, dtype=F16).T.contiguous(), None, None, 128)
     words = pack(qw).qweight
-    assert words[0, 0].item() == 0x76543210
-    assert words[0, 1].item() == np.array(0xFEDCBA98, dtype=np.uint32).view(np.int32)
-    assert bool((words[:, 4:] == 0).all())  # K padding to 256 holds code 0
+    assert words.shape == (3, k // 8)
+    w64 = words.to(torch.int64) & 0xFFFFFFFF
+    for ch in range(k):
+        word, nib = _fragment_position(ch)
+        expect = q[:, ch] if ch < 300 else torch.zeros(3, dtype=torch.uint8)  # K padding: code 0
+        assert torch.equal(((w64[:, word] >> (4 * nib)) & 0xF).to(torch.uint8), expect), ch
+    # the four words of lane t of a chunk are adjacent (one 16-byte load)
+    assert [_fragment_position(ch)[0] for ch in (2, 34, 66, 98)] == [4, 5, 6, 7]
 
 
 def test_pack_trivial_g_idx_is_not_act_order():

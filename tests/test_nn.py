@@ -43,9 +43,40 @@ def test_state_dict_roundtrip(k, n, gs, sym, gidx, dtype, bias, device):
 
 def test_state_dict_keys():
     plain = QuantLinear(256, 64, bias=False)
-    assert set(plain.state_dict()) == {"qweight", "scales"}
+    assert set(plain.state_dict()) == {"qweight", "scales", "qweight_layout"}
     full = QuantLinear(256, 64, bias=True, sym=False, act_order=True)
-    assert set(full.state_dict()) == {"qweight", "scales", "zeros", "perm", "sorted_g_idx", "bias"}
+    assert set(full.state_dict()) == {"qweight", "scales", "zeros", "perm", "sorted_g_idx", "bias",
+                                      "qweight_layout"}
+
+
+def _natural_words(codes: torch.Tensor) -> torch.Tensor:
+    """Sailfish 0.1.0's packing (layout version 1): channel 8i + j in nibble j of word i."""
+    n, k = codes.shape
+    kp = -(-k // 256) * 256
+    q = torch.zeros(n, kp, dtype=torch.int64)
+    q[:, :k] = codes.cpu().long()
+    words = (q.reshape(n, kp // 8, 8) << (4 * torch.arange(8))).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+@pytest.mark.parametrize("gidx", ["none", "descact"])
+def test_loads_layout_version_1_state_dict(gidx, device):
+    """A state_dict saved by Sailfish 0.1.0 (natural nibble order, no qweight_layout) loads
+    and computes the same function; so does one whose qweight_layout says 1."""
+    src = random_layer(400, 136, 64, False, gidx, F16, True, device)
+    old = {key: v for key, v in src.state_dict().items() if key != "qweight_layout"}
+    codes = src.quantized_weight().qweight
+    if src.act_order:
+        codes = codes[:, src.perm.long()]  # the kernel layout stores the permuted channels
+    old["qweight"] = _natural_words(codes).to(device)
+    x = torch.randn(3, 400, device=device).to(F16)
+    for state in (old, dict(old, qweight_layout=torch.tensor(1, dtype=torch.int32))):
+        dst = QuantLinear(400, 136, bias=True, group_size=64, sym=False, act_order=gidx != "none", device=device)
+        dst.load_state_dict(dict(state))
+        assert torch.equal(dst.qweight, src.qweight)
+        assert torch.equal(dst(x), src(x))
+    with pytest.raises(ValueError, match="qweight_layout=7 is not supported"):
+        dst.load_state_dict(dict(old, qweight_layout=torch.tensor(7, dtype=torch.int32)))
 
 
 def test_extra_repr():

@@ -2,10 +2,15 @@
 
 On CPU these run the Triton kernels in the interpreter (tests/conftest.py), on CUDA on the GPU.
 """
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from helpers import DTYPE_NAMES, TOL, make_g_idx, random_quantized, rel_err
+import sailfish
 from sailfish import Config, QuantLinear
 from sailfish.ops import use_triton
 from sailfish.ops.w4a16 import w4a16_launch
@@ -113,15 +118,16 @@ def test_leading_dims_and_strides(device):
 
 
 # Explicit kernel configs: split-K (including splits that divide the K tiles unevenly
-# and one split left with no K tile), BLOCK_K below and above the group size, large BLOCK_M.
+# and one split left with no K tile), BLOCK_K below and above the group size (one or two
+# 128-channel chunks of the fragment-order layout), large BLOCK_M.
 CONFIGS = [
     Config(16, 64, 128, 1),
     Config(16, 64, 256, 4),
-    Config(32, 32, 32, 2),
-    Config(64, 64, 64, 1),
-    Config(16, 64, 64, 3),     # K=784 (Kp=1024): 16 K tiles over 3 splits, 6 + 6 + 4
+    Config(32, 32, 128, 2),
+    Config(64, 64, 128, 1),
+    Config(16, 64, 128, 3),    # K=784 (Kp=1024): 8 K tiles over 3 splits, 3 + 3 + 2
     Config(16, 128, 256, 3),   # 4 K tiles over 3 splits, 2 + 2 + 0 (an empty split)
-    Config(128, 64, 64, 1, GROUP_M=2),
+    Config(128, 64, 128, 1, GROUP_M=2),
 ]
 #   M    K    N    gs    sym    g_idx      dtype bias
 CONFIG_CASES = [
@@ -199,7 +205,7 @@ def test_gemv_refuses_large_m(device):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the inline-asm dequant runs on CUDA only")
 @pytest.mark.parametrize("cfg", [Config(1, 16, 256, 1, kernel="gemv"), Config(16, 64, 128, 2),
-                                 Config(64, 64, 64, 1), Config(1, 64, 256, 1, kernel="dequant")],
+                                 Config(64, 64, 256, 1), Config(1, 64, 256, 1, kernel="dequant")],
                          ids=path_id)
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=DTYPE_NAMES.get)
 @pytest.mark.parametrize("gs,sym", [(128, True), (32, False), (-1, False)], ids=["g128-sym", "g32-asym", "g-1-asym"])
@@ -213,8 +219,8 @@ def test_asm_dequant_matches_pure_triton(gs, sym, dtype, cfg):
     assert torch.equal(w4a16_launch(*args, config=cfg, use_asm=True), w4a16_launch(*args, config=cfg, use_asm=False))
 
 
-@pytest.mark.parametrize("cfg", [None, Config(16, 64, 128, 2), Config(32, 32, 32, 1),
-                                 Config(128, 64, 64, 1), Config(4, 16, 256, 1, kernel="gemv"),
+@pytest.mark.parametrize("cfg", [None, Config(16, 64, 128, 2), Config(32, 32, 128, 1),
+                                 Config(128, 64, 256, 1), Config(4, 16, 256, 1, kernel="gemv"),
                                  Config(4, 16, 128, 2, kernel="gemv")],
                          ids=lambda c: "heuristic" if c is None else path_id(c))
 @pytest.mark.parametrize("k", [384, 896, 400])
@@ -235,11 +241,12 @@ def test_reads_nothing_past_x(k, cfg, device):
 
 @pytest.mark.parametrize("cfg,match", [
     (Config(16, 64, 48, 1), "BLOCK_K=48"),
+    (Config(16, 64, 64, 1), "BLOCK_K=64 must be a multiple of 128"),
     (Config(16, 48, 64, 1), "BLOCK_N=48"),
     (Config(16, 64, 1024, 1), "BLOCK_K=1024 must divide the padded K=512"),
     (Config(16, 64, 128, 5), "SPLIT_K=5 must lie in"),
     (Config(16, 64, 128, 0), "SPLIT_K=0"),
-], ids=["BK48", "BN48", "BK1024", "SK5", "SK0"])
+], ids=["BK48", "BK64", "BN48", "BK1024", "SK5", "SK0"])
 def test_bad_config(cfg, match, device):
     layer = make_layer(400, 64, 128, True, "none", F16, False, device)
     x = torch.randn(2, 400, device=device).to(F16)
@@ -275,3 +282,51 @@ def test_from_linear_end_to_end(device):
     y = layer(x)
     assert rel_err(y, reference(layer, x)) <= TOL[F16]
     assert rel_err(y, lin.float()(x.float())) < 0.2
+
+
+def test_dequant_path_bounds_its_transient(monkeypatch, device):
+    """The large-M path dequantizes and multiplies in slices of N: with a 64 KiB cap, N = 200
+    runs as slices of 64 rows (a ragged last one), and the result is the same function."""
+    import sailfish.ops.w4a16 as ops16
+
+    layer = make_layer(784, 200, 64, False, "descact", F16, True, device)
+    x = torch.randn(5, 784, device=device).to(F16)
+    monkeypatch.setattr(ops16, "DEQUANT_SLICE_BYTES", 64 * 1024)  # 64 KiB / (2 * 784 B) -> 64 rows
+    y = launch(layer, x, Config(1, 64, 256, 1, kernel="dequant"))
+    assert rel_err(y, reference(layer, x)) <= TOL[F16]
+
+
+_PTX_CHILD = r"""
+import sys
+from sailfish.bench.ptx import compile_mma, k_loop_stats, shipped_mma_configs
+cases = [(cfg, dict()) for _, cfg in shipped_mma_configs()]
+for c in [(16, 128, 256, 2, 4, 3), (64, 128, 128, 1, 4, 4), (128, 256, 128, 1, 8, 3)]:
+    for kw in (dict(dtype="bf16", has_zeros=True), dict(group_size=32), dict(group_size=-1, has_zeros=True),
+               dict(group_size=256)):
+        cases.append((c, kw))
+bad = []
+for cfg, kw in cases:
+    c = cfg if isinstance(cfg, tuple) else (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.SPLIT_K, cfg.num_warps,
+                                              cfg.num_stages)
+    st = k_loop_stats(compile_mma(*c, **kw).asm["ptx"])
+    if st is None or st.roundtrip:
+        bad.append((c, kw, st))
+print("checked", len(cases))
+sys.exit(f"dequantized tile through shared memory: {bad}" if bad else 0)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
+def test_mma_tile_stays_in_registers(tmp_path):
+    """The point of the fragment-order layout: compiled for sm_90a, the K loop of every shipped
+    mma config (and a format matrix) feeds wgmma from registers with no shared-memory round
+    trip of the dequantized tile (bench/ptx.py). A layout or compiler change that brings the
+    round trip back fails here. Group size 64 is not checked: with zero points Triton still
+    converts its tile through shared memory (docs/perf_log.md v9)."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    src_dir = os.path.dirname(os.path.dirname(sailfish.__file__))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src_dir, env.get("PYTHONPATH")]))
+    r = subprocess.run([sys.executable, "-c", _PTX_CHILD], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "checked" in r.stdout, (r.stdout + r.stderr)[-3000:]

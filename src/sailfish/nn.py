@@ -9,8 +9,9 @@ from torch import nn
 
 from . import ops  # noqa: F401  (registers torch.ops.sailfish.*)
 from .formats.gptq import from_gptq as _read_gptq
-from .formats.int4 import (HALF_DTYPES, PackedW4, QuantizedWeight, _check_bits,
-                           _check_group_size, default_g_idx, pack, padded_k, quantize, unpack)
+from .formats.int4 import (HALF_DTYPES, LAYOUT_VERSION, PackedW4, QuantizedWeight, _check_bits,
+                           _check_group_size, default_g_idx, natural_to_fragment_order, pack, padded_k,
+                           quantize, unpack)
 from .formats.qqq import (PackedQQQ, QQQWeight, check_group_size_w4a8, pack_qqq, quantize_qqq,
                           unpack_qqq)
 
@@ -32,6 +33,8 @@ class QuantLinear(nn.Module):
     Buffers (formats.int4.PackedW4 layout): qweight int32 (N, Kp/8); scales (N, Gp) and,
     asymmetric, zeros (N, Gp) in the layer dtype; act-order: perm int32 (K,) and
     sorted_g_idx int32 (Kp,); bias (N,) in the layer dtype. Kp = K rounded up to 256.
+    qweight_layout: int32 scalar, the layout version of qweight (formats.int4.LAYOUT_VERSION).
+    A state_dict without it (Sailfish 0.1.0, natural nibble order) is re-packed on load.
 
     forward(x): x (..., K) in the layer dtype (float16 or bfloat16) -> (..., N).
     """
@@ -63,6 +66,7 @@ class QuantLinear(nn.Module):
             g[:in_features] = default_g_idx(in_features, group_size, device)
             self.sorted_g_idx = g
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
+        self.register_buffer("qweight_layout", torch.tensor(LAYOUT_VERSION, dtype=torch.int32, device=device))
         self._general_g_idx = False
         self.register_load_state_dict_post_hook(lambda module, _: module._sync_flags())
 
@@ -126,6 +130,22 @@ class QuantLinear(nn.Module):
         if dtype is not None and dtype != qw.dtype:
             qw = QuantizedWeight(qw.qweight, qw.scales.to(dtype), qw.zeros, qw.g_idx, qw.group_size)
         return cls.from_quantized(qw, bias)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # the layout version travels as a buffer (not module metadata) so that it survives
+        # formats that drop metadata, e.g. safetensors
+        key = prefix + "qweight_layout"
+        if prefix + "qweight" in state_dict:
+            version = int(state_dict[key]) if key in state_dict else 1
+            if version == 1:
+                state_dict[prefix + "qweight"] = natural_to_fragment_order(state_dict[prefix + "qweight"])
+            elif version != LAYOUT_VERSION:
+                raise ValueError(f"{key}={version} is not supported; this Sailfish reads layout "
+                                 f"versions 1 and {LAYOUT_VERSION} (a newer Sailfish wrote it?)")
+            state_dict[key] = torch.tensor(LAYOUT_VERSION, dtype=torch.int32)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
 
     def _sync_flags(self) -> None:
         """Python-side flags derived from buffers (kept out of forward for torch.compile)."""

@@ -28,8 +28,8 @@ import torch
 
 GROUP_SIZES = (32, 64, 128, 256, -1)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-# K is padded to a multiple of this in the kernel layout so every K tile the kernels
-# use (32..256) divides it: no masked weight loads in the hot loop.
+# K is padded to a multiple of this in the kernel layouts so the K tiles the kernels use
+# (W4A16: 128, 256; W4A8: 32..256) divide it: no masked weight loads in the hot loop.
 K_PAD = 256
 
 
@@ -179,17 +179,33 @@ def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bo
 # ----------------------------------------------------------------------------------
 # Kernel layout
 # ----------------------------------------------------------------------------------
+# Channels per chunk of the fragment-ordered layout: the kernels' K tiles are 1, 2 or 4 chunks.
+K_CHUNK = 128
+# Layout version of PackedW4.qweight (QuantLinear's state_dict carries it; see nn.py):
+# 1 = natural order (channel 8i + j in nibble j of word i), 2 = fragment order (below).
+LAYOUT_VERSION = 2
+
+
 @dataclass
 class PackedW4:
     """The layout the W4A16 kernels read.
 
-    qweight: int32 (N, Kp // 8), Kp = K rounded up to K_PAD. Word [n, i] holds the
-             codes of input channels 8i .. 8i+7 (after the act-order permutation),
-             channel 8i + j in bits 4j .. 4j+3. N-major, so one 16-byte load brings
-             32 consecutive input channels of one output channel, which the kernel
-             unpacks in registers (each word is loaded exactly once).
+    qweight: int32 (N, Kp // 8), Kp = K rounded up to K_PAD, in *fragment order*: within
+             each chunk c of K_CHUNK = 128 channels of one output row, channel
+                 k = 128 c + 32 a + 16 r0 + 8 h + 2 t + e    (a, t in 0..3; r0, h, e in 0..1)
+             is nibble j = 4 e + 2 h + r0 of word 16 c + 4 t + a.
+             Why: in Hopper's wgmma m64nNk16 A fragment (fp16/bf16), lane t = lane % 4 holds
+             channels 2t + e + 8h of every 16-channel step; so the 4 words a thread needs
+             for a 128-channel chunk are adjacent (one 16-byte load), each word holds 8 of
+             its own values, and nibbles j, j + 4 (e = 0, 1) are the half2 pair that the
+             lop3 magic-number dequantization produces. The kernel unpacks with register-
+             local shifts, joins and a reshape/permute that Triton lowers to nothing: the
+             dequantized tile goes to the tensor cores from registers, never through
+             shared memory (docs/perf_log.md v9).
+             (`pack_words` / `unpack_words` are the exact map; layout version 2.)
     scales:  (N, Gp) float16/bfloat16, Gp = Kp // group_size (1 per channel); the
              groups that only cover K padding have scale 0, padded channels code 0.
+             Every word lies in one group (its 8 channels sit in one aligned run of 32).
     zeros:   (N, Gp) in the scale dtype (integers 0..16), or None (symmetric: 8).
     perm:    int32 (K,) or None. Act-order: the kernel reads x[:, perm], and the
              channels are sorted by group so that groups are contiguous again.
@@ -205,6 +221,39 @@ class PackedW4:
     sorted_g_idx: Optional[torch.Tensor]
     in_features: int
     group_size: int
+
+
+def _words_from_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """int (..., 8) codes in [0, 15] -> int32 (...): nibble j in bits 4j .. 4j+3."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=q.device)
+    words = (q.to(torch.int64) << shifts).sum(dim=-1)  # sum of disjoint bit fields
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _nibbles_from_words(words: torch.Tensor) -> torch.Tensor:
+    """int32 (...) -> int64 (..., 8) codes, nibble j of each word at index j."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=words.device)
+    return (words.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF
+
+
+def pack_words(codes: torch.Tensor) -> torch.Tensor:
+    """int (N, Kp) codes, Kp % 128 == 0 -> int32 (N, Kp // 8) words in fragment order."""
+    n, kp = codes.shape
+    q = codes.reshape(n, kp // K_CHUNK, 4, 2, 2, 4, 2)  # (n, c, a, r0, h, t, e)
+    q = q.permute(0, 1, 5, 2, 6, 4, 3)                  # (n, c, t, a, e, h, r0)
+    return _words_from_nibbles(q.reshape(n, kp // 8, 8)).contiguous()
+
+
+def unpack_words(words: torch.Tensor) -> torch.Tensor:
+    """Exact inverse of `pack_words`: int32 (N, Kp // 8) -> int64 (N, Kp) codes."""
+    n, kw = words.shape
+    q = _nibbles_from_words(words).reshape(n, kw // 16, 4, 4, 2, 2, 2)  # (n, c, t, a, e, h, r0)
+    return q.permute(0, 1, 3, 6, 5, 2, 4).reshape(n, kw * 8)           # (n, c, a, r0, h, t, e)
+
+
+def natural_to_fragment_order(words: torch.Tensor) -> torch.Tensor:
+    """Layout version 1 words (channel 8i + j in nibble j of word i) -> version 2."""
+    return pack_words(_nibbles_from_words(words).reshape(words.shape[0], -1))
 
 
 def padded_k(in_features: int) -> int:
@@ -233,10 +282,7 @@ def pack(qw: QuantizedWeight) -> PackedW4:
     # codes: pad K with code 0 (its scale is 0 too, and x is masked there anyway)
     qp = torch.zeros((n, kp), dtype=torch.int32, device=dev)
     qp[:, :k] = q.to(torch.int32)
-    qp = qp.reshape(n, kp // 8, 8)
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=dev)
-    words = (qp << shifts).sum(dim=2, dtype=torch.int64)  # sum of disjoint bit fields
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    words = pack_words(qp)
     # scales / zeros: (N, Gp)
     g = qw.scales.shape[0]
     gp = 1 if qw.group_size == -1 else kp // qw.group_size
@@ -246,20 +292,20 @@ def pack(qw: QuantizedWeight) -> PackedW4:
     if qw.zeros is not None:
         zeros = torch.zeros((n, gp), dtype=qw.scales.dtype, device=dev)
         zeros[:, :g] = qw.zeros.T.to(qw.scales.dtype)
-    return PackedW4(words.contiguous(), scales.contiguous(), zeros, perm, sorted_g, k, qw.group_size)
+    return PackedW4(words, scales.contiguous(), zeros, perm, sorted_g, k, qw.group_size)
 
 
 def unpack_codes(words: torch.Tensor, in_features: int) -> torch.Tensor:
-    """int32 (N, Kp // 8) packed words -> uint8 (N, in_features) codes."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
-    q = (words.unsqueeze(-1) >> shifts) & 0xF
+    """int32 (N, Kp // 8) words in *natural* order (channel 8i + j in nibble j of word i,
+    layout version 1; formats.qqq's layout) -> uint8 (N, in_features) codes."""
+    q = _nibbles_from_words(words)
     return q.reshape(words.shape[0], -1)[:, :in_features].to(torch.uint8)
 
 
 def unpack(p: PackedW4) -> QuantizedWeight:
     """Exact inverse of `pack`."""
     k = p.in_features
-    q = unpack_codes(p.qweight, k)
+    q = unpack_words(p.qweight)[:, :k].to(torch.uint8)
     g = num_groups(k, p.group_size)
     scales = p.scales[:, :g].T.contiguous()
     zeros = None if p.zeros is None else p.zeros[:, :g].T.to(torch.uint8).contiguous()

@@ -54,3 +54,11 @@ def split_k_range(pid_k, K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     kt0 = pid_k * per_split
     return kt0, tl.minimum(kt0 + per_split, k_tiles)
+
+
+@triton.jit
+def join8(n0, n1, n2, n3, n4, n5, n6, n7):
+    """8 tensors (..., R) -> (..., R, 2, 2, 2) with element [..., r, i, l, m] = n_{4i + 2l + m}[..., r].
+    tl.join appends a minor axis that Triton keeps in the same thread's registers, so the 8
+    values unpacked from one packed word stay with the thread that loaded it."""
+    return tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)), tl.join(tl.join(n1, n5), tl.join(n3, n7)))

@@ -2,43 +2,36 @@
 
 Design (why, see docs/perf_log.md for the measurements):
 - "Swap AB": each program computes the transposed tile y^T[n, m] = W[n, :] @ x[m, :]^T,
-  so the dequantized weight is the *left* operand of tl.dot. On Hopper that lets the
-  compiler feed it to wgmma straight from registers, and the small batch dimension M
-  becomes the MMA's N dimension (>= 16), so even M = 1 runs on tensor cores with
-  BLOCK_N = 64..256 output channels per program.
-- Each packed int32 word is loaded exactly once, 4 words (32 channels) per 16-byte
-  vector load, with eviction_policy="evict_first" (weights are streamed once), and
-  unpacked in registers by shifting it into 8 lanes; activations use "evict_last"
-  (every N tile rereads them).
+  so the dequantized weight is the *left* operand of tl.dot, which Hopper's wgmma can take
+  from registers; the small batch dimension M becomes the MMA's N dimension (>= 16).
+- The packed words are stored in *fragment order* (formats.int4.PackedW4): the 8 nibbles
+  of a word are 8 values that one thread owns in the wgmma A fragment and a thread's words
+  are adjacent. The unpack (lop3 asm -> tl.join x3 -> reshape/permute, `_fragment_tile`) is
+  then register-local: Triton loads the int32 tile from the cp.async buffer straight into
+  the fragment layout and the dequantized tile never goes through shared memory (the
+  natural order cost a st.shared + ldmatrix + barrier round trip per K tile: ~60% of the
+  kernel at M = 16; v9 in the perf log).
+- Each packed word is loaded exactly once, with eviction_policy="evict_first" (weights are
+  streamed once); activations use "evict_last" (every N tile rereads them).
 - int4 -> fp16/bf16 by the exponent trick: (q | 0x6400) read as fp16 is 1024 + q, so
-  one OR and one subtraction of (1024 + zero) give q - zero exactly (bf16: 0x4300 = 128).
+  one OR and one subtraction of (1024 + zero) give q - zero exactly (bf16: 0x4300 = 128);
+  the GPU path does it two values per instruction (Marlin's lop3 trick, `_ASM_DEQUANT`).
 - Split-K over a fixed partition of the K tiles when there are too few output tiles
   to fill the GPU; partial sums go to an fp32 workspace and `_splitk_reduce_kernel`
   adds them in a fixed order, so results are deterministic run to run.
-- Grouped (swizzled) tile order for L2 reuse of x and W tiles at large M.
+- Offsets that scale with M * N or N * K are int64 (57344 x 40960 passes 2^31).
 """
 import triton
 import triton.language as tl
 
-from .common import cast_out, grouped_tile, round_bf16_emu, split_k_range
-
-
-@triton.jit
-def _unpack8(words, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """int32 (BLOCK_N, BLOCK_K // 8) words -> int32 (BLOCK_N, BLOCK_K) codes, channel 8r + j
-    from bits 4j of word r. Built with tl.join (see _join8): a broadcast-and-shift over a
-    new axis instead spread the 8 nibbles over 8 threads, each re-reading the word from
-    shared memory (296 vs 16 ld.shared per iteration; M=1 8192x57344: 240 -> 167 us)."""
-    return _join8(words & 0xF, (words >> 4) & 0xF, (words >> 8) & 0xF, (words >> 12) & 0xF,
-                  (words >> 16) & 0xF, (words >> 20) & 0xF, (words >> 24) & 0xF, (words >> 28) & 0xF,
-                  BLOCK_N, BLOCK_K)
-
+from .common import cast_out, grouped_tile, join8, round_bf16_emu, split_k_range
 
 # One int32 word -> its 8 codes, dequantized, as 8 half-precision values, in 15 instructions
 # (Marlin's trick): lop3 (w & 0x000f000f) | 0x64006400 puts nibbles j and j+4 into the
 # mantissas of a half2 whose exponent makes it (1024 + q_j, 1024 + q_j+4); one sub.x2 of
-# (1024 + zero) and one mul.x2 by the scale finish two weights. The pure-Triton path in
-# _dequant computes the identical values (used by the interpreter, which cannot run asm).
+# (1024 + zero) and one mul.x2 by the scale finish two weights. `_dequant_words`' pure-Triton
+# branch computes the identical values (the interpreter cannot run asm). sub/mul.bf16x2
+# need sm_90: the launcher uses the pure branch for bf16 on older GPUs.
 _ASM_DEQUANT = """
 {
 .reg .b32 t0, t1, t2, t3, u;
@@ -75,110 +68,162 @@ def _pair(v):
 
 
 @triton.jit
-def _join8(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """8 tensors (BLOCK_N, R) -> (BLOCK_N, 8R) with element [n, 8r + j] = n_j[n, r].
-    Each join appends a minor axis that Triton keeps in the same thread's registers;
-    index [b2, b1, b0] of the three appended axes is nibble 4*b2 + 2*b1 + b0."""
-    q = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)), tl.join(tl.join(n1, n5), tl.join(n3, n7)))
-    return tl.reshape(q, (BLOCK_N, BLOCK_K))
+def _channel_of(w, j):
+    """Channel (within the K tile) of nibble j of word w in the fragment order of
+    formats.int4.PackedW4: word 16c + 4t + a, nibble 4e + 2h + r0."""
+    return (128 * (w // 16) + 32 * (w % 4) + 2 * ((w // 4) % 4)
+            + 16 * (j % 2) + 8 * ((j // 2) % 2) + j // 4)
 
 
 @triton.jit
-def _dequant_asm(words, s_ptr, z_ptr, rn, k0, stride_sn,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                 HAS_ZEROS: tl.constexpr, DTYPE: tl.constexpr):
-    """GPU fast path of _dequant (no general g_idx): same values, packed half2 math."""
-    if DTYPE == tl.float16:
-        MAGIC: tl.constexpr = 1024.0
-    else:
-        MAGIC: tl.constexpr = 128.0
-    R: tl.constexpr = BLOCK_K // 8
+def _load_groups(s_ptr, rn, k0, stride_sn, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    """The (N, Gp) per-group values (scales or zeros) of the K tile at k0: (BLOCK_N,) if the
+    tile lies in one group, else (BLOCK_N, BLOCK_K // GROUP_SIZE)."""
     if GROUP_SIZE == 0 or BLOCK_K <= GROUP_SIZE:
-        g0 = 0 if GROUP_SIZE == 0 else k0 // GROUP_SIZE
-        s = tl.load(s_ptr + rn * stride_sn + g0)
-        if HAS_ZEROS:
-            zb = tl.load(z_ptr + rn * stride_sn + g0) + MAGIC
-        else:
-            zb = tl.full((BLOCK_N,), MAGIC + 8.0, DTYPE)
-        s2 = tl.broadcast_to(_pair(s)[:, None], (BLOCK_N, R))
-        z2 = tl.broadcast_to(_pair(zb)[:, None], (BLOCK_N, R))
+        return tl.load(s_ptr + rn * stride_sn + (0 if GROUP_SIZE == 0 else k0 // GROUP_SIZE))
     else:
         NG: tl.constexpr = BLOCK_K // GROUP_SIZE
-        g = k0 // GROUP_SIZE + tl.arange(0, NG)
-        sz_off = rn[:, None] * stride_sn + g[None, :]
-        s = tl.load(s_ptr + sz_off)
-        if HAS_ZEROS:
-            zb = tl.load(z_ptr + sz_off) + MAGIC
-        else:
-            zb = tl.full((BLOCK_N, NG), MAGIC + 8.0, DTYPE)
-        s2 = tl.reshape(tl.broadcast_to(_pair(s)[:, :, None], (BLOCK_N, NG, R // NG)), (BLOCK_N, R))
-        z2 = tl.reshape(tl.broadcast_to(_pair(zb)[:, :, None], (BLOCK_N, NG, R // NG)), (BLOCK_N, R))
-    if DTYPE == tl.float16:
-        n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
-            _ASM_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, s2, z2],
-            dtype=(tl.float16,) * 8, is_pure=True, pack=1)
-    else:
-        n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
-            _ASM_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, s2, z2],
-            dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
-    return _join8(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N, BLOCK_K)
+        return tl.load(s_ptr + rn[:, None] * stride_sn + (k0 // GROUP_SIZE + tl.arange(0, NG))[None, :])
 
 
 @triton.jit
-def _dequant(words, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
-             HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, DTYPE: tl.constexpr,
-             EMU_BF16: tl.constexpr):
-    """int32 (BLOCK_N, BLOCK_K // 8) packed words -> (BLOCK_N, BLOCK_K) weights in DTYPE
-    (EMU_BF16: fp32 holding the bf16 values; see common.py)."""
-    q = _unpack8(words, BLOCK_N, BLOCK_K)
+def _word_tile(v, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    """`_load_groups`' values -> (BLOCK_N, BLOCK_K // 8): the value of every packed word of
+    the tile (a word's 8 channels lie in one group). Broadcasts, reshapes, joins and splits
+    only: a select chain over the word index makes Triton convert the dequantized tile
+    through shared memory again (shared/probes/regA_probe.py)."""
+    W: tl.constexpr = BLOCK_K // 8
+    if GROUP_SIZE == 0 or BLOCK_K <= GROUP_SIZE:  # one group in the tile
+        return tl.broadcast_to(v[:, None], (BLOCK_N, W))
+    else:
+        NG: tl.constexpr = BLOCK_K // GROUP_SIZE
+        if GROUP_SIZE >= 128:  # words 16c + 4t + a: a group is a run of whole chunks c
+            return tl.reshape(tl.broadcast_to(v[:, :, None], (BLOCK_N, NG, W // NG)), (BLOCK_N, W))
+        else:  # 32 or 64: the group is a // (4 // GPC), so it changes inside one thread's 4
+            # words. A broadcast/reshape of the (BLOCK_N, NG) tile here, or a load gathered
+            # straight into the word shape, sends the dequantized tile through shared memory
+            # (bench/ptx.py); tl.split / tl.join keep every value in its thread's registers.
+            C: tl.constexpr = BLOCK_K // 128
+            GPC: tl.constexpr = 128 // GROUP_SIZE
+            v = tl.permute(tl.reshape(v, (BLOCK_N, C, 2, GPC // 2)), (0, 1, 3, 2))
+            lo, hi = tl.split(v)  # groups [0, GPC/2) and [GPC/2, GPC) of each chunk
+            if GPC == 4:
+                lo0, lo1 = tl.split(lo)
+                hi0, hi1 = tl.split(hi)
+                v = tl.reshape(tl.join(tl.join(lo0, hi0), tl.join(lo1, hi1)), (BLOCK_N, C, 1, 4))
+                return tl.reshape(tl.broadcast_to(v, (BLOCK_N, C, 4, 4)), (BLOCK_N, W))
+            else:
+                v = tl.reshape(tl.join(lo, hi), (BLOCK_N, C, 1, 2, 1))
+                return tl.reshape(tl.broadcast_to(v, (BLOCK_N, C, 4, 2, 2)), (BLOCK_N, W))
+
+
+@triton.jit
+def _dequant_words(words, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                   HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, DTYPE: tl.constexpr,
+                   EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr):
+    """int32 (BLOCK_N, W) packed words -> 8 tensors (BLOCK_N, W), n_j = weight of nibble j,
+    s * (q - z) in DTYPE (EMU_BF16: fp32 holding the bf16 values; see common.py).
+    sv / zv: the tile's scales / zero points from `_load_groups` (symmetric: z_ptr is the
+    scales and zv is not used, so the compiler drops its load);
+    HAS_GIDX ignores them and gathers every channel's own group."""
     if EMU_BF16:
-        w = (q | 0x4B000000).to(tl.float32, bitcast=True)  # 2**23 + q, exact
-        MAGIC: tl.constexpr = 8388608.0
+        MAGIC: tl.constexpr = 8388608.0  # 2**23: (q | 0x4B000000) as fp32 is 2**23 + q
         CT: tl.constexpr = tl.float32
     elif DTYPE == tl.float16:
-        w = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # 1024 + q, exact
         MAGIC: tl.constexpr = 1024.0
         CT: tl.constexpr = tl.float16
     else:
-        w = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 128 + q, exact
         MAGIC: tl.constexpr = 128.0
         CT: tl.constexpr = tl.bfloat16
-    if HAS_GIDX:
-        # general act-order: every channel carries its own group index
-        g = tl.load(gidx_ptr + k0 + tl.arange(0, BLOCK_K))
-        sz_off = rn[:, None] * stride_sn + g[None, :]
-        s = tl.load(s_ptr + sz_off).to(CT)
-        if HAS_ZEROS:
-            zb = tl.load(z_ptr + sz_off).to(CT) + MAGIC
-        else:
-            zb = tl.full((BLOCK_N, BLOCK_K), MAGIC + 8.0, CT)
-        w = (w - zb) * s
-    elif GROUP_SIZE == 0 or BLOCK_K <= GROUP_SIZE:
-        # one group in this K tile (GROUP_SIZE == 0: one group per output channel)
-        g0 = 0 if GROUP_SIZE == 0 else k0 // GROUP_SIZE
-        s = tl.load(s_ptr + rn * stride_sn + g0).to(CT)
-        if HAS_ZEROS:
-            zb = tl.load(z_ptr + rn * stride_sn + g0).to(CT) + MAGIC
-            w = (w - zb[:, None]) * s[:, None]
-        else:
-            w = (w - (MAGIC + 8.0)) * s[:, None]
+    if HAS_GIDX:  # per-channel groups: _dequant_nibble loads them (no asm on this path)
+        s = tl.full((BLOCK_N, BLOCK_K // 8), 1.0, CT)
+        zb = s
     else:
-        # BLOCK_K spans NG whole groups: scale each slice of GROUP_SIZE channels
-        NG: tl.constexpr = BLOCK_K // GROUP_SIZE
-        g = k0 // GROUP_SIZE + tl.arange(0, NG)
-        sz_off = rn[:, None] * stride_sn + g[None, :]
-        s = tl.load(s_ptr + sz_off).to(CT)
-        w3 = tl.reshape(w, (BLOCK_N, NG, GROUP_SIZE))
+        s = _word_tile(sv, BLOCK_N, BLOCK_K, GROUP_SIZE).to(CT)
         if HAS_ZEROS:
-            zb = tl.load(z_ptr + sz_off).to(CT) + MAGIC
-            w3 = (w3 - zb[:, :, None]) * s[:, :, None]
+            zb = _word_tile(zv, BLOCK_N, BLOCK_K, GROUP_SIZE).to(CT) + MAGIC
         else:
-            w3 = (w3 - (MAGIC + 8.0)) * s[:, :, None]
-        w = tl.reshape(w3, (BLOCK_N, BLOCK_K))
+            zb = tl.full((BLOCK_N, BLOCK_K // 8), MAGIC + 8.0, CT)
+    if USE_ASM:
+        if HAS_ZEROS:
+            z2 = _pair(zb)
+        elif DTYPE == tl.float16:  # (1032, 1032) as an int32 constant: a converted fp16 constant
+            z2 = tl.full((BLOCK_N, BLOCK_K // 8), 0x64086408, tl.int32)  # sends the tile via smem
+        else:  # (136, 136) in bf16
+            z2 = tl.full((BLOCK_N, BLOCK_K // 8), 0x43084308, tl.int32)
+        if DTYPE == tl.float16:
+            n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
+                _ASM_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, _pair(s), z2],
+                dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        else:
+            n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
+                _ASM_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, _pair(s), z2],
+                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        return n0, n1, n2, n3, n4, n5, n6, n7
+    else:
+        wi = tl.arange(0, BLOCK_K // 8)
+        n0 = _dequant_nibble(words, 0, s, zb, s_ptr, z_ptr, gidx_ptr, rn, k0, wi, stride_sn, BLOCK_N,
+                             HAS_ZEROS, HAS_GIDX, CT, MAGIC, EMU_BF16)
+        n1 = _dequant_nibble(words, 1, s, zb, s_ptr, z_ptr, gidx_ptr, rn, k0, wi, stride_sn, BLOCK_N,
+                             HAS_ZEROS, HAS_GIDX, CT, MAGIC, EMU_BF16)
+        n2 = _dequant_nibble(words, 2, s, zb, s_ptr, z_ptr, gidx_ptr, rn, k0, wi, stride_sn, BLOCK_N,
+                             HAS_ZEROS, HAS_GIDX, CT, MAGIC, EMU_BF16)
+        n3 = _dequant_nibble(words, 3, s, zb, s_ptr, z_ptr, gidx_ptr, rn, k0, wi, stride_sn, BLOCK_N,
+                             HAS_ZEROS, HAS_GIDX, CT, MAGIC, EMU_BF16)
+        n4 = _dequant_nibble(words, 4, s, zb, s_ptr, z_ptr, gidx_ptr, rn, k0, wi, stride_sn, BLOCK_N,
+                             HAS_ZEROS, HAS_GIDX, CT, MAGIC, EMU_BF16)
+        n5 = _dequant_nibble(words, 5, s, zb, s_ptr, z_ptr, gidx_ptr, rn, k0, wi, stride_sn, BLOCK_N,
+                             HAS_ZEROS, HAS_GIDX, CT, MAGIC, EMU_BF16)
+        n6 = _dequant_nibble(words, 6, s, zb, s_ptr, z_ptr, gidx_ptr, rn, k0, wi, stride_sn, BLOCK_N,
+                             HAS_ZEROS, HAS_GIDX, CT, MAGIC, EMU_BF16)
+        n7 = _dequant_nibble(words, 7, s, zb, s_ptr, z_ptr, gidx_ptr, rn, k0, wi, stride_sn, BLOCK_N,
+                             HAS_ZEROS, HAS_GIDX, CT, MAGIC, EMU_BF16)
+        return n0, n1, n2, n3, n4, n5, n6, n7
+
+
+@triton.jit
+def _dequant_nibble(words, J: tl.constexpr, s, zb, s_ptr, z_ptr, gidx_ptr, rn, k0, wi, stride_sn,
+                    BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr,
+                    CT: tl.constexpr, MAGIC: tl.constexpr, EMU_BF16: tl.constexpr):
+    """Pure-Triton twin of the asm for nibble J: the same exact (1024 + q) - (1024 + z), then
+    one rounding in the multiply by the scale. HAS_GIDX: every channel has its own group."""
+    q = (words >> (4 * J)) & 0xF
+    if EMU_BF16:
+        w = (q | 0x4B000000).to(tl.float32, bitcast=True)
+    elif CT == tl.float16:
+        w = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        w = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    if HAS_GIDX:
+        g = tl.load(gidx_ptr + k0 + _channel_of(wi, J))
+        off = rn[:, None] * stride_sn + g[None, :]
+        s = tl.load(s_ptr + off).to(CT)
+        if HAS_ZEROS:
+            zb = tl.load(z_ptr + off).to(CT) + MAGIC
+        else:
+            zb = tl.full((BLOCK_N, wi.shape[0]), MAGIC + 8.0, CT)
+    w = (w - zb) * s
     if EMU_BF16:
         w = round_bf16_emu(w)
     return w
+
+
+@triton.jit
+def _fragment_tile(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """8 nibble tensors (BLOCK_N, W) -> the (BLOCK_N, BLOCK_K) weight tile in channel order.
+    join8 puts nibble 4e + 2h + r0 at minor index [e, h, r0]; word w = 16c + 4t + a; the
+    permute gives k = 128c + 32a + 16r0 + 8h + 2t + e. All of it stays in each thread's
+    registers when the tile feeds wgmma's A operand (the fragment order is the point)."""
+    C: tl.constexpr = BLOCK_K // 128
+    q = join8(n0, n1, n2, n3, n4, n5, n6, n7)                  # (n, w, e, h, r0)
+    if C == 1:
+        q = tl.reshape(q, (BLOCK_N, 4, 4, 2, 2, 2))           # (n, t, a, e, h, r0)
+        q = tl.permute(q, (0, 2, 5, 4, 1, 3))                 # (n, a, r0, h, t, e)
+    else:
+        q = tl.reshape(q, (BLOCK_N, C, 4, 4, 2, 2, 2))        # (n, c, t, a, e, h, r0)
+        q = tl.permute(q, (0, 1, 3, 6, 5, 2, 4))              # (n, c, a, r0, h, t, e)
+    return tl.reshape(q, (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
@@ -187,8 +232,8 @@ def _w4a16_kernel(
     M, N, K, stride_xm, stride_ym, stride_qn, stride_sn,
     GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr,
-    USE_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    USE_ASM: tl.constexpr, PREFETCH_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """x (M, K) row-major; qweight int32 (N, Kp // 8), Kp >= K; scales/zeros (N, Gp); y (M, N).
 
@@ -203,17 +248,20 @@ def _w4a16_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # wrap out-of-range rows/channels onto valid ones: unmasked loads, results dropped
-    rm = offs_m % M
-    rn = offs_n % N
+    rm = (offs_m % M).to(tl.int64)
+    rn = (offs_n % N).to(tl.int64)
 
     kt0, kt1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
 
-    offs_w = tl.arange(0, BLOCK_K // 8)
+    W: tl.constexpr = BLOCK_K // 8
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = qw_ptr + rn[:, None] * stride_qn + (kt0 * (BLOCK_K // 8) + offs_w)[None, :]
+    w_ptrs = qw_ptr + rn[:, None] * stride_qn + (kt0 * W + tl.arange(0, W))[None, :]
     x_ptrs = x_ptr + rm[None, :] * stride_xm + (kt0 * BLOCK_K + offs_k)[:, None]
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if PREFETCH_S:
+        s_nxt = _load_groups(s_ptr, rn, kt0 * BLOCK_K, stride_sn, BLOCK_K, GROUP_SIZE)
+        z_nxt = _load_groups(z_ptr, rn, kt0 * BLOCK_K, stride_sn, BLOCK_K, GROUP_SIZE)
     for kt in range(kt0, kt1):
         k0 = kt * BLOCK_K
         words = tl.load(w_ptrs, eviction_policy="evict_first")
@@ -222,26 +270,34 @@ def _w4a16_kernel(
         else:
             xt = tl.load(x_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0,
                          eviction_policy="evict_last")
-        if USE_ASM:
-            w = _dequant_asm(words, s_ptr, z_ptr, rn, k0, stride_sn,
-                             BLOCK_N, BLOCK_K, GROUP_SIZE, HAS_ZEROS, DTYPE)
+        if PREFETCH_S:  # this tile's groups were loaded one iteration ago (latency hidden)
+            sv = s_nxt
+            zv = z_nxt
+            kn = tl.minimum(kt + 1, kt1 - 1) * BLOCK_K
+            s_nxt = _load_groups(s_ptr, rn, kn, stride_sn, BLOCK_K, GROUP_SIZE)
+            z_nxt = _load_groups(z_ptr, rn, kn, stride_sn, BLOCK_K, GROUP_SIZE)
         else:
-            w = _dequant(words, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn,
-                         BLOCK_N, BLOCK_K, GROUP_SIZE, HAS_ZEROS, HAS_GIDX, DTYPE, EMU_BF16)
+            sv = _load_groups(s_ptr, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE)
+            zv = _load_groups(z_ptr, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE)
+        n0, n1, n2, n3, n4, n5, n6, n7 = _dequant_words(
+            words, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn, BLOCK_N, BLOCK_K, GROUP_SIZE,
+            HAS_ZEROS, HAS_GIDX, DTYPE, EMU_BF16, USE_ASM)
+        w = _fragment_tile(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N, BLOCK_K)
         if EMU_BF16:
             xt = xt.to(tl.float32)
         acc = tl.dot(w, xt, acc)
-        w_ptrs += BLOCK_K // 8
+        w_ptrs += W
         x_ptrs += BLOCK_K
 
     out_mask = (offs_m < M)[None, :] & (offs_n < N)[:, None]
+    om = offs_m.to(tl.int64)
+    on = offs_n.to(tl.int64)
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
-        y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-        tl.store(y_ptrs, cast_out(acc, DTYPE, EMU_BF16), mask=out_mask)
+        tl.store(y_ptr + om[None, :] * stride_ym + on[:, None], cast_out(acc, DTYPE, EMU_BF16), mask=out_mask)
     else:
-        ws_ptrs = ws_ptr + pid_k * M * N + offs_m[None, :] * N + offs_n[:, None]
+        ws_ptrs = ws_ptr + (pid_k * M + om[None, :]) * N + on[:, None]
         tl.store(ws_ptrs, acc, mask=out_mask)
 
 
@@ -255,20 +311,23 @@ def _w4a16_gemv_kernel(
 ):
     """Small M (BLOCK_M >= M rows, one program per N tile): y[m, n] = sum_k x[m, k] W[n, k]
     on CUDA cores, fp32 FMAs into a (BLOCK_M, BLOCK_N, BLOCK_K) accumulator reduced once
-    at the end. Same dequantization, layout and split-K protocol as _w4a16_kernel.
-    Why a separate path: at M = 1 moving the dequantized tile into the tensor-core
-    operand layout costs more than the FMAs (8192x57344 on H200: 166 us with tl.dot
-    vs 122 us here; the loads alone stream in 60 us)."""
+    at the end. Same dequantization and split-K protocol as _w4a16_kernel. The weights stay
+    in word order (a sum over K does not care about the order); x is read in that order.
+    Why a separate path: at M = 1 the FMAs are cheaper than filling a 16-wide MMA
+    (8192x57344 on H200: 166 us with tl.dot vs 122 us here, natural-order layout)."""
     DTYPE = x_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    rn = offs_n % N
+    rn = (offs_n % N).to(tl.int64)
     rm = offs_m % M
     kt0, kt1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
-    offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = qw_ptr + rn[:, None] * stride_qn + (kt0 * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8))[None, :]
+    W: tl.constexpr = BLOCK_K // 8
+    # channel of position 8w + j of the joined word-order tile (join8's minor order is j)
+    pos = tl.arange(0, BLOCK_K)
+    offs_k = _channel_of(pos // 8, pos % 8)
+    w_ptrs = qw_ptr + rn[:, None] * stride_qn + (kt0 * W + tl.arange(0, W))[None, :]
     # BLOCK_M == 1 keeps a 2-D accumulator and a 1-D x load: the 3-D form costs 20-30%
     # at M = 1 (8192x57344: 149 vs 122 us on H200)
     if BLOCK_M == 1:
@@ -290,29 +349,30 @@ def _w4a16_gemv_kernel(
                 xv = tl.load(x_ptrs, eviction_policy="evict_last")
             else:
                 xv = tl.load(x_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0.0, eviction_policy="evict_last")
-        if USE_ASM:
-            w = _dequant_asm(words, s_ptr, z_ptr, rn, k0, stride_sn,
-                             BLOCK_N, BLOCK_K, GROUP_SIZE, HAS_ZEROS, DTYPE)
-        else:
-            w = _dequant(words, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn,
-                         BLOCK_N, BLOCK_K, GROUP_SIZE, HAS_ZEROS, HAS_GIDX, DTYPE, EMU_BF16)
+        sv = _load_groups(s_ptr, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE)
+        zv = _load_groups(z_ptr, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE)
+        n0, n1, n2, n3, n4, n5, n6, n7 = _dequant_words(
+            words, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn, BLOCK_N, BLOCK_K, GROUP_SIZE,
+            HAS_ZEROS, HAS_GIDX, DTYPE, EMU_BF16, USE_ASM)
+        w = tl.reshape(join8(n0, n1, n2, n3, n4, n5, n6, n7), (BLOCK_N, BLOCK_K))
         if BLOCK_M == 1:
             acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
         else:
             acc += w.to(tl.float32)[None, :, :] * xv.to(tl.float32)[:, None, :]
-        w_ptrs += BLOCK_K // 8
+        w_ptrs += W
         x_ptrs += BLOCK_K
     if BLOCK_M == 1:
         out = tl.sum(acc, axis=1)[None, :]  # (1, BLOCK_N)
     else:
         out = tl.sum(acc, axis=2)  # (BLOCK_M, BLOCK_N)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    on = offs_n.to(tl.int64)
     if SPLIT_K == 1:
         if HAS_BIAS:
             out += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], cast_out(out, DTYPE, EMU_BF16), mask=mask)
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + on[None, :], cast_out(out, DTYPE, EMU_BF16), mask=mask)
     else:
-        tl.store(ws_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], out, mask=mask)
+        tl.store(ws_ptr + (pid_k * M + offs_m[:, None]) * N + on[None, :], out, mask=mask)
 
 
 @triton.jit
@@ -326,16 +386,18 @@ def _w4a16_dequant_kernel(
     DTYPE = w_ptr.dtype.element_ty
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
-    rn = offs_n % N
+    rn = (offs_n % N).to(tl.int64)
     words = tl.load(qw_ptr + rn[:, None] * stride_qn + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :])
-    if USE_ASM:
-        w = _dequant_asm(words, s_ptr, z_ptr, rn, k0, stride_sn, BLOCK_N, BLOCK_K, GROUP_SIZE, HAS_ZEROS, DTYPE)
-    else:
-        w = _dequant(words, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn,
-                     BLOCK_N, BLOCK_K, GROUP_SIZE, HAS_ZEROS, HAS_GIDX, DTYPE, EMU_BF16)
+    sv = _load_groups(s_ptr, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE)
+    zv = _load_groups(z_ptr, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE)
+    n0, n1, n2, n3, n4, n5, n6, n7 = _dequant_words(
+        words, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn, BLOCK_N, BLOCK_K, GROUP_SIZE,
+        HAS_ZEROS, HAS_GIDX, DTYPE, EMU_BF16, USE_ASM)
+    w = _fragment_tile(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N, BLOCK_K)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
-    tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], cast_out(w.to(tl.float32), DTYPE, EMU_BF16), mask=mask)
+    tl.store(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
+             cast_out(w.to(tl.float32), DTYPE, EMU_BF16), mask=mask)
 
 
 @triton.jit
@@ -343,11 +405,12 @@ def _splitk_reduce_kernel(ws_ptr, bias_ptr, y_ptr, M, N, stride_ym,
                           SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EMU_BF16: tl.constexpr,
                           BLOCK: tl.constexpr):
     """y[m, n] = sum_s ws[s, m, n] (+ bias[n]), summed in a fixed order."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * N
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    MN = (offs * 0 + M) * N  # int64 (M may be specialised to a constant 1: no .to on it)
+    mask = offs < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
-        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+        acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
     n = offs % N
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)

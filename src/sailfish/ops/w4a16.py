@@ -5,11 +5,14 @@
 """
 from __future__ import annotations
 
+import contextlib
+import os
+from functools import lru_cache
 from typing import Optional
 
 import torch
 
-from ..formats.int4 import HALF_DTYPES, K_PAD
+from ..formats.int4 import HALF_DTYPES, K_CHUNK, K_PAD
 from ..tuning import (Config, Tuner, m_bucket, next_pow2, problem_key, scratch_runner, sm_count,
                       split_k_for)
 
@@ -25,11 +28,12 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx) -> Config:
         return Config(1, 16, bk, split_k_for(tiles, Kp // bk, sms), 8, 4, 4, kernel="gemv")
     if M >= 1024 and device.type == "cuda":  # dequantize + cuBLAS beats the fused tiles here
         return Config(1, 64, 256, 1, 8, 4, 1, kernel="dequant")
-    # tiles: the tuned best on H200 for most Llama shapes (docs/perf_log.md)
+    # fragment-order tiles (shared/probes/regA_probe.py on H200, untuned): BM 16 / BN 128 /
+    # BK 256 / 3 stages was the best probe tile at M <= 16, BK 128 / 4 stages at M = 64
     if M <= 16:
-        bm, bn, bk, warps, stages = 16, 64, 128, 4, 6
+        bm, bn, bk, warps, stages = 16, 128, 256, 4, 3
     elif M <= 64:
-        bm, bn, bk, warps, stages = (32 if M <= 32 else 64), 64, 128, 4, 4
+        bm, bn, bk, warps, stages = (32 if M <= 32 else 64), 128, 128, 4, 4
     else:
         bm, bn, bk, warps, stages = 128, 128, 128, 8, 3
     bn = min(bn, max(64, next_pow2(N)))
@@ -59,16 +63,17 @@ def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx):
         yield Config(1, 64, 256, 1, 8, 4, 1, kernel="dequant")
     if M == 1:
         return
+    # BLOCK_K is 128 or 256 (whole 128-channel chunks of the fragment-order layout)
     if M <= 16:
-        space = [(16, 64, 256, 4, 4), (16, 128, 128, 4, 4), (16, 64, 128, 4, 6), (16, 32, 256, 4, 4),
-                 (16, 32, 128, 4, 6)]
+        space = [(16, 128, 256, 4, 3), (16, 128, 128, 4, 4), (16, 64, 256, 4, 4), (16, 64, 128, 4, 6),
+                 (16, 256, 128, 8, 4)]
     elif M <= 64:
         bm = 32 if M <= 32 else 64
-        space = [(bm, 64, 128, 4, 4), (bm, 128, 128, 4, 4), (bm, 128, 64, 4, 5),
-                 (bm, 256, 64, 8, 4)]
+        space = [(bm, 128, 128, 4, 4), (bm, 128, 256, 4, 3), (bm, 64, 128, 4, 4), (bm, 256, 128, 8, 4),
+                 (bm, 128, 128, 8, 4)]
     else:
-        space = [(64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
-                 (256, 128, 64, 8, 3), (128, 128, 128, 8, 3)]
+        space = [(64, 128, 128, 4, 4), (128, 128, 128, 8, 3), (128, 256, 128, 8, 3),
+                 (256, 128, 128, 8, 3), (128, 128, 256, 8, 2)]
     seen = set()
     for bm, bn, bk, warps, stages in space:
         tiles = -(-M // bm) * -(-N // bn)
@@ -94,6 +99,9 @@ def _check_config(cfg: Config, kp: int, m: int) -> None:
         v = getattr(cfg, name)
         if v < 1 or v & (v - 1) or (v < 16 and name != "BLOCK_M"):
             raise ValueError(f"config {name}={v} must be a power of two (>= 16 except BLOCK_M)")
+    if cfg.BLOCK_K % K_CHUNK:
+        raise ValueError(f"config BLOCK_K={cfg.BLOCK_K} must be a multiple of {K_CHUNK} "
+                         "(whole chunks of the fragment-order weight layout)")
     if cfg.kernel not in ("mma", "gemv", "dequant"):
         raise ValueError(f"config kernel={cfg.kernel!r} is not one of 'mma', 'gemv', 'dequant'")
     if cfg.kernel == "gemv" and cfg.BLOCK_M < m:
@@ -118,6 +126,31 @@ def w4a16_reference(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_feat
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+# The large-M path dequantizes into a transient weight; it is made and multiplied in
+# slices of N of at most this many bytes (8192x57344 whole would be 940 MB).
+DEQUANT_SLICE_BYTES = 128 << 20
+
+
+def prefetch_scales(cfg: Config, group_size: int) -> bool:
+    """Load the next K tile's scales one iteration early in the mma kernel (their loads are
+    too narrow for the cp.async pipeline). Only where BLOCK_N >= 32 * num_warps and the group
+    size is not 64: otherwise Triton (3.6 and 3.9) sends the dequantized tile through shared
+    memory again (regA probe; `python -m sailfish.bench.ptx --group-size 64`).
+    Off by default: measured slower where it matters (H200, same run, tuned: 8192x57344
+    M = 2 / 16 117 / 117 us with it, 103 / 101 us without; 4096x4096 9.0 vs 9.6 us).
+    SAILFISH_SCALE_PREFETCH=1 turns it on, to measure it again."""
+    return SCALE_PREFETCH and cfg.BLOCK_N >= 32 * cfg.num_warps and group_size != 64
+
+
+SCALE_PREFETCH = os.environ.get("SAILFISH_SCALE_PREFETCH", "0") == "1"
+
+
+@lru_cache(maxsize=None)
+def _has_bf16x2(device_index: int) -> bool:
+    """sub/mul.bf16x2 (the bf16 asm dequantization) need sm_90; ptxas rejects them below."""
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -145,29 +178,35 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     x = x.contiguous()
     gs = 0 if group_size == -1 else group_size
     emu = x.dtype == torch.bfloat16 and not x.is_cuda  # interpreter bf16 twin (kernels/common.py)
+    asm = (use_asm and x.is_cuda and sorted_g_idx is None
+           and (x.dtype == torch.float16 or _has_bf16x2(x.device.index)))
+    z_arg = scales if zeros is None else zeros  # unused pointer arguments get a valid tensor
+    g_arg = qweight if sorted_g_idx is None else sorted_g_idx
 
     def run(cfg: Config, out: torch.Tensor = y) -> None:
         flags = dict(GROUP_SIZE=gs, HAS_ZEROS=zeros is not None, HAS_GIDX=sorted_g_idx is not None,
-                     EMU_BF16=emu, USE_ASM=use_asm and x.is_cuda and sorted_g_idx is None,
-                     BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **cfg.launch())
-        z_arg = scales if zeros is None else zeros  # unused pointer arguments get a valid tensor
-        g_arg = qweight if sorted_g_idx is None else sorted_g_idx
+                     EMU_BF16=emu, USE_ASM=asm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **cfg.launch())
         if cfg.kernel == "dequant":
-            w = torch.empty((N, K), dtype=x.dtype, device=x.device)
-            _w4a16_dequant_kernel[(triton.cdiv(N, cfg.BLOCK_N), triton.cdiv(K, cfg.BLOCK_K))](
-                qweight, scales, z_arg, g_arg, w, N, K, qweight.stride(0), scales.stride(0),
-                w.stride(0), **flags)
-            if bias is None:
-                torch.mm(x, w.t(), out=out)
-            else:
-                torch.addmm(bias, x, w.t(), out=out)
+            # slices of whole BLOCK_N tiles, each at most DEQUANT_SLICE_BYTES of transient
+            rows = max(cfg.BLOCK_N, DEQUANT_SLICE_BYTES // (2 * K) // cfg.BLOCK_N * cfg.BLOCK_N)
+            w = torch.empty((min(rows, N), K), dtype=x.dtype, device=x.device)
+            for n0 in range(0, N, rows):
+                nr = min(rows, N - n0)
+                ws = w[:nr]
+                _w4a16_dequant_kernel[(triton.cdiv(nr, cfg.BLOCK_N), triton.cdiv(K, cfg.BLOCK_K))](
+                    qweight[n0:], scales[n0:], z_arg[n0:], g_arg, ws, nr, K, qweight.stride(0),
+                    scales.stride(0), ws.stride(0), **flags)
+                if bias is None:
+                    torch.mm(x, ws.t(), out=out[:, n0:n0 + nr])
+                else:
+                    torch.addmm(bias[n0:n0 + nr], x, ws.t(), out=out[:, n0:n0 + nr])
             return
         ws = out
         if cfg.SPLIT_K > 1:
             ws = torch.empty((cfg.SPLIT_K, M, N), dtype=torch.float32, device=x.device)
         common = dict(HAS_BIAS=bias is not None, EVEN_K=(K % cfg.BLOCK_K == 0), SPLIT_K=cfg.SPLIT_K, **flags)
         ptrs = (x, qweight, scales, z_arg, g_arg, scales if bias is None else bias, out, ws)
-        if cfg.kernel == "gemv":
+        if cfg.kernel == "gemv":  # (the gemv / dequant kernels take no PREFETCH_S)
             _w4a16_gemv_kernel[(triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)](
                 *ptrs, M, N, K, x.stride(0), out.stride(0), qweight.stride(0), scales.stride(0),
                 BLOCK_M=cfg.BLOCK_M, **common)
@@ -175,7 +214,7 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
             _w4a16_kernel[grid](
                 *ptrs, M, N, K, x.stride(0), out.stride(0), qweight.stride(0), scales.stride(0),
-                BLOCK_M=cfg.BLOCK_M, GROUP_M=cfg.GROUP_M, **common)
+                BLOCK_M=cfg.BLOCK_M, GROUP_M=cfg.GROUP_M, PREFETCH_S=prefetch_scales(cfg, group_size), **common)
         if cfg.SPLIT_K > 1:
             block = 1024
             _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
@@ -183,13 +222,14 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 SPLIT_K=cfg.SPLIT_K, HAS_BIAS=bias is not None, EMU_BF16=emu, BLOCK=block,
                 num_warps=4)
 
-    if config is None:
-        key = w4a16_key(Kp, N, M, group_size, zeros is not None, sorted_g_idx is not None, x.dtype)
-        config = W4A16_TUNER.get(key, x.device, scratch_runner(run, y),
-                                 fallback_key=problem_key("w4a16", Kp, N, M, "any"), M=m_bucket(M), N=N, Kp=Kp,
-                                 group_size=group_size, general_gidx=sorted_g_idx is not None)
-    _check_config(config, Kp, M)
-    run(config)
+    with (torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()):
+        if config is None:
+            key = w4a16_key(Kp, N, M, group_size, zeros is not None, sorted_g_idx is not None, x.dtype)
+            config = W4A16_TUNER.get(key, x.device, scratch_runner(run, y),
+                                     fallback_key=problem_key("w4a16", Kp, N, M, "any"), M=m_bucket(M), N=N,
+                                     Kp=Kp, group_size=group_size, general_gidx=sorted_g_idx is not None)
+        _check_config(config, Kp, M)
+        run(config)
     return y
 
 
