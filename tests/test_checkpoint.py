@@ -8,6 +8,8 @@ interpreter is too slow for a whole model; one test runs the kernels in the inte
 """
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -517,3 +519,12 @@ def test_sailfish_config_errors():
         SailfishConfig(act_bits=8, sym=False, group_size=128)
     with pytest.raises(TypeError, match="sym='yes'"):
         SailfishConfig(sym="yes")
+
+
+def test_import_sailfish_does_not_import_transformers():
+    """The hf extra is optional: only load_quantized / save_quantized / sailfish.hf import it."""
+    code = ("import sys, sailfish; bad = [m for m in ('transformers', 'safetensors', 'sailfish.hf') "
+            "if m in sys.modules]; assert not bad, bad")
+    src_dir = os.path.dirname(os.path.dirname(sailfish.__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [src_dir, os.environ.get("PYTHONPATH")])))
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)

@@ -344,11 +344,10 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
             module = model.get_submodule(owner) if owner else model
             old = module._buffers[attr]
             module._buffers[attr] = read(key).to(dtype=old.dtype)
-    model.to(device)
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:  # _plan accounts for every parameter; this guards against a model that re-creates some
         raise RuntimeError(f"parameters left unloaded: {left[:5]}")
-    return model.eval()
+    return model.to(device).eval()
 
 
 def save_quantized(model: nn.Module, path: str, *, max_shard_size: int = 4 << 30) -> None:
