@@ -17,6 +17,7 @@ which writes a GPTQ checkpoint.
 """
 from __future__ import annotations
 
+import logging
 from typing import Iterable, Optional
 
 import torch
@@ -35,6 +36,7 @@ from .formats.qqq import check_group_size_w4a8
 from .nn import _check_act_bits, quantize_model
 
 QUANT_METHOD = "sailfish"
+log = logging.getLogger("sailfish")
 
 
 class SailfishConfig(QuantizationConfigMixin):
@@ -88,6 +90,9 @@ class SailfishHfQuantizer(HfQuantizer):
                               skip=c.modules_to_not_convert, act_bits=c.act_bits)
 
     def is_serializable(self, *args, **kwargs) -> bool:
+        # transformers raises after this, pointing at the log for the reason.
+        log.warning("sailfish: save_pretrained cannot write Sailfish layers; use "
+                    "sailfish.save_quantized(model, path) (a GPTQ checkpoint)")
         return False
 
     @property
