@@ -208,7 +208,7 @@ def make_quantized(path, method="gptq", gs=64, sym=False, desc_act=False, shards
 def logits(model, seq=5):
     ids = torch.arange(3, 3 + 2 * seq).reshape(2, seq) % 128
     with torch.no_grad():
-        return model(input_ids=ids).logits.float()
+        return model(input_ids=ids.to(model.device)).logits.float().cpu()
 
 
 def assert_matches_reference(model, ref):
