@@ -84,6 +84,11 @@ class SailfishHfQuantizer(HfQuantizer):
         # QuantLinear runs in float16 or bfloat16; float32 (transformers' default) -> float16.
         return dtype if dtype in HALF_DTYPES else torch.float16
 
+    update_torch_dtype = update_dtype  # the name transformers 4.x calls
+
+    def _process_model_before_weight_loading(self, model, **kwargs):
+        return model  # nothing to replace before the weights: quantize_model runs after them
+
     def _process_model_after_weight_loading(self, model, **kwargs):
         c = self.quantization_config
         return quantize_model(model, bits=c.bits, group_size=c.group_size, sym=c.sym,
