@@ -261,9 +261,9 @@ def test_load_quantized_bf16(tmp_path, reference_path):
     assert logits(model).isfinite().all()
 
 
-def test_load_quantized_zero_bias(tmp_path, reference_path):
+def test_load_quantized_old_checkpoint(tmp_path, reference_path):
     """Old AutoGPTQ wrote an all-zero bias for bias-free layers: accepted and dropped; a
-    non-zero one raises."""
+    non-zero one raises. A stored buffer is loaded."""
     ref = make_quantized(tmp_path, "gptq", 64)
     file = str(tmp_path / "model.safetensors")
     tensors = load_file(file)
@@ -272,6 +272,10 @@ def test_load_quantized_zero_bias(tmp_path, reference_path):
     model = load_quantized(str(tmp_path))
     assert model.model.layers[0].mlp.up_proj.bias is None
     assert_matches_reference(model, ref)
+    # old checkpoints also stored the rotary frequencies: loaded into the buffer
+    inv_freq = model.model.rotary_emb.inv_freq * 2
+    save_file(dict(tensors, **{"model.rotary_emb.inv_freq": inv_freq}), file, metadata={"format": "pt"})
+    assert torch.equal(load_quantized(str(tmp_path)).model.rotary_emb.inv_freq, inv_freq)
     tensors["model.layers.0.mlp.up_proj.bias"][3] = 1
     save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="up_proj.bias is not zero, but the model's layer has no bias"):

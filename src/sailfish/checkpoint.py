@@ -196,7 +196,7 @@ def _layer_tensors(spec: _Spec, linear: nn.Linear):
 class _Plan:
     layers: Dict[str, nn.Linear]  # quantized linear layers, by module name
     params: Dict[str, list]  # checkpoint key -> every parameter name it fills (ties)
-    buffers: Dict[str, str]  # checkpoint key -> persistent buffer name
+    buffers: list  # buffers the checkpoint stores (else they keep their computed values)
     zero_biases: list  # bias tensors of bias-free layers: must hold zeros (checked on load)
 
 
@@ -260,11 +260,8 @@ def _plan(model: nn.Module, entries: Dict[str, _Entry], spec: _Spec) -> _Plan:
             raise ValueError(f"{key} has shape {entries[key].shape}, the model expects {shape}")
         params[key] = [pname for pname, _ in group]
         used.update(present)
-    buffers = {}
-    for bname, _ in model.named_buffers():
-        if bname in entries and not bname.startswith(inside):
-            buffers[bname] = bname  # persistent or not, a stored buffer is loaded
-            used.add(bname)
+    buffers = [b for b, _ in model.named_buffers() if b in entries and not b.startswith(inside)]
+    used.update(buffers)
     unexpected = sorted(set(entries) - used)
     if unexpected:
         raise ValueError(f"the checkpoint holds {len(unexpected)} tensor(s) the model has no place for: "
@@ -281,7 +278,8 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
     *.safetensors files (with or without model.safetensors.index.json).
     dtype: activation / layer dtype, float16 or bfloat16; default the config's dtype when it
     is one of those, else float16. GPTQ / AWQ scales are cast to it.
-    device: where the model lives ("cpu", "cuda", ...). Returns the model in eval mode.
+    device: where the model lives ("cpu", "cuda", ...). Returns the model in eval mode, for
+    inference (parameters with requires_grad=False).
 
     Supported: quant_method "gptq" (bits 4, group sizes 32/64/128/256/-1, desc_act true or
     false, sym true or false, checkpoint_format "gptq") and "awq" (bits 4, version "gemm",
@@ -339,11 +337,10 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
             for pname in pnames:  # one Parameter under every tied name
                 owner, _, attr = pname.rpartition(".")
                 (model.get_submodule(owner) if owner else model)._parameters[attr] = tied
-        for key, bname in plan.buffers.items():
-            owner, _, attr = bname.rpartition(".")
+        for key in plan.buffers:
+            owner, _, attr = key.rpartition(".")
             module = model.get_submodule(owner) if owner else model
-            old = module._buffers[attr]
-            module._buffers[attr] = read(key).to(dtype=old.dtype)
+            module._buffers[attr] = read(key).to(dtype=module._buffers[attr].dtype)
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:  # _plan accounts for every parameter; this guards against a model that re-creates some
         raise RuntimeError(f"parameters left unloaded: {left[:5]}")
