@@ -14,16 +14,14 @@ import sys
 import numpy as np
 import pytest
 import torch
+# The `test` extra installs both (they are the optional `hf` extra of the library).
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig
 
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
-from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
-
-from helpers import TOL, desc_act_g_idx, random_quantized, rel_err  # noqa: E402
-from test_formats import gptq_dequant, gptq_pack  # noqa: E402
-import sailfish  # noqa: E402
-from sailfish import QuantLinear, from_awq, load_quantized, save_quantized  # noqa: E402
+from helpers import TOL, desc_act_g_idx, random_quantized, rel_err
+from test_formats import gptq_dequant, gptq_pack
+import sailfish
+from sailfish import QuantLinear, from_awq, load_quantized, save_quantized
 
 F16 = torch.float16
 PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
