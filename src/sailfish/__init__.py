@@ -6,14 +6,29 @@
     # W4A8 (int8 per-token activations, QQQ weights): a QuantLinearW4A8
     layer = sailfish.QuantLinear.from_linear(linear, act_bits=8, group_size=128)
 
-Importing sailfish does not touch the GPU and does not compile anything.
+    # whole GPTQ / AWQ checkpoints (needs the `hf` extra: transformers, safetensors)
+    model = sailfish.load_quantized("path/to/Llama-GPTQ", device="cuda")
+    sailfish.save_quantized(model, "out")
+
+Importing sailfish does not touch the GPU, compile anything or import transformers.
 """
-from .formats import (GROUP_SIZES, GROUP_SIZES_W4A8, QQQWeight, QuantizedWeight, from_gptq, quantize,
-                      quantize_qqq, to_gptq)
+from .checkpoint import load_quantized, save_quantized
+from .formats import (GROUP_SIZES, GROUP_SIZES_W4A8, QQQWeight, QuantizedWeight, from_awq, from_gptq,
+                      quantize, quantize_qqq, to_gptq)
 from .nn import QuantLinear, QuantLinearW4A8, quantize_model
 from .tuning import Config
 
 __version__ = "0.1.0"
 __all__ = ["QuantLinear", "quantize_model", "quantize", "QuantizedWeight", "from_gptq", "to_gptq",
            "GROUP_SIZES", "Config", "__version__",
-           "QuantLinearW4A8", "QQQWeight", "quantize_qqq", "GROUP_SIZES_W4A8"]
+           "QuantLinearW4A8", "QQQWeight", "quantize_qqq", "GROUP_SIZES_W4A8",
+           "from_awq", "load_quantized", "save_quantized", "SailfishConfig"]
+
+
+def __getattr__(name):
+    # SailfishConfig lives in sailfish.hf, which imports transformers and registers the
+    # quantizer there: only on first use, never on `import sailfish`.
+    if name == "SailfishConfig":
+        from .hf import SailfishConfig
+        return SailfishConfig
+    raise AttributeError(f"module 'sailfish' has no attribute {name!r}")

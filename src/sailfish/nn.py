@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from . import ops  # noqa: F401  (registers torch.ops.sailfish.*)
+from .formats.awq import from_awq as _read_awq
 from .formats.gptq import from_gptq as _read_gptq
 from .formats.int4 import (HALF_DTYPES, LAYOUT_VERSION, PackedW4, QuantizedWeight, _check_bits,
                            _check_group_size, default_g_idx, natural_to_fragment_order, pack, padded_k,
@@ -121,12 +122,29 @@ class QuantLinear(nn.Module):
                   g_idx: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, *,
                   bits: int = 4, group_size: int = 128, dtype: Optional[torch.dtype] = None) -> "QuantLinear":
         """Load GPTQ checkpoint tensors (formats.gptq). dtype: layer dtype, default scales.dtype."""
-        err = check_shape(qweight.shape[0] * 8, qweight.shape[1]) if qweight.dim() == 2 else None
+        shape = (qweight.shape[0] * 8, qweight.shape[1]) if qweight.dim() == 2 else None
+        return cls._from_checkpoint(shape, dtype, bias, lambda: _read_gptq(
+            qweight, qzeros, scales, g_idx, bits=bits, group_size=group_size))
+
+    @classmethod
+    def from_awq(cls, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                 bias: Optional[torch.Tensor] = None, *, bits: int = 4, group_size: int = 128,
+                 dtype: Optional[torch.dtype] = None) -> "QuantLinear":
+        """Load AWQ GEMM checkpoint tensors (formats.awq). dtype: layer dtype, default scales.dtype."""
+        shape = (qweight.shape[0], qweight.shape[1] * 8) if qweight.dim() == 2 else None
+        return cls._from_checkpoint(shape, dtype, bias, lambda: _read_awq(
+            qweight, qzeros, scales, bits=bits, group_size=group_size))
+
+    @classmethod
+    def _from_checkpoint(cls, shape, dtype, bias, read) -> "QuantLinear":
+        """Shared by from_gptq / from_awq: check the layer shape (K, N) and dtype before
+        `read()` converts the tensors, then cast the scales to `dtype`."""
+        err = check_shape(*shape) if shape else None
         if err:
             raise ValueError(err)
         if dtype is not None and dtype not in HALF_DTYPES:
             raise TypeError(f"dtype={dtype} is not supported; allowed: torch.float16, torch.bfloat16")
-        qw = _read_gptq(qweight, qzeros, scales, g_idx, bits=bits, group_size=group_size)
+        qw = read()
         if dtype is not None and dtype != qw.dtype:
             qw = QuantizedWeight(qw.qweight, qw.scales.to(dtype), qw.zeros, qw.g_idx, qw.group_size)
         return cls.from_quantized(qw, bias)

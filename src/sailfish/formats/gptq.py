@@ -44,18 +44,19 @@ def _pack_nibbles(q: torch.Tensor, dim: int) -> torch.Tensor:
     return words.to(torch.int32).contiguous()
 
 
-def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-              g_idx: Optional[torch.Tensor] = None, *, bits: int = 4,
-              group_size: int = 128) -> QuantizedWeight:
-    """Read GPTQ tensors (see module docstring) into a QuantizedWeight, exactly."""
+def check_packed(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, bits: int,
+                 group_size: int, packed_dim: int):
+    """Check a checkpoint's int32 qweight / qzeros and fp16 / bf16 scales (G, N); return (K, N).
+    qweight packs 8 codes per word along `packed_dim` (GPTQ: 0, K; AWQ: 1, N); qzeros (G, N/8)."""
     _check_bits(bits)
     _check_group_size(group_size)
-    for name, t, dt in (("qweight", qweight, torch.int32), ("qzeros", qzeros, torch.int32)):
-        if t.dtype != dt or t.dim() != 2:
-            raise TypeError(f"{name} must be a 2-D {dt} tensor, got {t.dtype} {tuple(t.shape)}")
+    for name, t in (("qweight", qweight), ("qzeros", qzeros)):
+        if t.dtype != torch.int32 or t.dim() != 2:
+            raise TypeError(f"{name} must be a 2-D torch.int32 tensor, got {t.dtype} {tuple(t.shape)}")
     if scales.dim() != 2 or scales.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"scales must be a 2-D float16 tensor, got {scales.dtype} {tuple(scales.shape)}")
-    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    rows, cols = qweight.shape
+    k, n = (rows * 8, cols) if packed_dim == 0 else (rows, cols * 8)
     g = scales.shape[0]
     if scales.shape[1] != n:
         raise ValueError(f"scales has {scales.shape[1]} columns but qweight has N={n}")
@@ -64,6 +65,14 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     if g != num_groups(k, group_size):
         raise ValueError(f"scales has {g} groups but K={k} with group_size={group_size} needs "
                          f"ceil(K / group_size) = {num_groups(k, group_size)}")
+    return k, n
+
+
+def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+              g_idx: Optional[torch.Tensor] = None, *, bits: int = 4,
+              group_size: int = 128) -> QuantizedWeight:
+    """Read GPTQ tensors (see module docstring) into a QuantizedWeight, exactly."""
+    k, n = check_packed(qweight, qzeros, scales, bits, group_size, packed_dim=0)
     if g_idx is not None:
         if g_idx.shape != (k,):
             raise ValueError(f"g_idx must have shape (K={k},), got {tuple(g_idx.shape)}")

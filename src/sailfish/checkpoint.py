@@ -1,0 +1,441 @@
+"""Whole quantized models in the Hugging Face directory layout (config.json + safetensors).
+
+    model = sailfish.load_quantized("Llama-3-8B-GPTQ", device="cuda")   # GPTQ or AWQ
+    sailfish.save_quantized(model, "out")                               # GPTQ checkpoint
+
+load_quantized builds the model from config.json with transformers, its parameters on the
+meta device (buffers such as the rotary frequencies are computed for real), puts a
+QuantLinear in place of every linear layer that has a `qweight` in the checkpoint and loads
+every other weight straight into place, so no weight is allocated twice. The configuration
+and every tensor's name, shape and dtype (from the safetensors headers) are checked before
+any weight is read; values that only the data can contradict (g_idx out of range, a bias
+that a bias-free layer would drop) raise while loading, naming the layer, and no model is
+returned.
+
+transformers and safetensors (the `hf` extra) are imported only when these functions run.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .formats.gptq import to_gptq
+from .formats.int4 import GROUP_SIZES, HALF_DTYPES, num_groups
+from .nn import QuantLinear, QuantLinearW4A8, check_shape
+
+SUPPORTED = ('quant_method "gptq" (bits 4, checkpoint_format "gptq") or "awq" '
+             '(bits 4, version "gemm", zero_point true)')
+_INT = ("I32",)
+_HALF = ("F16", "BF16")
+_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+
+
+def _require_hf():
+    try:
+        import safetensors  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise ImportError("sailfish.load_quantized / save_quantized need transformers and safetensors: "
+                          "pip install 'sailfish[hf]'") from e
+
+
+# -- quantization_config -------------------------------------------------------------
+@dataclass(frozen=True)
+class _Spec:
+    method: str  # "gptq" or "awq"
+    group_size: int
+    desc_act: bool
+    not_convert: Tuple[str, ...]
+
+
+def _field_error(field: str, value, allowed: str) -> ValueError:
+    return ValueError(f"quantization_config.{field}={value!r} is not supported; Sailfish loads {allowed}")
+
+
+def _parse_quant_config(qc) -> _Spec:
+    if not isinstance(qc, dict):
+        raise ValueError("config.json has no quantization_config: this is not a GPTQ or AWQ checkpoint "
+                         "(load it with transformers and quantize it with sailfish.quantize_model)")
+    method = qc.get("quant_method")
+    if method not in ("gptq", "awq"):
+        raise _field_error("quant_method", method, SUPPORTED)
+    if qc.get("bits") != 4:
+        raise _field_error("bits", qc.get("bits"), "4-bit weights (bits=4)")
+    group_size = qc.get("group_size", 128)
+    if group_size not in GROUP_SIZES:
+        raise _field_error("group_size", group_size, f"group sizes {GROUP_SIZES}")
+    if method == "gptq":
+        key = "checkpoint_format" if "checkpoint_format" in qc else "format"
+        fmt = qc.get(key) or "gptq"
+        if str(fmt).lower() != "gptq":
+            raise _field_error(key, fmt, 'GPTQ checkpoint_format "gptq" (v1: zeros stored minus 1)')
+        if qc.get("dynamic"):
+            raise _field_error("dynamic", qc["dynamic"], "one bits / group_size for every layer (no "
+                               "per-module overrides)")
+    else:
+        key = "version" if "version" in qc else "format"
+        fmt = qc.get(key) or "gemm"
+        if str(fmt).lower() != "gemm":
+            raise _field_error(key, fmt, 'AWQ version "gemm"')
+        if str(qc.get("backend") or "").lower() == "llm-awq":
+            raise _field_error("backend", qc["backend"], 'AutoAWQ "gemm" checkpoints (llm-awq packs '
+                               "differently)")
+        if qc.get("zero_point", True) is not True:
+            raise _field_error("zero_point", qc.get("zero_point"), "AWQ with zero points (zero_point true)")
+    not_convert = qc.get("modules_to_not_convert") or ()
+    if isinstance(not_convert, str) or not all(isinstance(s, str) for s in not_convert):
+        raise _field_error("modules_to_not_convert", not_convert, "a list of module names")
+    return _Spec(method, group_size, bool(qc.get("desc_act", False)), tuple(not_convert))
+
+
+def _matches(module_name: str, entry: str) -> bool:
+    """entry names the module or one of its ancestors, as whole dotted components anywhere in
+    the name ("lm_head", "mlp.gate", "model.layers.0")."""
+    return f".{entry}." in f".{module_name}."
+
+
+# -- safetensors headers ---------------------------------------------------------------
+@dataclass(frozen=True)
+class _Entry:
+    file: str
+    shape: Tuple[int, ...]
+    dtype: str  # safetensors dtype name: "I32", "F16", ...
+
+
+def _read_headers(path: str) -> Dict[str, _Entry]:
+    """Every tensor of the checkpoint: name -> (file, shape, dtype), from the headers only."""
+    from safetensors import safe_open
+
+    index_file = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_file):
+        with open(index_file) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index_file} has no weight_map")
+        files = sorted(set(weight_map.values()))
+    else:
+        weight_map = None
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors file in {path}")
+    entries: Dict[str, _Entry] = {}
+    for name in files:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"{index_file} lists {name}, which does not exist")
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                if weight_map is not None and weight_map.get(key) != name:
+                    continue  # the index assigns this key to another shard
+                if key in entries:
+                    raise ValueError(f"tensor {key} is in both {entries[key].file} and {file}")
+                s = f.get_slice(key)
+                entries[key] = _Entry(file, tuple(s.get_shape()), s.get_dtype())
+    if weight_map is not None:
+        missing = sorted(set(weight_map) - set(entries))
+        if missing:
+            raise ValueError(f"{index_file} lists tensors that its shards do not hold: {missing[:5]}")
+    return entries
+
+
+def _check_tensor(entries, key: str, shape, dtypes) -> None:
+    e = entries.get(key)
+    if e is None:
+        raise ValueError(f"the checkpoint has no tensor {key}")
+    if e.shape != tuple(shape) or e.dtype not in dtypes:
+        raise ValueError(f"{key} must be {' or '.join(dtypes)} of shape {tuple(shape)}, "
+                         f"got {e.dtype} {e.shape}")
+
+
+# -- model skeleton --------------------------------------------------------------------
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Create every nn.Parameter on the meta device while modules are constructed; buffers
+    (rotary frequencies and the like, which no checkpoint holds) are computed for real."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _model_dtype(config, dtype: Optional[torch.dtype]) -> torch.dtype:
+    if dtype is not None:
+        if dtype not in HALF_DTYPES:
+            raise TypeError(f"dtype={dtype} is not supported; allowed: torch.float16, torch.bfloat16")
+        return dtype
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    return stored if stored in HALF_DTYPES else torch.float16
+
+
+def _layer_tensors(spec: _Spec, linear: nn.Linear):
+    """{suffix: (shape, allowed dtypes)} of a quantized layer's checkpoint tensors."""
+    k, n = linear.in_features, linear.out_features
+    g = num_groups(k, spec.group_size)
+    if spec.method == "gptq":
+        return {"qweight": ((k // 8, n), _INT), "qzeros": ((g, n // 8), _INT), "scales": ((g, n), _HALF)}
+    return {"qweight": ((k, n // 8), _INT), "qzeros": ((g, n // 8), _INT), "scales": ((g, n), _HALF)}
+
+
+@dataclass
+class _Plan:
+    layers: Dict[str, nn.Linear]  # quantized linear layers, by module name
+    params: Dict[str, list]  # checkpoint key -> every parameter name it fills (ties)
+    buffers: list  # buffers the checkpoint stores (else they keep their computed values)
+    zero_biases: list  # bias tensors of bias-free layers: must hold zeros (checked on load)
+
+
+def _plan(model: nn.Module, entries: Dict[str, _Entry], spec: _Spec) -> _Plan:
+    """Match the checkpoint's tensors to the model; raise on anything that does not fit."""
+    modules = dict(model.named_modules())
+    for entry in spec.not_convert:
+        if not any(_matches(name, entry) for name in modules if name):
+            raise _field_error("modules_to_not_convert", list(spec.not_convert),
+                               f"names of modules of the model; {entry!r} names none")
+    layers: Dict[str, nn.Linear] = {}
+    for key in entries:
+        if not key.endswith(".qweight"):
+            continue
+        name = key[: -len(".qweight")]
+        module = modules.get(name)
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"{key}: the model has no nn.Linear named {name!r} "
+                             f"(found {type(module).__name__ if module is not None else 'nothing'})")
+        skipped = [e for e in spec.not_convert if _matches(name, e)]
+        if skipped:
+            raise ValueError(f"{name} is quantized in the checkpoint (it has {key}) but "
+                             f"quantization_config.modules_to_not_convert lists {skipped[0]!r}")
+        err = check_shape(module.in_features, module.out_features)
+        if err:
+            raise ValueError(f"{name}: Sailfish cannot run this layer: {err}")
+        layers[name] = module
+    if not layers:
+        raise ValueError("the checkpoint has no quantized layer (no tensor named *.qweight)")
+
+    used, zero_biases = set(), []
+    for name, linear in layers.items():
+        for suffix, (shape, dtypes) in _layer_tensors(spec, linear).items():
+            _check_tensor(entries, f"{name}.{suffix}", shape, dtypes)
+            used.add(f"{name}.{suffix}")
+        if spec.method == "gptq" and (f"{name}.g_idx" in entries or spec.desc_act):
+            _check_tensor(entries, f"{name}.g_idx", (linear.in_features,), ("I32", "I64"))
+            used.add(f"{name}.g_idx")
+        bias = f"{name}.bias"
+        if linear.bias is not None:
+            _check_tensor(entries, bias, (linear.out_features,), _HALF + ("F32",))
+            used.add(bias)
+        elif bias in entries:  # old AutoGPTQ wrote a zero bias for every layer
+            _check_tensor(entries, bias, (linear.out_features,), _HALF + ("F32",))
+            zero_biases.append(bias)
+            used.add(bias)
+
+    # Every other parameter: tied parameters (one object under several names) need one key.
+    inside = tuple(f"{name}." for name in layers)
+    groups: Dict[int, list] = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        if not pname.startswith(inside):
+            groups.setdefault(id(p), []).append((pname, p))
+    params: Dict[str, list] = {}
+    for group in groups.values():
+        present = [pname for pname, _ in group if pname in entries]
+        if not present:
+            raise ValueError(f"the checkpoint has no tensor {group[0][0]}")
+        key, shape = present[0], tuple(group[0][1].shape)
+        if entries[key].shape != shape:
+            raise ValueError(f"{key} has shape {entries[key].shape}, the model expects {shape}")
+        params[key] = [pname for pname, _ in group]
+        used.update(present)
+    buffers = [b for b, _ in model.named_buffers() if b in entries and not b.startswith(inside)]
+    used.update(buffers)
+    unexpected = sorted(set(entries) - used)
+    if unexpected:
+        raise ValueError(f"the checkpoint holds {len(unexpected)} tensor(s) the model has no place for: "
+                         f"{unexpected[:5]}")
+    return _Plan(layers, params, buffers, zero_biases)
+
+
+# -- public API ---------------------------------------------------------------------------
+def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cpu") -> nn.Module:
+    """Load a GPTQ or AWQ checkpoint directory (Hugging Face layout) as a model whose
+    quantized linear layers are Sailfish QuantLinear modules.
+
+    path: a local directory with config.json (holding quantization_config) and one or more
+    *.safetensors files (with or without model.safetensors.index.json).
+    dtype: activation / layer dtype, float16 or bfloat16; default the config's dtype when it
+    is one of those, else float16. GPTQ / AWQ scales are cast to it.
+    device: where the model lives ("cpu", "cuda", ...). Returns the model in eval mode, for
+    inference (parameters with requires_grad=False).
+
+    Supported: quant_method "gptq" (bits 4, group sizes 32/64/128/256/-1, desc_act true or
+    false, sym true or false, checkpoint_format "gptq") and "awq" (bits 4, version "gemm",
+    zero_point true). Layers with a `qweight` tensor become QuantLinear; every other weight
+    loads into the transformers model unchanged.
+    """
+    _require_hf()
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"no config.json in {path!r}: load_quantized takes a local checkpoint directory")
+    config = AutoConfig.from_pretrained(path)
+    qc = getattr(config, "quantization_config", None)
+    spec = _parse_quant_config(qc.to_dict() if hasattr(qc, "to_dict") else qc)
+    dtype = _model_dtype(config, dtype)
+    device = torch.device(device)
+    entries = _read_headers(path)
+    del config.quantization_config  # build a plain model: Sailfish does the quantized layers
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # ties (e.g. lm_head to the embedding) decide which keys are needed
+    plan = _plan(model, entries, spec)
+
+    with contextlib.ExitStack() as stack:
+        files = {}
+
+        def read(key: str) -> torch.Tensor:
+            file = entries[key].file
+            if file not in files:
+                files[file] = stack.enter_context(safe_open(file, framework="pt"))
+            return files[file].get_tensor(key)
+
+        for key in plan.zero_biases:
+            if bool(read(key).any()):
+                raise ValueError(f"{key} is not zero, but the model's layer has no bias")
+        for name, linear in plan.layers.items():
+            t = {s: read(f"{name}.{s}").to(device) for s in _layer_tensors(spec, linear)}
+            bias = read(f"{name}.bias").to(device) if linear.bias is not None else None
+            try:
+                if spec.method == "gptq":
+                    g_idx = read(f"{name}.g_idx").to(device) if f"{name}.g_idx" in entries else None
+                    layer = QuantLinear.from_gptq(t["qweight"], t["qzeros"], t["scales"], g_idx, bias,
+                                                  group_size=spec.group_size, dtype=dtype)
+                else:
+                    layer = QuantLinear.from_awq(t["qweight"], t["qzeros"], t["scales"], bias,
+                                                 group_size=spec.group_size, dtype=dtype)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"{name}: {e}") from e
+            model.set_submodule(name, layer)
+        for key, pnames in plan.params.items():
+            like = model.get_parameter(pnames[0])
+            value = read(key).to(device=device, dtype=like.dtype)
+            tied = nn.Parameter(value, requires_grad=False)
+            for pname in pnames:  # one Parameter under every tied name
+                owner, _, attr = pname.rpartition(".")
+                (model.get_submodule(owner) if owner else model)._parameters[attr] = tied
+        for key in plan.buffers:
+            owner, _, attr = key.rpartition(".")
+            module = model.get_submodule(owner) if owner else model
+            module._buffers[attr] = read(key).to(dtype=module._buffers[attr].dtype)
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    if left:  # _plan accounts for every parameter; this guards against a model that re-creates some
+        raise RuntimeError(f"parameters left unloaded: {left[:5]}")
+    return model.to(device).eval()
+
+
+def save_quantized(model: nn.Module, path: str, *, max_shard_size: int = 4 << 30) -> None:
+    """Write `model` (a transformers model whose linear layers are Sailfish QuantLinear) as a
+    GPTQ checkpoint directory that GPTQ loaders (GPTQModel, vLLM, transformers) and
+    load_quantized read: config.json with quantization_config {quant_method "gptq", bits 4,
+    group_size, desc_act, sym, checkpoint_format "gptq"} and safetensors holding, per quantized
+    layer, qweight / qzeros / scales / g_idx (/ bias) (formats.gptq.to_gptq), plus every other
+    weight. Shards of at most max_shard_size bytes, with model.safetensors.index.json when
+    there is more than one.
+
+    All QuantLinear layers must share one group size and one dtype (the GPTQ config has one
+    of each); sym is written true only if every layer is symmetric (a symmetric layer is
+    stored with zero point 8, which reads back as symmetric), desc_act true if any layer has
+    act-order. QuantLinearW4A8 layers cannot be saved (no standard checkpoint format holds
+    them). `path` is created if needed and must not already hold *.safetensors files.
+    """
+    _require_hf()
+    from safetensors.torch import save_file
+
+    config = getattr(model, "config", None)
+    if not hasattr(config, "to_dict"):
+        raise TypeError(f"model must be a transformers model (with .config), got {type(model).__name__}")
+    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size <= 0:
+        raise ValueError(f"max_shard_size={max_shard_size!r} must be a positive number of bytes")
+    w4a8 = [n for n, m in model.named_modules() if isinstance(m, QuantLinearW4A8)]
+    if w4a8:
+        raise TypeError(f"{w4a8[0]} is a QuantLinearW4A8: W4A8 (QQQ) layers have no standard checkpoint "
+                        f"format, so save_quantized cannot write them ({len(w4a8)} such layers)")
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    if not layers:
+        raise ValueError("model has no QuantLinear layer to save (quantize it with sailfish.quantize_model)")
+    for what, values in (("group sizes", {n: m.group_size for n, m in layers.items()}),
+                         ("dtypes", {n: m.dtype for n, m in layers.items()})):
+        distinct = sorted(set(values.values()), key=str)
+        if len(distinct) > 1:
+            example = {v: next(n for n in values if values[n] == v) for v in distinct}
+            raise ValueError(f"the QuantLinear layers have different {what} {distinct} (e.g. {example}); "
+                             f"a GPTQ checkpoint has one for the whole model")
+    first = next(iter(layers.values()))
+    if os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path)):
+        raise FileExistsError(f"{path} already holds *.safetensors files; save into an empty directory")
+
+    tensors: Dict[str, torch.Tensor] = {}
+    for name, layer in layers.items():
+        try:
+            packed = to_gptq(layer.quantized_weight())
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from e
+        if layer.bias is not None:
+            packed["bias"] = layer.bias
+        tensors.update({f"{name}.{k}": v for k, v in packed.items()})
+    inside = tuple(f"{name}." for name in layers)
+    seen = set()
+    for key, t in model.state_dict().items():
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key.startswith(inside) or ident in seen:
+            continue  # quantized layers are written above; tied weights once (the loader re-ties)
+        seen.add(ident)
+        tensors[key] = t
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+
+    shards, size = [{}], 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    os.makedirs(path, exist_ok=True)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for name, shard in zip(names, shards):
+        save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": {k: name for name, shard in zip(names, shards) for k in shard}}
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in layers]
+    cfg = config.to_dict()
+    cfg["dtype" if "dtype" in cfg else "torch_dtype"] = str(first.dtype).removeprefix("torch.")
+    cfg["quantization_config"] = {
+        "quant_method": "gptq", "bits": 4, "group_size": first.group_size,
+        "desc_act": any(m.act_order for m in layers.values()),
+        "sym": all(m.sym for m in layers.values()),
+        "checkpoint_format": "gptq",
+        "lm_head": "lm_head" in layers,
+        "modules_to_not_convert": linears or None,
+    }
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
