@@ -278,7 +278,7 @@ def test_tp_model_gloo(fmt, reduce, tmp_path):
     # The workers run the PyTorch reference path (the kernels are covered above): the
     # interpreter would make each of the 3 processes compile every kernel again.
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "sailfish.bench.tp", "--nproc", "2", "--preset", "tiny",
+    cmd = [sys.executable, "-m", "sailfish.bench.tp", "--nproc", "2", "--preset", "tiny", "--replays", "1",
            "--format", fmt, "--reduce", reduce, "--json", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
