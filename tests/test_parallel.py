@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from helpers import TOL, make_g_idx, random_quantized, rel_err
-from sailfish import QuantLinear, QuantLinearW4A8, QuantizedWeight
-from sailfish.formats.qqq import QQQWeight, quantize_activations, quantize_qqq
+from sailfish import QuantLinear, QuantLinearW4A8, from_gptq, to_gptq
+from sailfish.formats.qqq import quantize_activations, quantize_qqq
 from sailfish.formats.shard import slice_qqq, slice_quantized, slice_weight
 from sailfish.parallel import (SailfishColwiseParallel, SailfishRowwiseParallel, shard_bias,
                                shard_layer, shard_quantized, shard_range)
@@ -188,6 +188,25 @@ def test_shard_leaves_layer_and_device(device):
     part = layer.shard(1, 2, 0)
     assert part.qweight.device.type == torch.device(device).type
     assert all(torch.equal(before[k], v) for k, v in layer.state_dict().items())
+
+
+@pytest.mark.parametrize("gidx", ["none", "descact"])
+def test_shard_from_gptq_checkpoint(gidx):
+    # what a loader does: GPTQ tensors -> canonical weight -> this rank's shard -> one packed
+    # shard layer; the same layer as sharding the fully built one
+    k, n = 512, 64
+    qw = random_quantized(k, n, 128, False, F16, make_g_idx(gidx, k, 128))
+    qw.zeros.clamp_(min=1)  # GPTQ stores zero - 1: a zero point of 0 has no encoding
+    bias = torch.randn(n).to(F16)
+    full = QuantLinear.from_quantized(qw, bias)
+    ckpt = to_gptq(qw)
+    for dim in (0, 1):
+        for r in range(2):
+            loaded = from_gptq(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], ckpt.get("g_idx"), group_size=128)
+            layer = QuantLinear.from_quantized(shard_quantized(loaded, r, 2, dim), shard_bias(bias, r, 2, dim))
+            ref = full.shard(r, 2, dim)
+            assert layer.state_dict().keys() == ref.state_dict().keys()
+            assert all(torch.equal(v, ref.state_dict()[key]) for key, v in layer.state_dict().items())
 
 
 # ----------------------------------------------------------------------------------
