@@ -287,6 +287,47 @@ def test_styles_reject_plain_linear_and_bad_reduce():
         SailfishRowwiseParallel(reduce="nccl")
 
 
+@pytest.fixture
+def mesh1():
+    """A one-rank gloo process group in this process (styles, hooks, in-place sharding)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("reduce", ["dtensor", "c10d"])
+def test_styles_shard_in_place(mesh1, reduce):
+    from torch.distributed.tensor.parallel import parallelize_module
+    model = nn.Sequential(w4a16_layer(256, 128, 128, True, "none", F16, True, "cpu"),
+                          w4a16_layer(128, 64, 64, False, "descact", F16, True, "cpu"))
+    first, calls = model[0], []
+    first.register_forward_pre_hook(lambda mod, args: calls.append(mod))
+    x = torch.randn(2, 256).to(F16)
+    y_ref = model(x)
+    plan = {"0": SailfishColwiseParallel(), "1": SailfishRowwiseParallel(reduce=reduce)}
+    assert parallelize_module(model, mesh1, plan) is model
+    assert model[0] is first and len(model[1]._forward_hooks) == 1  # in place, hooks kept
+    y = model(x)
+    assert torch.equal(y, y_ref) and calls == [first, first]
+    # shard=False: the layer is taken as this rank's shard; only the sum is attached
+    layer = w4a16_layer(128, 64, 64, False, "descact", F16, True, "cpu")
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    assert parallelize_module(layer, mesh1, SailfishRowwiseParallel(reduce=reduce, shard=False)) is layer
+    assert len(layer._forward_hooks) == 1
+    assert all(torch.equal(v, state[k]) for k, v in layer.state_dict().items())
+
+
+def test_styles_need_1d_mesh(mesh1):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh2 = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    with pytest.raises(ValueError, match=r"need a 1-D device mesh, got 2-D"):
+        SailfishColwiseParallel()._apply(w4a16_layer(256, 64, 128, True, "none", F16, False, "cpu"), mesh2)
+
+
 # ----------------------------------------------------------------------------------
 # A 2-process gloo run of the tensor-parallel example (python -m sailfish.bench.tp)
 # ----------------------------------------------------------------------------------

@@ -146,12 +146,19 @@ def _check_layer(style: str, module: nn.Module) -> None:
 class SailfishColwiseParallel(ParallelStyle):
     """Column parallel: each rank keeps N / world output features. The input is the whole
     x on every rank (replicated), the output the rank's slice of the last dimension, both
-    plain local tensors; typically the next layer is row parallel and consumes it as is."""
+    plain local tensors; typically the next layer is row parallel and consumes it as is.
+    shard=False: the module already is this rank's shard (a loader cut it with
+    shard_quantized), so nothing is done."""
+
+    def __init__(self, *, shard: bool = True):
+        super().__init__()
+        self.shard = shard
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         _check_layer(type(self).__name__, module)
         rank, world = _mesh_rank_world(device_mesh)
-        _become(module, shard_layer(module, rank, world, 0))
+        if self.shard:
+            _become(module, shard_layer(module, rank, world, 0))
         return module
 
 
@@ -159,18 +166,20 @@ class SailfishRowwiseParallel(ParallelStyle):
     """Row parallel: each rank keeps K / world input features and takes that slice of x
     (a local tensor, e.g. a column-parallel layer's output); the partial outputs are summed
     over the mesh, so every rank gets the whole y. reduce: "dtensor" (DTensor Partial ->
-    Replicate, functional collectives) or "c10d" (in-place torch.distributed.all_reduce)."""
+    Replicate, functional collectives) or "c10d" (in-place torch.distributed.all_reduce).
+    shard=False: the module already is this rank's shard; only the sum is added."""
 
-    def __init__(self, *, reduce: str = "dtensor"):
+    def __init__(self, *, reduce: str = "dtensor", shard: bool = True):
         super().__init__()
         if reduce not in REDUCE_MODES:
             raise ValueError(f"reduce={reduce!r} is not supported; allowed: {REDUCE_MODES}")
-        self.reduce = reduce
+        self.reduce, self.shard = reduce, shard
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         _check_layer(type(self).__name__, module)
         rank, world = _mesh_rank_world(device_mesh)
-        _become(module, shard_layer(module, rank, world, 1))
+        if self.shard:
+            _become(module, shard_layer(module, rank, world, 1))
         module.register_forward_hook(partial(_reduce_output, device_mesh, self.reduce))
         return module
 

@@ -306,6 +306,8 @@ def run_rank(rank: int, world: int, args) -> dict:
                          dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     check["rel_err"], t_tp, graph_err = (float(v) for v in worst)
+    if cuda:
+        check["rel_err_graph_vs_eager"] = graph_err
     t_1 = _step_ms(lambda: full(x), device, replays, mode) if rank == 0 else None
     dist.barrier()
     passed = check["rel_err"] <= check["bound"] and (not cuda or graph_err <= check["bound"])
@@ -373,15 +375,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name, low in (("nproc", 1), ("batch", 1), ("layers", 0), ("ctx", 0), ("replays", 0)):
+        if getattr(args, name) < low:
+            parser.error(f"--{name}={getattr(args, name)} must be >= {low}")
     # Never NVLink multicast (NVLS / symmetric-memory multicast) on the shared machines.
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     if "RANK" in os.environ:  # torchrun
         _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
         return 0
-    if args.nproc < 1:
-        raise SystemExit(f"--nproc={args.nproc} must be >= 1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     import torch.multiprocessing as mp
