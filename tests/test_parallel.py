@@ -331,19 +331,32 @@ def test_styles_need_1d_mesh(mesh1):
 # ----------------------------------------------------------------------------------
 # A 2-process gloo run of the tensor-parallel example (python -m sailfish.bench.tp)
 # ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("fmt,reduce", [("w4a16", "dtensor"), ("w4a8", "c10d")])
-def test_tp_model_gloo(fmt, reduce, tmp_path):
+def run_tp_bench(tmp_path, *args) -> dict:
     out = tmp_path / "tp.json"
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
-    # The workers run the PyTorch reference path (the kernels are covered above): the
+    # CPU workers run the PyTorch reference path (the kernels are covered above): the
     # interpreter would make each of the 3 processes compile every kernel again.
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "sailfish.bench.tp", "--nproc", "2", "--preset", "tiny", "--replays", "1",
-           "--format", fmt, "--reduce", reduce, "--json", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "sailfish.bench.tp", "--nproc", "2", "--preset", "tiny",
+           "--json", str(out), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads(out.read_text())
-    assert res["world_size"] == 2 and res["backend"] == "gloo" and res["format"] == fmt
-    assert res["check"]["passed"], res["check"]
+    assert res["world_size"] == 2 and res["check"]["passed"], res["check"]
     assert res["check"]["rel_err"] <= res["check"]["bound"]
     assert set(res["step_ms"]) == {"1", "2"}
+    return res
+
+
+@pytest.mark.parametrize("fmt,reduce", [("w4a16", "dtensor"), ("w4a8", "c10d")])
+def test_tp_model_gloo(fmt, reduce, tmp_path):
+    res = run_tp_bench(tmp_path, "--cpu", "--replays", "1", "--format", fmt, "--reduce", reduce)
+    assert res["backend"] == "gloo" and res["format"] == fmt and res["reduce"] == reduce
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("reduce", ["dtensor", "c10d"])
+def test_tp_model_nccl_cuda_graph(reduce, tmp_path):
+    res = run_tp_bench(tmp_path, "--reduce", reduce)
+    assert res["backend"] == "nccl" and res["cuda_graph"]
+    assert res["check"]["rel_err_graph_vs_eager"] <= res["check"]["bound"]

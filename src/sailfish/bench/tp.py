@@ -261,7 +261,11 @@ def run_rank(rank: int, world: int, args) -> dict:
 
     cuda = torch.cuda.is_available() and not args.cpu
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        if local >= torch.cuda.device_count():
+            raise RuntimeError(f"local rank {local} has no GPU ({torch.cuda.device_count()} visible); "
+                               f"use fewer processes or --cpu")
+        torch.cuda.set_device(local)
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
