@@ -15,14 +15,13 @@ Megatron plan: q/k/v/gate/up column parallel (sailfish.parallel.SailfishColwiseP
 o/down row parallel with a sum over ranks (SailfishRowwiseParallel), attention and KV cache
 split by heads (KVHeadsParallel below). Every rank builds the same full model (rank 0's
 buffers are broadcast), shards a copy of it, and checks the sharded output against the
-unsharded one:
-  W4A16: rel. error <= the kernel tolerance (2e-3 fp16, 4e-3 bf16) x sqrt(2 * layers): the
-         ranks' partial sums are each rounded to the activation dtype before they are added,
-         one extra output rounding per row-parallel layer.
-  W4A8:  each row shard quantizes its own slice of x per token (finer scales than the whole
-         row), so TP and 1-GPU outputs differ by activation rounding; the check is that the TP
-         model is no less accurate: err(TP) <= 1.5 x err(1 GPU), both against the fp32 model
-         with the same dequantized weights and unquantized activations.
+unsharded one. They differ by rounding only: the ranks' partial sums are each rounded to
+the activation dtype before they are added, and W4A8 row shards quantize their own slice of x
+per token (finer scales than the whole row). So the check is that TP and 1 GPU differ by no
+more than the 1-GPU model's own rounding error against the fp32 model (the same dequantized
+weights, unquantized fp32 activations): rel_err(TP, 1 GPU) <= 2 x rel_err(1 GPU, fp32), where
+two independent errors of that size would differ by about 1.4 x. A wrong shard, a missing or
+doubled sum or bias gives errors of 10 % and more.
 
 On CUDA each step is captured in one CUDA graph (capture_error_mode "thread_local", as NCCL
 inside a graph needs); step time = median of --replays replays (max over ranks). Rank 0
@@ -61,8 +60,9 @@ PRESETS = {
 }
 FORMATS = ("w4a16", "w4a8")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-KERNEL_TOL = {torch.float16: 2e-3, torch.bfloat16: 4e-3}  # as tests/helpers.py TOL
-W4A8_RATIO = 1.5
+# TP and 1 GPU differ by rounding noise of the kind the 1-GPU model carries against exact
+# arithmetic (e); two independent noises of size e differ by about sqrt(2) e.
+NOISE_RATIO = 2.0
 
 
 @dataclass
@@ -290,16 +290,12 @@ def run_rank(rank: int, world: int, args) -> dict:
     dist.broadcast(x, src=0)
 
     y_full, y_tp = full(x), tp(x)  # eager: also runs autotuning outside the graphs
-    check = {"rel_err_tp_vs_1": _rel_err(y_tp, y_full)}
-    if args.format == "w4a16":
-        check["bound"] = KERNEL_TOL[dtype] * math.sqrt(2 * cfg.layers)
-        check["rel_err"] = check["rel_err_tp_vs_1"]
-        check["criterion"] = "rel_err(TP, 1 GPU) <= kernel tolerance x sqrt(2 x layers)"
-    else:
-        ref = float_reference(full)(x.float())
-        e_tp, e_1 = _rel_err(y_tp, ref), _rel_err(y_full, ref)
-        check.update(rel_err=e_tp, err_1gpu_vs_fp32=e_1, bound=W4A8_RATIO * e_1,
-                     criterion=f"rel_err(TP, fp32 model) <= {W4A8_RATIO} x rel_err(1 GPU, fp32 model)")
+    ref = float_reference(full)(x.float())
+    check = {"rel_err_tp_vs_1": _rel_err(y_tp, y_full), "rel_err_1_vs_fp32": _rel_err(y_full, ref),
+             "rel_err_tp_vs_fp32": _rel_err(y_tp, ref)}
+    del ref
+    check.update(rel_err=check["rel_err_tp_vs_1"], bound=NOISE_RATIO * check["rel_err_1_vs_fp32"],
+                 criterion=f"rel_err(TP, 1 GPU) <= {NOISE_RATIO:g} x rel_err(1 GPU, fp32 model)")
 
     mode = "thread_local"
     graph_out: dict = {}
@@ -334,8 +330,9 @@ def _report(res: dict, path: str) -> None:
     print(f"{res['preset']} x{res['config']['layers']} layers, {res['format']} g{res['group_size']} "
           f"{res['dtype']}, batch {res['config']['batch']}, {res['device']}, {res['backend']} "
           f"({res['reduce']}), CUDA graph: {res['cuda_graph']}")
-    print(f"check: rel_err {c['rel_err']:.3e} <= bound {c['bound']:.3e}: "
-          f"{'passed' if c['passed'] else 'FAILED'} ({c['criterion']})")
+    print(f"check: rel_err(TP, 1 GPU) {c['rel_err']:.3e}, bound {c['bound']:.3e}: "
+          f"{'passed' if c['passed'] else 'FAILED'} ({c['criterion']}; 1 GPU vs fp32 "
+          f"{c['rel_err_1_vs_fp32']:.3e}, TP vs fp32 {c['rel_err_tp_vs_fp32']:.3e})")
     for w, t in res["step_ms"].items():
         print(f"world size {w}: step {t:.4f} ms" if t is not None else f"world size {w}: not timed")
     with open(path, "w") as f:
