@@ -190,6 +190,12 @@ class QuantLinear(nn.Module):
         """float32 (N, K): exactly the weight the kernels multiply by."""
         return unpack(self.packed()).dequantize()
 
+    def shard(self, rank: int, world_size: int, dim: int) -> "QuantLinear":
+        """Tensor-parallel shard as a new layer: dim=0 output features (column parallel),
+        dim=1 input features (row parallel, bias on rank 0 only); see sailfish.parallel."""
+        from .parallel import shard_layer
+        return shard_layer(self, rank, world_size, dim)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype:
             raise TypeError(f"input dtype {x.dtype} does not match the layer dtype {self.dtype}")
@@ -297,6 +303,12 @@ class QuantLinearW4A8(nn.Module):
         """float32 (N, K): the effective weight s_ch[n] * w8[n, k]; layer(x) equals
         (per-token int8 x) @ dequantize().T + bias up to the output rounding."""
         return self.quantized_weight().dequantize()
+
+    def shard(self, rank: int, world_size: int, dim: int) -> "QuantLinearW4A8":
+        """Tensor-parallel shard as a new layer: dim=0 output features (column parallel),
+        dim=1 input features (row parallel, bias on rank 0 only); see sailfish.parallel."""
+        from .parallel import shard_layer
+        return shard_layer(self, rank, world_size, dim)
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.dtype not in HALF_DTYPES:

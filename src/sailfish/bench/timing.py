@@ -27,17 +27,32 @@ def graph_time_us(calls: Sequence[Callable[[], object]], replays: int = 20, warm
 
     `calls` should already have been run once (compilation, autotuning) outside the graph.
     """
+    graph = capture_graph(calls)
+    t = replay_time_us(graph, replays, warmup) / len(calls)
+    del graph
+    return t
+
+
+def capture_graph(calls: Sequence[Callable[[], object]], capture_error_mode: str = "global"):
+    """One CUDA graph of `calls`, after a warm-up run on the capture stream (allocator, lazy
+    init). capture_error_mode="thread_local" lets other threads (NCCL's watchdog) make CUDA
+    calls during the capture, as collectives inside a graph need."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for fn in calls:  # warm-up on the capture stream (allocator, lazy init)
+        for fn in calls:
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode=capture_error_mode):
         for fn in calls:
             fn()
+    return graph
+
+
+def replay_time_us(graph, replays: int = 20, warmup: int = 2) -> float:
+    """Median wall time of one replay of `graph` (us), timed with CUDA events."""
     for _ in range(warmup):
         graph.replay()
     torch.cuda.synchronize()
@@ -49,8 +64,7 @@ def graph_time_us(calls: Sequence[Callable[[], object]], replays: int = 20, warm
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
-    del graph
-    return statistics.median(times) / len(calls)
+    return statistics.median(times)
 
 
 def hbm_ceiling_gbps(nbytes: int = 2 << 30, reps: int = 10) -> float:

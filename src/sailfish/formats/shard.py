@@ -1,0 +1,136 @@
+"""Exact slices of 4-bit weights along output (N) or input (K) features: the format half
+of tensor parallelism. Pure PyTorch, on the canonical (unpacked) weights, so a slice never
+depends on a kernel's packed layout: a layer is unpacked, sliced here, then packed again.
+
+    dim=0, [start, stop) of N:  every tensor indexed by n is cut; groups are untouched.
+    dim=1, [start, stop) of K:  codes and g_idx are cut; the scale rows are those of the
+                                groups the slice touches.
+
+Plain group layouts (no g_idx) can only be cut on group boundaries (a multiple of the group
+size, or K itself), since a group's scale row is shared by its channels in both halves.
+
+Act-order (g_idx) weights can be cut anywhere: the slice keeps its channels in the original
+order, its g_idx is renumbered 0 .. T-1 over the T groups it touches (in increasing order,
+so the kernels' sort by group still visits each group's channels in the original order),
+and the scale / zero rows are those T groups'. A QuantizedWeight with K' input channels has
+ceil(K' / group_size) scale rows; when T is smaller the extra rows are unused (scale 0), and
+when T is larger -- the usual case for GPTQ desc_act, whose groups are scattered over all
+of K -- the slice is stored with the largest smaller group size whose ceil(K' / group_size)
+rows hold T groups. With a g_idx the group size only sizes the scale table (g_idx alone
+says which scale multiplies which channel), so this changes no weight.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from .int4 import GROUP_SIZES, QuantizedWeight, num_groups
+from .qqq import QQQWeight
+
+Weight = Union[QuantizedWeight, QQQWeight]
+
+
+def _check_range(dim: int, start: int, stop: int, n: int, k: int) -> int:
+    """Validate a slice request; return the size of the sliced dimension."""
+    if dim not in (0, 1):
+        raise ValueError(f"dim={dim!r} is not supported; allowed: 0 (output features), 1 (input features)")
+    for name, v in (("start", start), ("stop", stop)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    size = n if dim == 0 else k
+    what = "out_features" if dim == 0 else "in_features"
+    if not 0 <= start < stop <= size:
+        raise ValueError(f"slice [{start}, {stop}) is not a non-empty range inside {what}={size}")
+    return size
+
+
+def _group_rows(start: int, stop: int, k: int, group_size: int) -> slice:
+    """The scale rows of the plain groups [start, stop) of K covers, which must start and end
+    on group boundaries (stop == K ends the ragged last group)."""
+    if group_size == -1:
+        return slice(0, 1)
+    for edge in (start, stop):
+        if edge % group_size and edge != k:
+            raise ValueError(
+                f"input-feature slice [{start}, {stop}) of in_features={k} cuts a group of "
+                f"group_size={group_size}: a slice of a grouped weight must start and end on a "
+                f"group boundary (a multiple of {group_size}, or in_features)")
+    return slice(start // group_size, -(-stop // group_size))
+
+
+def _act_order_slice(qw: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
+    g_idx = qw.g_idx[start:stop]
+    touched, local = torch.unique(g_idx.long(), sorted=True, return_inverse=True)
+    t, k_new = touched.numel(), stop - start
+    group_size = qw.group_size
+    if num_groups(k_new, group_size) < t:
+        fits = [g for g in sorted(GROUP_SIZES, reverse=True) if 0 < g < group_size and num_groups(k_new, g) >= t]
+        if not fits:
+            g_min = min(g for g in GROUP_SIZES if g > 0)
+            raise ValueError(
+                f"act-order slice [{start}, {stop}) touches {t} groups, but a weight with "
+                f"in_features={k_new} holds at most ceil({k_new} / {g_min}) = {num_groups(k_new, g_min)} "
+                f"scale rows (group_size={g_min}, the smallest); use fewer shards along in_features")
+        group_size = fits[0]
+    rows = num_groups(k_new, group_size)
+    n = qw.out_features
+
+    def gather(t_full: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if t_full is None:
+            return None
+        out = torch.zeros((rows, n), dtype=t_full.dtype, device=t_full.device)
+        out[:t] = t_full[touched]
+        return out
+
+    return QuantizedWeight(_cut(qw.qweight, (slice(None), slice(start, stop))), gather(qw.scales), gather(qw.zeros),
+                           local.to(torch.int32), group_size, qw.bits)
+
+
+def _cut(t: Optional[torch.Tensor], index) -> Optional[torch.Tensor]:
+    # A compact copy, never a view: a shard must not keep the full tensor's storage alive.
+    return None if t is None else t[index].clone(memory_format=torch.contiguous_format)
+
+
+def slice_quantized(qw: QuantizedWeight, dim: int, start: int, stop: int) -> QuantizedWeight:
+    """Output features (dim=0) or input features (dim=1) [start, stop) of a W4A16 weight,
+    exactly: the slice's dequantize() equals the same slice of qw.dequantize()."""
+    if not isinstance(qw, QuantizedWeight):
+        raise TypeError(f"qw must be a QuantizedWeight, got {type(qw).__name__}")
+    _check_range(dim, start, stop, *qw.qweight.shape)
+    if dim == 0:  # scales / zeros are (G, N)
+        cols = (slice(None), slice(start, stop))
+        return QuantizedWeight(_cut(qw.qweight, slice(start, stop)), _cut(qw.scales, cols),
+                               _cut(qw.zeros, cols), _cut(qw.g_idx, slice(None)), qw.group_size, qw.bits)
+    if qw.g_idx is not None:
+        return _act_order_slice(qw, start, stop)
+    rows = _group_rows(start, stop, qw.in_features, qw.group_size)
+    return QuantizedWeight(_cut(qw.qweight, (slice(None), slice(start, stop))), _cut(qw.scales, rows),
+                           _cut(qw.zeros, rows), None, qw.group_size, qw.bits)
+
+
+def slice_qqq(qw: QQQWeight, dim: int, start: int, stop: int) -> QQQWeight:
+    """Output features (dim=0) or input features (dim=1) [start, stop) of a W4A8 (QQQ)
+    weight, exactly: the slice's int8_weight() and dequantize() equal the same slices of qw's."""
+    if not isinstance(qw, QQQWeight):
+        raise TypeError(f"qw must be a QQQWeight, got {type(qw).__name__}")
+    _check_range(dim, start, stop, *qw.qweight.shape)
+    if dim == 0:  # s_ch is (N,), s_g (G, N)
+        return QQQWeight(_cut(qw.qweight, slice(start, stop)), _cut(qw.s_ch, slice(start, stop)),
+                         _cut(qw.s_g, (slice(None), slice(start, stop))), qw.group_size)
+    rows = _group_rows(start, stop, qw.in_features, qw.group_size)
+    # s_ch is per output channel: every input slice keeps all of it.
+    return QQQWeight(_cut(qw.qweight, (slice(None), slice(start, stop))), qw.s_ch.clone(),
+                     _cut(qw.s_g, rows), qw.group_size)
+
+
+def slice_weight(qw: Weight, dim: int, start: int, stop: int) -> Weight:
+    """slice_quantized or slice_qqq, by the weight's type."""
+    if isinstance(qw, QQQWeight):
+        return slice_qqq(qw, dim, start, stop)
+    if isinstance(qw, QuantizedWeight):
+        return slice_quantized(qw, dim, start, stop)
+    raise TypeError(f"qw must be a QuantizedWeight or a QQQWeight, got {type(qw).__name__}")
+
+
+__all__ = ["slice_quantized", "slice_qqq", "slice_weight"]

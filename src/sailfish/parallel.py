@@ -1,0 +1,192 @@
+"""Tensor parallelism for Sailfish layers (Megatron-style, over torch.distributed).
+
+A linear layer y = x @ W^T + b, W of shape (N, K), is split over `world_size` ranks:
+
+    dim=0 (column parallel): rank r keeps output features [r*N/w, (r+1)*N/w) and their bias;
+          every rank takes the whole x and the outputs are concatenated.
+    dim=1 (row parallel):    rank r keeps input features [r*K/w, (r+1)*K/w) (original channel
+          order) and takes that slice of x; the outputs are summed (an all-reduce). Only
+          rank 0 keeps the bias, so that it is added once.
+
+`shard_quantized` cuts a canonical weight (QuantizedWeight / QQQWeight, formats/shard.py)
+and checks that every shard obeys the kernels' shape rules, so a loader can shard each
+layer's unpacked checkpoint tensors before packing (no full layer on one GPU);
+`shard_layer` (QuantLinear.shard, QuantLinearW4A8.shard) does the same for a built layer
+by unpacking, slicing and packing again, independent of the packed layout.
+
+W4A8 row shards quantize their own slice of x per token, as an unsharded layer quantizes
+all of x: the summed output is sum_r Q(x_r) @ W_r^T, which differs from the unsharded
+Q(x) @ W^T by activation rounding only (each slice gets its own, finer, scale).
+
+`SailfishColwiseParallel` / `SailfishRowwiseParallel` are torch.distributed.tensor.parallel
+ParallelStyles, so a plan for `parallelize_module` can name Sailfish layers next to
+torch's own styles. They shard the module in place (parallelize_module does not put a
+returned module back into its parent) and keep inputs and outputs as plain local tensors:
+the layers run custom ops, which DTensor has no sharding rules for. The row-parallel
+style sums the outputs with DTensor (Partial -> Replicate, what RowwiseParallel does) or
+with a plain in-place torch.distributed.all_reduce (`reduce="c10d"`).
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from .formats.int4 import QuantizedWeight
+from .formats.qqq import QQQWeight
+from .formats.shard import slice_weight
+from .nn import QuantLinear, QuantLinearW4A8, check_shape
+
+Weight = Union[QuantizedWeight, QQQWeight]
+Layer = Union[QuantLinear, QuantLinearW4A8]
+REDUCE_MODES = ("dtensor", "c10d")
+
+
+def _check_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+
+
+def shard_range(size: int, rank: int, world_size: int, dim: int) -> Tuple[int, int]:
+    """[start, stop) of rank `rank` when `size` features along `dim` are split evenly."""
+    for name, v in (("rank", rank), ("world_size", world_size), ("dim", dim)):
+        _check_int(name, v)
+    if dim not in (0, 1):
+        raise ValueError(f"dim={dim} is not supported; allowed: 0 (column parallel: output "
+                         f"features), 1 (row parallel: input features)")
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
+    what = "out_features" if dim == 0 else "in_features"
+    if size % world_size:
+        raise ValueError(f"{what}={size} is not divisible by world_size={world_size}: dim={dim} "
+                         f"splits it into equal shards")
+    part = size // world_size
+    return rank * part, (rank + 1) * part
+
+
+def shard_quantized(qw: Weight, rank: int, world_size: int, dim: int) -> Weight:
+    """Rank `rank`'s shard of a canonical weight (QuantizedWeight or QQQWeight), ready for
+    from_quantized: dim=0 keeps output features, dim=1 input features (see the module doc).
+
+    Raises ValueError when the shard would break the kernels' shape rules (K a multiple of
+    16, N a multiple of 8), cut a group (dim=1 of a grouped weight without g_idx: K / world
+    must be a multiple of group_size), or the split is uneven."""
+    if not isinstance(qw, (QuantizedWeight, QQQWeight)):
+        raise TypeError(f"qw must be a QuantizedWeight or a QQQWeight, got {type(qw).__name__}")
+    n, k = qw.qweight.shape
+    start, stop = shard_range(n if dim == 0 else k, rank, world_size, dim)
+    n_s, k_s = (stop - start, k) if dim == 0 else (n, stop - start)
+    err = check_shape(k_s, n_s)
+    if err:
+        raise ValueError(f"shard {rank} of {world_size} along dim={dim} of a (N={n}, K={k}) weight "
+                         f"has (N={n_s}, K={k_s}), which breaks the shape rule: {err}")
+    return slice_weight(qw, dim, start, stop)
+
+
+def shard_bias(bias: Optional[torch.Tensor], rank: int, world_size: int, dim: int) -> Optional[torch.Tensor]:
+    """The bias a shard keeps: its slice (dim=0), or all of it on rank 0 and none elsewhere (dim=1)."""
+    if dim == 0 and bias is not None:
+        start, stop = shard_range(bias.shape[0], rank, world_size, dim)
+        return bias.detach()[start:stop].clone()
+    shard_range(world_size, rank, world_size, dim)  # validates the arguments
+    return None if bias is None or rank != 0 else bias.detach().clone()
+
+
+def shard_layer(layer: Layer, rank: int, world_size: int, dim: int) -> Layer:
+    """A new layer of the same class holding rank `rank`'s shard of `layer` (see the
+    module doc); `layer` is left unchanged. Goes through the canonical weight
+    (unpack -> slice -> pack), so it does not depend on the packed layout."""
+    if not isinstance(layer, (QuantLinear, QuantLinearW4A8)):
+        raise TypeError(f"layer must be a QuantLinear or a QuantLinearW4A8, got {type(layer).__name__}")
+    qw = shard_quantized(layer.quantized_weight(), rank, world_size, dim)
+    return type(layer).from_quantized(qw, shard_bias(layer.bias, rank, world_size, dim))
+
+
+# ----------------------------------------------------------------------------------
+# torch.distributed.tensor.parallel styles
+# ----------------------------------------------------------------------------------
+def _mesh_rank_world(device_mesh) -> Tuple[int, int]:
+    if device_mesh.ndim != 1:
+        raise ValueError(f"Sailfish parallel styles need a 1-D device mesh, got {device_mesh.ndim}-D "
+                         f"(slice the tensor-parallel dimension, e.g. mesh['tp'])")
+    return device_mesh.get_local_rank(), device_mesh.size()
+
+
+def _become(module: nn.Module, new: nn.Module) -> None:
+    """Give `module` the state of `new` (buffers, shapes, flags) but keep its own hooks, so
+    a module can be sharded in place, as parallelize_module's dict plans require."""
+    for key, value in vars(new).items():
+        if "hook" not in key:
+            module.__dict__[key] = value
+
+
+def all_reduce_sum(y: torch.Tensor, device_mesh, reduce: str = "dtensor") -> torch.Tensor:
+    """The sum of every rank's `y` (row-parallel partial outputs) over a 1-D mesh."""
+    if reduce == "dtensor":
+        return DTensor.from_local(y, device_mesh, [Partial()], run_check=False).full_tensor()
+    if reduce == "c10d":
+        dist.all_reduce(y, group=device_mesh.get_group())
+        return y
+    raise ValueError(f"reduce={reduce!r} is not supported; allowed: {REDUCE_MODES}")
+
+
+def _check_layer(style: str, module: nn.Module) -> None:
+    if not isinstance(module, (QuantLinear, QuantLinearW4A8)):
+        raise TypeError(f"{style} applies to QuantLinear and QuantLinearW4A8, got "
+                        f"{type(module).__name__} (torch's own styles handle nn.Linear)")
+
+
+class SailfishColwiseParallel(ParallelStyle):
+    """Column parallel: each rank keeps N / world output features. The input is the whole
+    x on every rank (replicated), the output the rank's slice of the last dimension, both
+    plain local tensors; typically the next layer is row parallel and consumes it as is.
+    shard=False: the module already is this rank's shard (a loader cut it with
+    shard_quantized), so nothing is done."""
+
+    def __init__(self, *, shard: bool = True):
+        super().__init__()
+        self.shard = shard
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        _check_layer(type(self).__name__, module)
+        rank, world = _mesh_rank_world(device_mesh)
+        if self.shard:
+            _become(module, shard_layer(module, rank, world, 0))
+        return module
+
+
+class SailfishRowwiseParallel(ParallelStyle):
+    """Row parallel: each rank keeps K / world input features and takes that slice of x
+    (a local tensor, e.g. a column-parallel layer's output); the partial outputs are summed
+    over the mesh, so every rank gets the whole y. reduce: "dtensor" (DTensor Partial ->
+    Replicate, functional collectives) or "c10d" (in-place torch.distributed.all_reduce).
+    shard=False: the module already is this rank's shard; only the sum is added."""
+
+    def __init__(self, *, reduce: str = "dtensor", shard: bool = True):
+        super().__init__()
+        if reduce not in REDUCE_MODES:
+            raise ValueError(f"reduce={reduce!r} is not supported; allowed: {REDUCE_MODES}")
+        self.reduce, self.shard = reduce, shard
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        _check_layer(type(self).__name__, module)
+        rank, world = _mesh_rank_world(device_mesh)
+        if self.shard:
+            _become(module, shard_layer(module, rank, world, 1))
+        module.register_forward_hook(partial(_reduce_output, device_mesh, self.reduce))
+        return module
+
+
+def _reduce_output(device_mesh, reduce: str, module, inputs, output: torch.Tensor) -> torch.Tensor:
+    return all_reduce_sum(output, device_mesh, reduce)
+
+
+__all__ = ["shard_range", "shard_quantized", "shard_bias", "shard_layer", "all_reduce_sum",
+           "SailfishColwiseParallel", "SailfishRowwiseParallel", "REDUCE_MODES"]
