@@ -5,6 +5,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 from typing import Dict, List, Optional, Sequence, Tuple
 
 ROW_KEYS = ("kernel", "K", "N", "M", "dtype", "group_size", "time_us", "gbps", "roofline",
@@ -252,7 +253,8 @@ def line_panels(path: str, panels: Sequence[Tuple[str, Sequence[tuple]]], *, tit
         return None
     ncol = min(4, max(1, len(panels)))
     nrow = -(-len(panels) // ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.4 * nrow), squeeze=False)
+    width = max(4.2 * ncol, 8.0)  # room for the title and legend even with one panel
+    fig, axes = plt.subplots(nrow, ncol, figsize=(width, 3.4 * nrow), squeeze=False)
     for idx, (panel_title, series) in enumerate(panels):
         ax = axes[idx // ncol][idx % ncol]
         xs = set()
@@ -286,9 +288,12 @@ def line_panels(path: str, panels: Sequence[Tuple[str, Sequence[tuple]]], *, tit
                 if lab not in leg:
                     handles.append(h)
                     leg.append(lab)
-    fig.legend(handles, leg, loc="lower center", ncol=min(5, max(1, len(leg))), fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.06 + 0.02 * (len(leg) // 5), 1, 0.96))
+    # legend columns as wide as the longest label allows (about 13 characters an inch at size 8)
+    leg_cols = max(1, min(5, len(leg), int(width * 13 / (max(map(len, leg), default=1) + 6))))
+    leg_rows = -(-len(leg) // leg_cols)
+    fig.legend(handles, leg, loc="lower center", ncol=leg_cols, fontsize=8)
+    fig.suptitle(textwrap.fill(title, int(width * 11)), fontsize=10)
+    fig.tight_layout(rect=(0, (0.03 + 0.045 * leg_rows) / nrow, 1, 0.93 if len(title) > width * 11 else 0.96))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
