@@ -133,6 +133,33 @@ def test_decoder_matches_an_uncached_forward(tiny):
             dec.seek(16)
 
 
+def test_decode_step_never_reads_the_device_on_the_host(tiny, monkeypatch):
+    """What lets one CUDA graph hold the step: transformers' Llama with a StaticCache and the
+    Decoder never turn a tensor into a Python value during a decode step (the prompt forward
+    does: the control check below)."""
+    reads = []
+
+    def trap(name):
+        orig = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            reads.append(name)
+            return orig(self, *args, **kwargs)
+        return read
+
+    dec = L.Decoder(tiny, batch=2, context=16)
+    dec.seek(8)
+    with torch.no_grad():
+        dec.step()  # first call: lazy set-up is allowed to read
+        for name in ("__bool__", "item", "tolist", "__int__", "__float__", "__index__", "numpy"):
+            monkeypatch.setattr(torch.Tensor, name, trap(name))
+        dec.step()
+        dec.step()
+        assert reads == []
+        L.Decoder(tiny, batch=2, context=16).forward(torch.zeros(2, 4, dtype=torch.long))
+        assert reads  # the trap works: the prompt's mask check reads a tensor
+
+
 def test_greedy_agreement_detects_a_different_model(tiny):
     with torch.no_grad():
         same = L.greedy_agreement(tiny, L.shared_copy(tiny), batch=2, prompt=4, steps=2)
@@ -197,6 +224,18 @@ def _check_document(doc, variants, modes, batches):
             assert 0.0 <= c["agreement"] <= 1.0 and c["tokens_compared"] == c["batch"] * (c["steps"] + 1)
             assert c["logits_rel_err"] < (0.05 if name == "w4a8" else 1e-2)
     return checks
+
+
+def test_budget_skips_what_does_not_fit(tmp_path, capsys):
+    rc = E.main(["--device", "cpu", "--budget-s", "0.001", "--variants", "fp16,w4a16", "--out-dir", str(tmp_path),
+                 "--name", "b"])
+    assert rc == 2, capsys.readouterr().out[-2000:]  # nothing ran
+    doc = json.loads((tmp_path / "b.json").read_text())
+    assert not doc["decode"] and not doc["errors"] and doc["settings"]["budget_s"] == 0.001
+    skipped = [(k["variant"], k["unit"], k["batch"]) for k in doc["skipped"]]
+    per_variant = [("build", None), ("eager", 1), ("eager", 2), ("prefill", None), ("check", None)]
+    assert skipped == [(v, u, b) for v in ("fp16", "w4a16") for u, b in per_variant]
+    assert doc["skipped"][0]["reason"].startswith("budget") and "build" in doc["skipped"][1]["reason"]
 
 
 def test_cpu_check_end_to_end(tmp_path, monkeypatch, capsys):

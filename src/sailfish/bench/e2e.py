@@ -195,14 +195,15 @@ def resolve(args, cuda: bool, ap: argparse.ArgumentParser) -> Settings:
                  check_prompt=pick(args.check_prompt, "check_prompt", 64),
                  budget_s=args.budget_s if args.budget_s is not None else (GPU_BUDGET_S if cuda else 0.0),
                  seed=args.seed)
-    checks = [("--layers", s.layers, 1, f"at most {full} ({MODELS[model].name})", s.layers <= full),
-              ("--warmup", s.warmup, 0, "", True), ("--steps", s.steps, 1, "", True),
-              ("--replays", s.replays, 3, "", True), ("--prefill", s.prefill, 0, "", True),
-              ("--check-batch", s.check_batch, 1, "", True), ("--check-steps", s.check_steps, 1, "", True),
-              ("--check-prompt", s.check_prompt, 1, "", True), ("--budget-s", s.budget_s, 0, "", True)]
-    for flag, value, low, extra, ok in checks:
-        if value < low or not ok:
-            ap.error(f"{flag}={value} is not allowed: use >= {low}" + (f" and {extra}" if extra else ""))
+    minimum = {"--layers": (s.layers, 1), "--warmup": (s.warmup, 0), "--steps": (s.steps, 1),
+               "--replays": (s.replays, 3), "--prefill": (s.prefill, 0), "--check-batch": (s.check_batch, 1),
+               "--check-steps": (s.check_steps, 1), "--check-prompt": (s.check_prompt, 1),
+               "--budget-s": (s.budget_s, 0)}
+    for flag, (value, low) in minimum.items():
+        if value < low:
+            ap.error(f"{flag}={value} is not allowed: use >= {low}")
+    if s.layers > full:
+        ap.error(f"--layers={s.layers} is more than {MODELS[model].name} has ({full})")
     if s.context <= s.reserve():
         ap.error(f"--context={s.context} is too short: the timed steps use the last {s.reserve()} "
                  "positions of the cache (fewer --steps/--replays/--warmup, or a longer context)")
@@ -466,44 +467,39 @@ class Runner:
             for mode in ("graph", "compile"):
                 if mode in s.modes:
                     self.skip_all(mode, "needs CUDA")
-        per_batch = ("eager" in s.modes) + (2 if s.cuda and "graph" in s.modes else 0)
         for name in s.variants:
-            model = self.unit("build", name, None, lambda: self.build(name))
-            if model is None:  # skipped or failed: so are its units
-                self.prog.step(len(s.batches) * per_batch + bool(s.prefill) + s.check)
-                continue
-            for b in s.batches:
-                if "eager" in s.modes:
-                    self._record_decode(name, "eager", b, self.unit("eager", name, b, lambda: self.eager(model, b)))
-                if s.cuda and "graph" in s.modes:
-                    self._record_decode(name, "graph", b, self.unit("graph", name, b, lambda: self.graph(model, b)))
-                    sp = self.unit("split", name, b, lambda: self.split(model, b))
-                    if sp is not None:
-                        self.res.split.append(dict(variant=name, batch=b, **sp))
-            if s.prefill:
-                pf = self.unit("prefill", name, None, lambda: self.prefill(model))
-                if pf is not None:
-                    self.res.prefill.append(dict(variant=name, **pf))
-                    self.prog.line(f"{name:<16} prefill  {pf['tokens']} tokens  {pf['time_us'] / 1e3:9.3f} ms",
-                                   counted=True)
-            if s.check:
-                ck = self.unit("check", name, None, lambda: self.check(name, model))
-                if ck is not None:
-                    self.res.correctness.append(dict(variant=name, **ck))
-                    self.prog.line(f"{name:<16} {correctness_line(ck)}", counted=True)
-            model = None
-            self._free()
-        if not (s.cuda and "compile" in s.modes):
+            self._variant(name, measure_units(s))
+        if s.cuda and "compile" in s.modes:  # the most expensive units last, each variant rebuilt
+            for name in s.variants:
+                self._variant(name, [("compile", b) for b in s.batches])
+
+    def _variant(self, name: str, units: Sequence[tuple]) -> None:
+        model = self.unit("build", name, None, lambda: self.build(name))
+        if model is None:  # skipped or failed: so are its units
+            for kind, batch in units:
+                self.res.skipped.append({"variant": name, "unit": kind, "batch": batch,
+                                         "reason": "the variant's build was skipped or failed"})
+            self.prog.step(len(units))
             return
-        for name in s.variants:  # the compile pass: the most expensive units last
-            model = self.unit("build", name, None, lambda: self.build(name))
-            if model is None:
-                self.prog.step(len(s.batches))
+        run = {"eager": self.eager, "graph": self.graph, "compile": self.compile, "split": self.split,
+               "prefill": lambda m, _: self.prefill(m), "check": lambda m, _: self.check(name, m)}
+        for kind, b in units:
+            out = self.unit(kind, name, b, lambda: run[kind](model, b))
+            if out is None:
                 continue
-            for b in s.batches:
-                self._record_decode(name, "compile", b, self.unit("compile", name, b, lambda: self.compile(model, b)))
-            model = None
-            self._free()
+            if kind in MODES:
+                self._record_decode(name, kind, b, out)
+            elif kind == "split":
+                self.res.split.append(dict(variant=name, batch=b, **out))
+            elif kind == "prefill":
+                self.res.prefill.append(dict(variant=name, **out))
+                self.prog.line(f"{name:<16} prefill  {out['tokens']} tokens  {out['time_us'] / 1e3:9.3f} ms",
+                               counted=True)
+            else:
+                self.res.correctness.append(dict(variant=name, **out))
+                self.prog.line(f"{name:<16} {correctness_line(out)}", counted=True)
+        model = run = None
+        self._free()
 
     def _record_decode(self, name: str, mode: str, batch: int, out: Optional[dict]) -> None:
         if out is None:
@@ -517,11 +513,18 @@ class Runner:
                        + (f"  (compiled in {row['compile_s']:.0f} s)" if "compile_s" in row else ""), counted=True)
 
 
+def measure_units(s: Settings) -> List[tuple]:
+    """(kind, batch) of the first pass's units after a variant's build, in run order."""
+    units: List[tuple] = []
+    for b in s.batches:
+        units += [("eager", b)] if "eager" in s.modes else []
+        units += [("graph", b), ("split", b)] if s.cuda and "graph" in s.modes else []
+    return units + [("prefill", None)] * bool(s.prefill) + [("check", None)] * s.check
+
+
 def progress_total(s: Settings) -> int:
-    per_batch = ("eager" in s.modes) + (2 if s.cuda and "graph" in s.modes else 0)  # graph + split
-    pass1 = len(s.variants) * (1 + len(s.batches) * per_batch + bool(s.prefill) + s.check)
-    pass2 = len(s.variants) * (1 + len(s.batches)) if s.cuda and "compile" in s.modes else 0
-    return pass1 + pass2
+    compile_pass = len(s.variants) * (1 + len(s.batches)) if s.cuda and "compile" in s.modes else 0
+    return len(s.variants) * (1 + len(measure_units(s))) + compile_pass
 
 
 # ----------------------------------------------------------------------------------
@@ -564,6 +567,15 @@ def _x(v) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
+def _size(nbytes) -> str:
+    if nbytes is None:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.{2 if unit == 'GiB' else 0}f} {unit}"
+    return f"{nbytes} B"
+
+
 def _pct(part, whole) -> str:
     return "-" if part is None or not whole else f"{100 * part / whole:.0f}%"
 
@@ -603,14 +615,13 @@ def summary(res: Results, s: Settings) -> str:
     if res.variants:
         out += ["", "Memory" + (f" ({s.layers} layers)" if s.extrapolated else "") +
                 ": weights, and the transient of one step (peak minus resident):",
-                "| variant | weights GiB | decoder linears GiB | " + " | ".join(f"decode b={b} MiB" for b in s.batches)
-                + " | prefill MiB |", "|" + "---|" * (4 + len(s.batches))]
+                "| variant | weights | decoder linears | " + " | ".join(f"decode b={b}" for b in s.batches)
+                + " | prefill |", "|" + "---|" * (4 + len(s.batches))]
         for name, v in res.variants.items():
             tr = {r["batch"]: r.get("transient_bytes") for r in res.decode if r["variant"] == name and r["mode"] == "eager"}
             pf = next((r.get("transient_bytes") for r in res.prefill if r["variant"] == name), None)
-            mib = [("-" if tr.get(b) is None else f"{tr[b] / 2**20:.0f}") for b in s.batches]
-            out.append(f"| {name} | {v['weight_bytes'] / 2**30:.2f} | {v['decoder_linear_bytes'] / 2**30:.2f} | "
-                       + " | ".join(mib) + f" | {'-' if pf is None else f'{pf / 2**20:.0f}'} |")
+            out.append(f"| {name} | {_size(v['weight_bytes'])} | {_size(v['decoder_linear_bytes'])} | "
+                       + " | ".join(_size(tr.get(b)) for b in s.batches) + f" | {_size(pf)} |")
     return "\n".join(out)
 
 
