@@ -265,6 +265,58 @@ def test_cpu_check_end_to_end(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "cpu_tokens.png").stat().st_size > 1000
 
 
+def test_gpu_code_paths_with_fake_graphs(monkeypatch):
+    """The graph, split and compile units, the extrapolation and the tables, on the CPU: a
+    fake graph timer calls the step as often as capture and replays would (so the cache
+    positions advance as on a GPU), torch.compile gets its eager backend (dynamo still traces
+    the whole step with fullgraph=True), the Sailfish ops run their PyTorch reference."""
+    from sailfish.bench import timing as T
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    graphs = []
+
+    def fake_graph_time_us(calls, replays=20, warmup=2):
+        for _ in range(1 + warmup + replays):  # side-stream warm-up, warm-up and timed replays
+            for c in calls:
+                c()
+        graphs.append(len(calls))
+        if len(calls) > 1:
+            return 10.0  # per call: the linear layers
+        return 400.0 if getattr(calls[0], "__name__", "") == "head_fn" else 1000.0  # the head, a step
+
+    cpu_times = T.call_times_us
+    monkeypatch.setattr(T, "graph_time_us", fake_graph_time_us)
+    monkeypatch.setattr(T, "call_times_us", lambda fn, n, cuda, before=None: cpu_times(fn, n, False, before))
+    monkeypatch.setattr(T, "transient_bytes", lambda fn, cuda: fn() is None or 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kw: compile_(fn, backend="eager", **kw))
+    variants = ["fp16", "w4a16", "w4a8"]
+    s = _settings(["--model", "tiny", "--layers", "1", "--batches", "2", "--variants", ",".join(variants),
+                   "--context", "40", "--prefill", "16", "--warmup", "1", "--steps", "2", "--replays", "3",
+                   "--check-batch", "2", "--check-steps", "2", "--check-prompt", "8"], cuda=True)
+    runner = E.Runner(s, CPU, RP.Progress(E.progress_total(s), stream=io.StringIO()), save=lambda: None)
+    with torch.no_grad():
+        runner.run()
+    res = runner.res
+    assert not res.errors and not res.skipped
+    assert runner.prog.done == runner.prog.total == 3 * 2 + 3 * 4 + 3 * 2  # builds, measure and compile units
+    assert {(r["variant"], r["mode"]) for r in res.decode} == {(v, m) for v in variants for m in E.MODES}
+    assert all(r["fullgraph"] for r in res.decode if r["mode"] == "compile")
+    assert graphs.count(7) == 3  # per variant, one graph of the decoder's 7 linear layers (1 layer)
+    E.derive(res, s)
+    graph_row = next(r for r in res.decode if r["mode"] == "graph" and r["variant"] == "w4a16")
+    split = next(r for r in res.split if r["variant"] == "w4a16")
+    assert split["linears_us"] == 70.0 and split["head_us"] == 400.0  # 7 linears x 10 us
+    assert split["step_graph_us"] == 1000.0 and split["rest_us"] == 1000.0 - 70.0 - 400.0
+    # 1 of the tiny model's 2 layers: per layer = step - head, whole = head + 2 layers
+    assert graph_row["per_layer_us"] == 600.0 and graph_row["whole_model_us"] == 1600.0
+    assert graph_row["extrapolated"] and graph_row["tokens_per_s"] == pytest.approx(2e6 / 1600)
+    text = E.summary(res, s)
+    assert "Split of the graph step" in text and "compile: ms" in text and "Prefill" in text
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture, torch.compile)")
 def test_tiny_model_all_modes_on_gpu(tmp_path, capsys):
     variants = ["fp16", "w4a16", "w4a8"]
