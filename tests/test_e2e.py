@@ -315,6 +315,7 @@ def test_gpu_code_paths_with_fake_graphs(monkeypatch):
     assert graph_row["extrapolated"] and graph_row["tokens_per_s"] == pytest.approx(2e6 / 1600)
     text = E.summary(res, s)
     assert "Split of the graph step" in text and "compile: ms" in text and "Prefill" in text
+    assert "under half of the step (the rest dominates) for: fp16 b=2, w4a16 b=2, w4a8 b=2" in text
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture, torch.compile)")

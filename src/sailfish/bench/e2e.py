@@ -2,7 +2,7 @@
 `transformers` user gets from Sailfish's layers.
 
     python -m sailfish.bench.e2e                               # Llama-3-8B, all variants, modes, batches 1,4,16,64
-    python -m sailfish.bench.e2e --batches 1,16 --variants fp16,w4a16,w4a8    # about 8 min on one H100/H200
+    python -m sailfish.bench.e2e --batches 1,16 --variants fp16,w4a16,w4a8    # --budget-s 400: ~7-8 min
     python -m sailfish.bench.e2e --model 70b --layers 8        # 70B layer shapes, 8 of its 80 layers
     python -m sailfish.bench.e2e --quick                       # 4 layers of the 8B, batches 1,16
     python -m sailfish.bench.e2e --device cpu                  # tiny model: every code path, times meaningless
@@ -606,6 +606,11 @@ def summary(res: Results, s: Settings) -> str:
             st = r["step_graph_us"]
             out.append(f"| {r['variant']} | {r['batch']} | {_ms(st)} | {_ms(r['linears_us'])} ms ({_pct(r['linears_us'], st)}) "
                        f"| {_ms(r['head_us'])} ms ({_pct(r['head_us'], st)}) | {_ms(r['rest_us'])} ms ({_pct(r['rest_us'], st)}) |")
+        minor = [f"{r['variant']} b={r['batch']}" for r in res.split
+                 if r["step_graph_us"] and r["linears_us"] < 0.5 * r["step_graph_us"]]
+        if minor:
+            out.append("The decoder's linear layers are under half of the step (the rest dominates) for: "
+                       + ", ".join(minor))
     if res.prefill:
         out += ["", "Prefill (batch 1, no graph" + (f", {s.layers} layers" if s.extrapolated else "") + "):",
                 "| variant | tokens | ms | tokens/s | vs fp16 |", "|---|---|---|---|---|"]
