@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=None, help="timed eager steps (default 20)")
     ap.add_argument("--replays", type=int, default=20, help="timed CUDA graph replays (default 20, >= 3)")
     ap.add_argument("--compile-mode", default="default", choices=("default", "max-autotune-no-cudagraphs"),
-                    help="torch.compile mode of the compile mode (default: default)")
+                    help="mode= of torch.compile in the compile mode (default: default)")
     ap.add_argument("--check-batch", type=int, default=None, help="correctness batch (default 4; CPU 2)")
     ap.add_argument("--check-steps", type=int, default=None, help="correctness greedy steps (default 16; CPU 2)")
     ap.add_argument("--check-prompt", type=int, default=None, help="correctness prompt tokens (default 64; CPU 8)")
