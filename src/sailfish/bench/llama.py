@@ -144,7 +144,7 @@ def dequantized_reference(model: nn.Module) -> nn.Module:
         if not isinstance(mod, (QuantLinear, QuantLinearW4A8)):
             continue
         lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None,
-                        dtype=dtype, device=mod.qweight.device)
+                        dtype=dtype, device=next(mod.buffers()).device)
         lin.weight.data.copy_(mod.dequantize())
         if mod.bias is not None:
             lin.bias.data.copy_(mod.bias)
