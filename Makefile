@@ -2,7 +2,8 @@
 #   make test    run the test suite (CPU: Triton interpreter; CUDA: the GPU)
 #   make demo    python -m sailfish.demo
 #   make bench   python -m sailfish.bench $(BENCH_ARGS)
-# VENV, PYTHON, PYTEST_ARGS, BENCH_ARGS and CPU_TORCH can be overridden:
+#   make e2e     python -m sailfish.bench.e2e $(E2E_ARGS)   (end to end, Llama-3 shapes)
+# VENV, PYTHON, PYTEST_ARGS, BENCH_ARGS, E2E_ARGS and CPU_TORCH can be overridden:
 #   make test VENV=/tmp/venv PYTEST_ARGS="-k formats"
 
 PYTHON ?= python3
@@ -12,11 +13,12 @@ VENV ?= .venv
 CPU_TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
+E2E_ARGS ?=
 
 PY := $(VENV)/bin/python
 HAS_CUDA := $(shell nvidia-smi >/dev/null 2>&1 && echo 1)
 
-.PHONY: test demo bench
+.PHONY: test demo bench e2e
 
 test: $(VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -26,6 +28,10 @@ demo: $(VENV)/.installed
 
 bench: $(VENV)/.installed-bench
 	$(PY) -m sailfish.bench $(BENCH_ARGS)
+
+# transformers comes with the [test] extra (its [hf] part); [bench] adds the plots.
+e2e: $(VENV)/.installed-bench
+	$(PY) -m sailfish.bench.e2e $(E2E_ARGS)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

@@ -76,16 +76,21 @@ def parse_m(text: str) -> List[int]:
     """'all' or a comma list of positive ints; order kept, duplicates dropped."""
     if text.strip().lower() == "all":
         return list(M_LIST)
+    return parse_ints(text, "M", " (or 'all')")
+
+
+def parse_ints(text: str, what: str, hint: str = "") -> List[int]:
+    """A comma list of positive ints; order kept, duplicates dropped."""
     out: List[int] = []
     for item in (t.strip() for t in text.split(",")):
         if not item:
             continue
         if not item.isdigit() or int(item) <= 0:
-            raise ValueError(f"bad M {item!r}: use positive integers (or 'all')")
+            raise ValueError(f"bad {what} {item!r}: use positive integers{hint}")
         if int(item) not in out:
             out.append(int(item))
     if not out:
-        raise ValueError("no M given")
+        raise ValueError(f"no {what} given")
     return out
 
 

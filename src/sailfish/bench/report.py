@@ -5,6 +5,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 from typing import Dict, List, Optional, Sequence, Tuple
 
 ROW_KEYS = ("kernel", "K", "N", "M", "dtype", "group_size", "time_us", "gbps", "roofline",
@@ -16,7 +17,9 @@ TOP_KEYS = ("gpu", "torch", "triton", "hbm_gbps", "rows")
 # progress + per-row lines
 # ----------------------------------------------------------------------------------
 class Progress:
-    """`[#####.....] i/n` rewritten in place on a tty; plain `[i/n]` prefixes otherwise."""
+    """A progress bar with lines printed above it. On a terminal: tqdm's bar when tqdm is
+    installed, else `[#####.....] i/n` rewritten in place. Not a terminal (a log): no bar, and
+    lines printed with counted=True get an `[i/n]` prefix."""
 
     def __init__(self, total: int, stream=None, width: int = 30):
         self.total, self.done, self.width = max(1, total), 0, width
@@ -25,6 +28,13 @@ class Progress:
         self._bar_shown = False
         self.status = ""
         self.prefix = 0 if self.tty else len(f"[{self.total}/{self.total}] ")
+        self._tqdm = None
+        if self.tty:
+            try:  # optional: the built-in bar below is the fallback
+                from tqdm import tqdm
+                self._tqdm = tqdm(total=self.total, file=self.stream, dynamic_ncols=True, leave=False)
+            except ImportError:
+                pass
 
     def _bar(self) -> str:
         filled = int(self.width * self.done / self.total)
@@ -37,6 +47,9 @@ class Progress:
 
     def line(self, text: str, counted: bool = False) -> None:
         """Print a line above the bar (counted=True: prefix [i/n] when not a tty)."""
+        if self._tqdm is not None:
+            self._tqdm.write(text, file=self.stream)
+            return
         self._clear()
         if not self.tty:
             tag = f"[{min(self.total, self.done + 1)}/{self.total}]" if counted else ""
@@ -49,11 +62,17 @@ class Progress:
         self.done = min(self.total, self.done + n)
         if status is not None:
             self.status = status
-        self._clear()
-        self._show()
+        self._refresh()
 
     def set_status(self, status: str) -> None:
         self.status = status
+        self._refresh()
+
+    def _refresh(self) -> None:
+        if self._tqdm is not None:
+            self._tqdm.n = self.done
+            self._tqdm.set_postfix_str(self.status, refresh=True)
+            return
         self._clear()
         self._show()
 
@@ -64,6 +83,9 @@ class Progress:
         self.stream.flush()
 
     def close(self) -> None:
+        if self._tqdm is not None:
+            self._tqdm.close()
+            self._tqdm = None
         self._clear()
         self.stream.flush()
 
@@ -191,65 +213,88 @@ def write_plots(out_dir: str, name: str, rows: Sequence[dict], labels: Sequence[
                 shapes: Sequence[Tuple[int, int]], gpu: str, baseline_label: str = "") -> List[str]:
     """<name>_speedup.png and <name>_roofline.png (one panel per shape, one line per kernel
     config, log2 M axis); the baseline is drawn in the roofline plot only. Returns the paths."""
+    shapes = [s for s in shapes if any((r["K"], r["N"]) == s for r in rows)]
+    if not shapes:
+        return []
+    written = []
+    for metric, ylabel, fname in (("speedup_vs_fp16", "speedup over cuBLAS fp16", "speedup"),
+                                  ("roofline", "fraction of HBM roofline", "roofline")):
+        panels = []
+        for k, n in shapes:
+            series = []
+            for li, lab in enumerate(labels):
+                if metric == "speedup_vs_fp16" and lab == baseline_label:
+                    continue
+                pts = sorted((r["M"], r[metric]) for r in rows
+                             if r["label"] == lab and (r["K"], r["N"]) == (k, n) and r.get(metric) is not None)
+                series.append((lab, pts, "--" if lab.startswith("cublas") else "-", li))
+            panels.append((f"K={k} N={n}", series))
+        speedup = metric == "speedup_vs_fp16"
+        path = line_panels(os.path.join(out_dir, f"{name}_{fname}.png"), panels,
+                           title=f"{gpu}: {ylabel}", xlabel="M (tokens)", ylabel=ylabel,
+                           hline=1.0, hline_style="-" if speedup else ":", ylim0=not speedup)
+        if path:
+            written.append(path)
+    return written
+
+
+def line_panels(path: str, panels: Sequence[Tuple[str, Sequence[tuple]]], *, title: str, xlabel: str,
+                ylabel: str, hline: Optional[float] = None, hline_style: str = "-",
+                ylim0: bool = False) -> Optional[str]:
+    """Write one PNG: a grid of panels (at most 4 a row), each (panel title, series), a series
+    being (label, [(x, y), ...], line style, colour index); log2 x axis with the data's x values
+    as ticks, one legend for the figure. Returns the path, or None without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except Exception as e:  # noqa: BLE001
         print(f"note: plots skipped, matplotlib is not importable ({type(e).__name__}: {e})")
-        return []
-    shapes = [s for s in shapes if any((r["K"], r["N"]) == s for r in rows)]
-    if not shapes:
-        return []
-    written = []
-    ncol = min(4, len(shapes))
-    nrow = -(-len(shapes) // ncol)
-    for metric, ylabel, fname in (("speedup_vs_fp16", "speedup over cuBLAS fp16", "speedup"),
-                                  ("roofline", "fraction of HBM roofline", "roofline")):
-        fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.4 * nrow), squeeze=False)
-        for idx, (k, n) in enumerate(shapes):
-            ax = axes[idx // ncol][idx % ncol]
-            for li, lab in enumerate(labels):
-                if metric == "speedup_vs_fp16" and lab == baseline_label:
-                    continue
-                pts = sorted((r["M"], r[metric]) for r in rows
-                             if r["label"] == lab and (r["K"], r["N"]) == (k, n) and r.get(metric) is not None)
-                if pts:
-                    style = "--" if lab.startswith("cublas") else "-"
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", ms=3, label=lab,
-                            color=plt.get_cmap("tab20")(li % 20))  # > 10 lines: the default cycle repeats
-            if metric == "speedup_vs_fp16":
-                ax.axhline(1.0, color="grey", lw=0.8)
-            else:
-                ax.axhline(1.0, color="grey", lw=0.8, ls=":")
-                ax.set_ylim(bottom=0)
-            ax.set_xscale("log", base=2)
-            mvals = sorted({r["M"] for r in rows if (r["K"], r["N"]) == (k, n)})
-            if mvals:
-                step = max(1, -(-len(mvals) // 7))
-                ax.set_xticks(mvals[::step])
-                ax.set_xticklabels([str(v) for v in mvals[::step]])
-                ax.minorticks_off()
-            ax.set_title(f"K={k} N={n}", fontsize=9)
-            ax.set_xlabel("M (tokens)", fontsize=8)
-            ax.set_ylabel(ylabel, fontsize=8)
-            ax.tick_params(labelsize=7)
-            ax.grid(True, alpha=0.3)
-        for idx in range(len(shapes), nrow * ncol):
-            axes[idx // ncol][idx % ncol].axis("off")
-        handles, leg = [], []
-        for row in axes:
-            for ax in row:
-                for h, l in zip(*ax.get_legend_handles_labels()):
-                    if l not in leg:
-                        handles.append(h)
-                        leg.append(l)
-        fig.legend(handles, leg, loc="lower center", ncol=min(5, max(1, len(leg))), fontsize=8)
-        fig.suptitle(f"{gpu}: {ylabel}", fontsize=10)
-        fig.tight_layout(rect=(0, 0.06 + 0.02 * (len(leg) // 5), 1, 0.96))
-        path = os.path.join(out_dir, f"{name}_{fname}.png")
-        os.makedirs(out_dir, exist_ok=True)
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
-    return written
+        return None
+    ncol = min(4, max(1, len(panels)))
+    nrow = -(-len(panels) // ncol)
+    width = max(4.2 * ncol, 8.0)  # room for the title and legend even with one panel
+    fig, axes = plt.subplots(nrow, ncol, figsize=(width, 3.4 * nrow), squeeze=False)
+    for idx, (panel_title, series) in enumerate(panels):
+        ax = axes[idx // ncol][idx % ncol]
+        xs = set()
+        for label, pts, style, color in series:
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", ms=3, label=label,
+                        color=plt.get_cmap("tab20")(color % 20))  # > 10 lines: the default cycle repeats
+                xs.update(p[0] for p in pts)
+        if hline is not None:
+            ax.axhline(hline, color="grey", lw=0.8, ls=hline_style)
+        if ylim0:
+            ax.set_ylim(bottom=0)
+        ax.set_xscale("log", base=2)
+        if xs:
+            xs = sorted(xs)
+            step = max(1, -(-len(xs) // 7))
+            ax.set_xticks(xs[::step])
+            ax.set_xticklabels([str(v) for v in xs[::step]])
+            ax.minorticks_off()
+        ax.set_title(panel_title, fontsize=9)
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(True, alpha=0.3)
+    for idx in range(len(panels), nrow * ncol):
+        axes[idx // ncol][idx % ncol].axis("off")
+    handles, leg = [], []
+    for row in axes:
+        for ax in row:
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                if lab not in leg:
+                    handles.append(h)
+                    leg.append(lab)
+    # legend columns as wide as the longest label allows (about 13 characters an inch at size 8)
+    leg_cols = max(1, min(5, len(leg), int(width * 13 / (max(map(len, leg), default=1) + 6))))
+    leg_rows = -(-len(leg) // leg_cols)
+    fig.legend(handles, leg, loc="lower center", ncol=leg_cols, fontsize=8)
+    fig.suptitle(textwrap.fill(title, int(width * 11)), fontsize=10)
+    fig.tight_layout(rect=(0, (0.03 + 0.045 * leg_rows) / nrow, 1, 0.93 if len(title) > width * 11 else 0.96))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

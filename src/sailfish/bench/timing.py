@@ -9,7 +9,8 @@ in the same process.
 from __future__ import annotations
 
 import statistics
-from typing import Callable, List, Sequence
+import time
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -65,6 +66,48 @@ def replay_time_us(graph, replays: int = 20, warmup: int = 2) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
+
+
+def call_times_us(fn: Callable[[], object], n: int, cuda: bool,
+                  before: Optional[Callable[[], object]] = None) -> List[float]:
+    """Time of each of n calls of fn (us), with no graph: what a caller of fn sees, host
+    overhead included. cuda=True (fn runs on the current CUDA device): events around each
+    call, one synchronisation at the end (a host-bound fn shows its host time, a device-bound
+    one its device time); else the wall clock. before(), when given, runs ahead of each
+    call, outside the timed interval."""
+    if not cuda:
+        out = []
+        for _ in range(n):
+            if before is not None:
+                before()
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e6)
+        return out
+    events = []
+    for _ in range(n):
+        if before is not None:
+            before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) * 1e3 for s, e in events]
+
+
+def transient_bytes(fn: Callable[[], object], cuda: bool) -> Optional[int]:
+    """CUDA memory one call of fn allocates beyond what was allocated before it (peak minus
+    resident, bytes). cuda=False: None, and fn is not called."""
+    if not cuda:
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    resident = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return int(torch.cuda.max_memory_allocated() - resident)
 
 
 def hbm_ceiling_gbps(nbytes: int = 2 << 30, reps: int = 10) -> float:

@@ -1,0 +1,252 @@
+"""Llama-3-shaped `transformers` models for the end-to-end benchmark (bench/e2e.py).
+
+The models are transformers' own LlamaForCausalLM with random weights (nothing is downloaded)
+and its own StaticCache, so a decode step here is the step a transformers user runs. That needs
+transformers >= 5, whose StaticCache layers keep their write position in a device tensor
+(`cumulative_length`) and whose Llama derives the token positions from it: a step then has no
+host-side state, so one captured CUDA graph replays step after step. transformers is an
+optional dependency (the `hf` extra) and is imported only when a function here needs it.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..nn import QuantLinear, QuantLinearW4A8, quantize_model
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+
+
+MODELS: Dict[str, ModelShape] = {
+    "8b": ModelShape("Llama-3-8B", 4096, 14336, 32, 32, 8, 128256),
+    "70b": ModelShape("Llama-3-70B", 8192, 28672, 80, 64, 8, 128256),
+    # The CPU check: every code path at a size the Triton interpreter gets through in seconds
+    # (K = 128 and 256 keep group size 128 legal).
+    "tiny": ModelShape("tiny Llama (CPU check)", 128, 256, 2, 4, 2, 512),
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    label: str
+    dtype: torch.dtype
+    quant: Optional[dict]  # sailfish.quantize_model keyword arguments; None = not quantized
+
+
+# Run order: the fp16 models first, then the bf16 ones (the base model is converted to bf16
+# in place once, between the two groups), and within a group the baseline first.
+VARIANTS: Dict[str, Variant] = {v.name: v for v in (
+    Variant("fp16", "fp16", torch.float16, None),
+    Variant("w4a16", "W4A16 sym g128 fp16", torch.float16, dict(group_size=128, sym=True)),
+    Variant("w4a8", "W4A8 g128 fp16", torch.float16, dict(group_size=128, act_bits=8)),
+    Variant("bf16", "bf16", torch.bfloat16, None),
+    Variant("w4a16-asym-bf16", "W4A16 asym g128 bf16 (GPTQ-style)", torch.bfloat16,
+            dict(group_size=128, sym=False)),
+)}
+
+
+def require_transformers() -> str:
+    """transformers' version; ImportError/RuntimeError saying what to install when it is
+    missing or lacks the StaticCache this benchmark relies on."""
+    try:
+        import transformers
+        from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
+    except ImportError as e:
+        raise ImportError("the end-to-end benchmark needs transformers >= 5: "
+                          "pip install 'sailfish[hf]' (or transformers>=5)") from e
+    if not (hasattr(StaticLayer(max_cache_len=1), "cumulative_length")
+            and hasattr(StaticCache, "early_initialization")):
+        raise RuntimeError(f"transformers {transformers.__version__} is too old for the end-to-end "
+                           "benchmark: it needs transformers >= 5 (StaticCache layers with a "
+                           "device-side cumulative_length, early_initialization)")
+    return transformers.__version__
+
+
+def llama_config(shape: ModelShape, layers: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        head_dim=shape.hidden // shape.heads, hidden_act="silu", max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation="sdpa")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_model(shape: ModelShape, layers: int, device: torch.device, seed: int = 0) -> nn.Module:
+    """A float16 LlamaForCausalLM with `layers` decoder layers and transformers' random init
+    (normal, std 0.02), created directly on `device` in float16 (no float32 copy)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    with _default_dtype(torch.float16), torch.device(device):
+        model = LlamaForCausalLM(llama_config(shape, layers))
+    return model.eval().requires_grad_(False)
+
+
+def shared_copy(model: nn.Module) -> nn.Module:
+    """A copy of the module tree that shares every parameter and buffer with `model`:
+    replacing a submodule of the copy (quantize_model does) leaves `model` intact, at the cost
+    of the replaced modules only."""
+    memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+def make_variant(base: nn.Module, variant: Variant) -> nn.Module:
+    """The model of `variant` from the base model (which must already be in variant.dtype):
+    the base itself when not quantized, else a shared copy with its linear layers quantized
+    by sailfish.quantize_model (lm_head stays in the model dtype: it is skipped by default)."""
+    if base_dtype(base) != variant.dtype:
+        raise ValueError(f"base model is {base_dtype(base)}, variant {variant.name} needs {variant.dtype}")
+    if variant.quant is None:
+        return base
+    return quantize_model(shared_copy(base), **variant.quant)
+
+
+def base_dtype(model: nn.Module) -> torch.dtype:
+    return model.get_input_embeddings().weight.dtype
+
+
+def dequantized_reference(model: nn.Module) -> nn.Module:
+    """A copy of `model` with every Sailfish layer replaced by an nn.Linear (model dtype)
+    holding layer.dequantize(): the weights the kernels multiply by, so the two models differ
+    only in how the products are computed (and, W4A8, in the int8 activations)."""
+    ref = shared_copy(model)
+    dtype = base_dtype(model)
+    for name, mod in list(ref.named_modules()):
+        if not isinstance(mod, (QuantLinear, QuantLinearW4A8)):
+            continue
+        lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None,
+                        dtype=dtype, device=next(mod.buffers()).device)
+        lin.weight.data.copy_(mod.dequantize())
+        if mod.bias is not None:
+            lin.bias.data.copy_(mod.bias)
+        parent, _, child = name.rpartition(".")
+        setattr(ref.get_submodule(parent) if parent else ref, child, lin.requires_grad_(False))
+    return ref
+
+
+def tensor_bytes(module: nn.Module) -> int:
+    """Bytes of the module's parameters and buffers, each storage counted once."""
+    seen, total = set(), 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        key = (t.device, t.untyped_storage().data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def decoder_linears(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """The linear layers (nn.Linear, QuantLinear, QuantLinearW4A8) of the decoder layers."""
+    kinds = (nn.Linear, QuantLinear, QuantLinearW4A8)
+    return [(n, m) for n, m in model.model.layers.named_modules() if isinstance(m, kinds)]
+
+
+class Decoder:
+    """Greedy decoding of `batch` sequences against a StaticCache of `context` tokens.
+
+    step() runs the model on the (batch, 1) token buffer `ids`, takes the argmax and writes it
+    back into `ids`: a whole decode step on the device with no host synchronisation, so it can
+    be captured in a CUDA graph, and each replay decodes the next token at the next position
+    (the cache layers advance their device-side position). seek(p) sets that position.
+    """
+
+    def __init__(self, model: nn.Module, batch: int, context: int, seed: int = 0):
+        from transformers import StaticCache
+
+        cfg = model.config
+        self.model, self.batch, self.context = model, batch, context
+        device = model.get_input_embeddings().weight.device
+        self.cache = StaticCache(config=cfg, max_cache_len=context)
+        # Allocate the cache now rather than on the first step, so that it exists before
+        # seek() and outside any graph capture.
+        self.cache.early_initialization(batch_size=batch, num_heads=cfg.num_key_value_heads,
+                                        head_dim=cfg.head_dim, dtype=base_dtype(model), device=device)
+        gen = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(cfg.vocab_size, (batch, 1), generator=gen).to(device)
+
+    def seek(self, position: int) -> None:
+        if not 0 <= position < self.context:
+            raise ValueError(f"position={position} is outside the cache (0 .. {self.context - 1})")
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(position)
+
+    def position(self) -> int:
+        return int(self.cache.layers[0].cumulative_length)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits (batch, vocab) of the last position of `ids` (batch, T); advances by T."""
+        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
+
+    def step(self) -> torch.Tensor:
+        logits = self.forward(self.ids)
+        self.ids.copy_(logits.argmax(-1, keepdim=True))
+        return logits
+
+
+def greedy_agreement(model: nn.Module, ref: Optional[nn.Module], *, batch: int, prompt: int, steps: int,
+                     seed: int = 0) -> dict:
+    """Next-token agreement of `model` with `ref` on the same inputs.
+
+    Both prefill the same random prompt (batch, prompt) and then decode `steps` tokens fed the
+    reference's greedy choices (teacher forcing, so one early disagreement does not change
+    every later input). Compared: the argmax after the prompt and after each step, batch x
+    (steps + 1) next tokens. ref=None checks `model` alone (finite logits).
+    """
+    vocab = model.config.vocab_size
+    device = model.get_input_embeddings().weight.device
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(vocab, (batch, prompt), generator=gen).to(device)
+
+    def run(m: nn.Module, feed: Optional[List[torch.Tensor]]) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        dec = Decoder(m, batch, prompt + steps, seed=seed)
+        logits, nxt = [dec.forward(tokens)], []
+        for s in range(steps):
+            nxt.append(logits[-1].argmax(-1, keepdim=True) if feed is None else feed[s])
+            logits.append(dec.forward(nxt[-1]))
+        return logits, nxt
+
+    out: dict = {"batch": batch, "prompt": prompt, "steps": steps, "tokens_compared": batch * (steps + 1)}
+    if ref is None:
+        logits, _ = run(model, None)
+        out.update(logits_finite=all(bool(torch.isfinite(x).all()) for x in logits),
+                   agreement=None, logits_rel_err=None)
+        return out
+    ref_logits, fed = run(ref, None)
+    logits, _ = run(model, fed)
+    agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(logits, ref_logits))
+    diff = torch.stack([(a.float() - b.float()).norm() for a, b in zip(logits, ref_logits)]).norm()
+    norm = torch.stack([b.float().norm() for b in ref_logits]).norm()
+    out.update(logits_finite=all(bool(torch.isfinite(x).all()) for x in logits),
+               ref_logits_finite=all(bool(torch.isfinite(x).all()) for x in ref_logits),
+               agreement=agree / out["tokens_compared"], logits_rel_err=float(diff / norm.clamp_min(1e-30)))
+    return out
