@@ -124,6 +124,10 @@ def test_model_conversion_refused_for_other_dtype(device):
     with pytest.raises(TypeError, match="layer.to_dtype"):
         model.half()
     assert model[0].dtype == BF16
+    # a device move with a dtype change: refused as a whole, every buffer stays put
+    with pytest.raises(TypeError, match="runs float16 or bfloat16 only"):
+        model.to("meta", torch.float32)
+    assert {b.device.type for b in model.buffers()} == {torch.device(device).type}
 
 
 def test_to_dtype_exact(device):

@@ -186,10 +186,10 @@ class QuantLinear(nn.Module):
     def _apply(self, fn, recurse=True):
         # Follow device moves; refuse dtype changes (class docstring), restoring the
         # buffers first so that the layer is unchanged when the error is raised.
-        before = {k: b for k, b in self._buffers.items() if b is not None and b.is_floating_point()}
+        before = {k: b for k, b in self._buffers.items() if b is not None}
         super()._apply(fn, recurse)
         changed = {k: self._buffers[k].dtype for k, b in before.items()
-                   if self._buffers[k] is not None and self._buffers[k].dtype != b.dtype}
+                   if b.is_floating_point() and self._buffers[k].dtype != b.dtype}
         if changed:
             self._buffers.update(before)
             new = next(iter(changed.values()))
