@@ -1,5 +1,7 @@
 """Shared set-up for the Sailfish tests.
 
+SAILFISH_AUTOTUNE=0 (unless set): configs come from the shipped table or the heuristic.
+
 Without a GPU the kernel tests run the real Triton kernels in Triton's interpreter.
 TRITON_INTERPRET must be in the environment before any @triton.jit function is
 defined (triton reads it when a kernel module is imported), so it is set here, before
@@ -9,6 +11,12 @@ import os
 import sys
 
 import torch
+
+# The kernel tests take the shipped config table or the heuristic, never the autotuner:
+# on a GPU without a table, tuning would benchmark candidates inside the tested calls,
+# making the path under test depend on timing (and cost minutes of compilation). The
+# explicit-config tests cover every path; tests of the tuner itself set what they need.
+os.environ.setdefault("SAILFISH_AUTOTUNE", "0")
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -59,3 +59,86 @@ def random_quantized(k: int, n: int, group_size: int, sym: bool, dtype: torch.dt
     scales = (scales * torch.where(torch.rand(g, n, device=device) < 0.1, -1.0, 1.0)).to(dtype)
     zeros = None if sym else torch.randint(0, 17, (g, n), dtype=torch.uint8, device=device)
     return QuantizedWeight(q, scales, zeros, g_idx, group_size)
+
+
+# ----------------------------------------------------------------------------------
+# Per-element error bound for a GEMM output y ~ x @ w.T (+ bias)
+# ----------------------------------------------------------------------------------
+# Unit roundoff u of each output dtype: a correctly rounded value is within u * |v| of v
+# (half an ulp; p significant bits give u = 2**-p).
+UNIT_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -24}
+# Half the smallest subnormal step of each output dtype: the absolute rounding error
+# near zero, where the relative bound u * |v| no longer holds.
+_HALF_TINY = {torch.float16: 2.0 ** -25, torch.bfloat16: 2.0 ** -134, torch.float32: 2.0 ** -150}
+U32 = 2.0 ** -24
+# Sequential fp32 additions into one output's accumulator: the tensor-core paths add one
+# k = 16 MMA (16 exact products) per step, K / 16 steps; the GEMV path adds one tree-summed
+# K tile per step (fewer, plus log2(BLOCK_K) <= 10 tree levels); split-K adds at most a
+# few dozen partial sums. ACC_STEPS_EXTRA covers the tree levels and the split-K reduce.
+ACC_STEPS_EXTRA = 64
+
+
+def accumulation_constant(k: int) -> float:
+    """c_acc: the fp32 accumulation error of one output is at most c_acc * sum_k |x_k w_k|.
+
+    Each of n = ceil(K / 16) + ACC_STEPS_EXTRA sequential fp32 additions changes the result
+    by at most one ulp of a partial sum (round to nearest gives half an ulp; tensor cores
+    truncate when they align the 16 products, up to one ulp), and every partial sum is at
+    most sum_k |x_k w_k| in magnitude: c_acc = 2 * n * 2**-24 (one ulp <= 2u relative).
+    A worst-case bound, so a correct kernel never exceeds it. Its resolution: for random
+    data sum_k |x_k w_k| ~ sqrt(K) |ref|, so the term allows about 2e-3 |ref| at K = 4096
+    (it rejects one row 1% off, and fp16 accumulation across K tiles of 128, which a
+    correct fp32 kernel cannot produce) but about 3e-2 |ref| at K = 28672, where only
+    the output-rounding term stays tight for outputs that are large against the products.
+    """
+    return 2 * (-(-k // 16) + ACC_STEPS_EXTRA) * U32
+
+
+def elementwise_bound(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+                      out_dtype: torch.dtype):
+    """(ref, bound): the float64 product ref = x @ w.T (+ bias) over the last dim of x, and
+    the largest |y - ref| a correct fp32-accumulating kernel with output dtype out_dtype
+    can give per element:
+
+        bound = (u_out + u32) * |ref| + (1 + u_out) * c_acc(K) * sum_k |x_k| |w_k| + tiny
+
+    u_out |ref|: rounding the result once to the output dtype; u32 |ref|: the fp32 bias
+    addition; c_acc (accumulation_constant): the fp32 accumulation, grown by the output
+    rounding (1 + u_out); tiny: half a subnormal step of the output dtype.
+    x (..., K) and w (N, K) must be the exact operands (w = layer.dequantize()).
+    """
+    k = x.shape[-1]
+    xd, wd = x.detach().double().reshape(-1, k), w.detach().double().to(x.device)
+    ref = xd @ wd.T
+    if bias is not None:
+        ref = ref + bias.detach().double()
+    mag = xd.abs() @ wd.abs().T
+    u = UNIT_ROUNDOFF[out_dtype]
+    bound = (u + U32) * ref.abs() + (1 + u) * accumulation_constant(k) * mag + _HALF_TINY[out_dtype]
+    shape = (*x.shape[:-1], w.shape[0])
+    return ref.reshape(shape), bound.reshape(shape)
+
+
+def check_per_element(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                      bias: Optional[torch.Tensor] = None) -> Optional[str]:
+    """None if every element of y is within elementwise_bound of x @ w.T (+ bias), else a
+    message naming how many are not and the worst one."""
+    ref, bound = elementwise_bound(x, w, bias, y.dtype)
+    err = (y.detach().double().to(ref.device) - ref).abs()
+    bad = ~(err <= bound)  # NaN counts as bad
+    if not bad.any():
+        return None
+    ratio = torch.where(bad, err / bound, torch.zeros_like(err)).nan_to_num(float("inf"))
+    i = int(ratio.flatten().argmax())
+    idx = tuple(int(v) for v in torch.unravel_index(torch.tensor(i), ratio.shape))
+    return (f"{int(bad.sum())} of {y.numel()} elements exceed the per-element bound; worst at "
+            f"{idx}: y={y[idx].item()!r}, ref={ref[idx].item()!r}, |err|={err[idx].item():.3g} "
+            f"> bound={bound[idx].item():.3g} ({ratio[idx].item():.3g}x)")
+
+
+def assert_close_per_element(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                             bias: Optional[torch.Tensor] = None) -> None:
+    """Assert each element of a kernel output y (dtype: its output dtype) is x @ w.T
+    (+ bias) up to elementwise_bound."""
+    msg = check_per_element(y, x, w, bias)
+    assert msg is None, msg

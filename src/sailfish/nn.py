@@ -19,6 +19,37 @@ from .formats.qqq import (PackedQQQ, QQQWeight, check_group_size_w4a8, pack_qqq,
 log = logging.getLogger("sailfish")
 
 
+def _sync_flags_after_load(module: "QuantLinear", incompatible_keys) -> None:
+    module._sync_flags()
+
+
+def _check_bias_flag(bias, cls_name: str) -> None:
+    if not isinstance(bias, bool):
+        raise TypeError(f"bias must be a bool in the constructor, got {type(bias).__name__}; pass a "
+                        f"bias tensor to {cls_name}.from_quantized(qw, bias)")
+
+
+def _check_layer_dtype(dtype: Optional[torch.dtype], act_bits: int) -> None:
+    """dtype= of from_linear / quantize_model: a half dtype for W4A16, None for W4A8."""
+    if act_bits == 8 and dtype is not None:
+        raise ValueError("dtype does not apply to W4A8 (act_bits=8): the layer takes "
+                         "float16 and bfloat16 inputs and outputs the input dtype")
+    if dtype is not None and dtype not in HALF_DTYPES:
+        raise TypeError(f"dtype={dtype} is not supported; allowed: torch.float16, torch.bfloat16")
+
+
+def _check_bias(bias: Optional[torch.Tensor], out_features: int) -> None:
+    """A bias must be a floating (out_features,) tensor; say which rule it breaks."""
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+        got = type(bias).__name__ if not isinstance(bias, torch.Tensor) else bias.dtype
+        raise TypeError(f"bias must be a floating-point tensor, got {got}")
+    if bias.shape != (out_features,):
+        raise ValueError(f"bias must have shape (out_features,) = ({out_features},), "
+                         f"got {tuple(bias.shape)}")
+
+
 def check_shape(in_features: int, out_features: int) -> Optional[str]:
     """None if the kernels support this (K, N), else the rule it breaks."""
     if in_features <= 0 or in_features % 16:
@@ -38,6 +69,19 @@ class QuantLinear(nn.Module):
     A state_dict without it (Sailfish 0.1.0, natural nibble order) is re-packed on load.
 
     forward(x): x (..., K) in the layer dtype (float16 or bfloat16) -> (..., N).
+
+    Dtype: the layer dtype is fixed at construction (`dtype=`, `from_linear(dtype=)`).
+    `.to(device)`, `.cuda()`, `.cpu()` move the buffers; `.half()` / `.to(torch.float16)`
+    on a float16 layer (so `model.half()` on a model of float16 QuantLinears) are no-ops.
+    Any other dtype change of its floating buffers (`.float()`, `.bfloat16()` on a float16
+    layer, ...) raises TypeError and leaves the layer as it was, because the scales define
+    the weight and re-rounding them would silently change it. `layer.to_dtype(dtype)`
+    converts scales, zeros and bias to the other half dtype when every value is exactly
+    representable there, and raises ValueError otherwise.
+
+    Autograd: the weights are frozen buffers; backward gives the input gradient
+    dx = dy @ W_eff (W_eff = dequantize(), ops/autograd.py), so adapters such as LoRA can
+    be trained on top of the layer.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, bits: int = 4,
@@ -46,6 +90,7 @@ class QuantLinear(nn.Module):
         super().__init__()
         _check_bits(bits)
         _check_group_size(group_size)
+        _check_bias_flag(bias, "QuantLinear")
         err = check_shape(in_features, out_features)
         if err:
             raise ValueError(err)
@@ -69,11 +114,13 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
         self.register_buffer("qweight_layout", torch.tensor(LAYOUT_VERSION, dtype=torch.int32, device=device))
         self._general_g_idx = False
-        self.register_load_state_dict_post_hook(lambda module, _: module._sync_flags())
+        # a module-level function, not a lambda: the hook is pickled with the module
+        self.register_load_state_dict_post_hook(_sync_flags_after_load)
 
     # -- construction ---------------------------------------------------------------
     @classmethod
     def from_quantized(cls, qw: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> "QuantLinear":
+        _check_bias(bias, qw.out_features)
         p = pack(qw)  # a g_idx equal to k // group_size packs without permutation
         layer = cls(qw.in_features, qw.out_features, bias is not None, bits=qw.bits,
                     group_size=qw.group_size, sym=qw.sym, act_order=p.perm is not None,
@@ -94,20 +141,20 @@ class QuantLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, bits: int = 4, group_size: int = 128, sym: bool = True,
                     dtype: Optional[torch.dtype] = None, act_bits: int = 16) -> nn.Module:
-        """Quantize an nn.Linear (round to nearest). dtype: layer dtype, default the
-        linear's dtype if float16/bfloat16, else float16.
+        """Quantize an nn.Linear (round to nearest). dtype: layer dtype (float16 or
+        bfloat16), default the linear's dtype if float16/bfloat16, else float16: a float32
+        (or float64) Linear is accepted and gives a float16 layer unless dtype= says
+        otherwise (quantize_model follows the same rule).
 
         act_bits=16 (default): a W4A16 QuantLinear. act_bits=8: a QuantLinearW4A8 (int8
         per-token activations, QQQ weights; group_size -1 or 128, sym only, no dtype:
         the layer takes float16 and bfloat16 inputs)."""
         _check_act_bits(act_bits)
+        _check_layer_dtype(dtype, act_bits)
         if act_bits == 8:
             _check_bits(bits)
             if not sym:
                 raise ValueError("W4A8 (act_bits=8) weights are symmetric; sym=False is not supported")
-            if dtype is not None:
-                raise ValueError("dtype does not apply to W4A8 (act_bits=8): the layer takes "
-                                 "float16 and bfloat16 inputs and outputs the input dtype")
             return QuantLinearW4A8.from_linear(linear, group_size=group_size)
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
@@ -173,6 +220,61 @@ class QuantLinear(nn.Module):
             uniform = default_g_idx(k, self.group_size, self.sorted_g_idx.device)
             self._general_g_idx = not torch.equal(self.sorted_g_idx[:k], uniform)
 
+    # -- dtype ------------------------------------------------------------------------
+    def _apply(self, fn, recurse=True):
+        # Follow device moves; refuse dtype changes (class docstring), restoring the
+        # buffers first so that the layer is unchanged when the error is raised.
+        before = {k: b for k, b in self._buffers.items() if b is not None}
+        super()._apply(fn, recurse)
+        changed = {k: self._buffers[k].dtype for k, b in before.items()
+                   if b.is_floating_point() and self._buffers[k].dtype != b.dtype}
+        if changed:
+            self._buffers.update(before)
+            new = next(iter(changed.values()))
+            how = (f"use layer.to_dtype({new}) (exact; ValueError when a scale is not "
+                   f"representable) or QuantLinear.from_quantized(qw, bias) with "
+                   f"qw = layer.quantized_weight() and its scales converted"
+                   if new in HALF_DTYPES else "QuantLinear runs float16 or bfloat16 only")
+            raise TypeError(f"QuantLinear has dtype {self.dtype}; .to()/.half()/.float()/.bfloat16() "
+                            f"do not change it (that would re-round its scales) and {new} was "
+                            f"requested: {how}")
+        return self
+
+    def to_dtype(self, dtype: torch.dtype) -> "QuantLinear":
+        """Convert the layer, in place, to the other half dtype, exactly: every scale, zero
+        point and bias value must be representable in `dtype` (else ValueError, layer
+        unchanged). The effective weight s * (q - z) is then rounded to `dtype`, as for any
+        layer of that dtype. Returns self."""
+        if dtype not in HALF_DTYPES:
+            raise TypeError(f"dtype={dtype} is not supported; allowed: torch.float16, torch.bfloat16")
+        converted = {}
+        for name in ("scales", "zeros", "bias"):
+            t = self._buffers[name]
+            if t is None or t.dtype == dtype:
+                continue
+            c = t.to(dtype)
+            bad = (c.to(t.dtype) != t) & ~(t.isnan() & c.isnan())
+            if bad.any():
+                raise ValueError(
+                    f"{name}: {int(bad.sum())} of {t.numel()} values are not exactly representable "
+                    f"in {dtype} (first: {t[bad][0].item()!r}); the layer stays {t.dtype}")
+            converted[name] = c
+        self._buffers.update(converted)
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # load_state_dict would copy_ a float16 checkpoint into a bfloat16 layer (or back),
+        # re-rounding its scales without a word: report it as a load error instead.
+        for name in ("scales", "zeros", "bias"):
+            t, b = state_dict.get(prefix + name), self._buffers.get(name)
+            if isinstance(t, torch.Tensor) and b is not None and t.dtype != b.dtype:
+                error_msgs.append(f"{prefix}{name}: the checkpoint has dtype {t.dtype} but the layer "
+                                  f"has dtype {b.dtype}; construct the layer with dtype={t.dtype}")
+                return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
     # -- use --------------------------------------------------------------------------
     @property
     def dtype(self) -> torch.dtype:
@@ -234,12 +336,17 @@ class QuantLinearW4A8(nn.Module):
     256; s_ch float32 (N,); s_g float16 (N, Kp/128) for group_size=128 (None for -1);
     bias float32 (N,) or None. Their dtypes are part of the format: .half(), .to(dtype)
     and friends move them between devices but never change their dtype.
+
+    Autograd: the weights are frozen buffers. When x requires a gradient, backward gives
+    dx = dy @ dequantize() with a straight-through estimator for the per-token int8
+    rounding (ops/autograd.py), so adapters can be trained on top of the layer.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  group_size: int = -1, device=None):
         super().__init__()
         check_group_size_w4a8(group_size)
+        _check_bias_flag(bias, "QuantLinearW4A8")
         err = check_shape(in_features, out_features)
         if err:
             raise ValueError(err)
@@ -255,6 +362,7 @@ class QuantLinearW4A8(nn.Module):
     # -- construction ---------------------------------------------------------------
     @classmethod
     def from_quantized(cls, qw: QQQWeight, bias: Optional[torch.Tensor] = None) -> "QuantLinearW4A8":
+        _check_bias(bias, qw.out_features)
         p = pack_qqq(qw)
         layer = cls(qw.in_features, qw.out_features, bias is not None, group_size=qw.group_size,
                     device=qw.qweight.device)
@@ -330,8 +438,15 @@ class QuantLinearW4A8(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         lead = x.shape[:-1]
-        x_q, x_scales = torch.ops.sailfish.quantize_per_token(x.reshape(-1, self.in_features))
-        y = self.forward_quantized(x_q, x_scales, x.dtype)
+        x2 = x.reshape(-1, self.in_features)
+        if x.requires_grad and torch.is_grad_enabled():
+            # the same two ops inside one op that has a (straight-through) backward: the
+            # int8 x_q between them cannot carry a gradient (ops/autograd.py)
+            y = torch.ops.sailfish.w4a8_linear(x2, self.qweight, self.s_ch, self.s_g, self.bias,
+                                               self.in_features, self.group_size)
+        else:
+            x_q, x_scales = torch.ops.sailfish.quantize_per_token(x2)
+            y = self.forward_quantized(x_q, x_scales, x.dtype)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -345,10 +460,15 @@ def _skip_match(name: str, skip: Iterable[str]) -> bool:
 
 
 def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sym: bool = True,
-                   skip: Iterable[str] = ("lm_head",), act_bits: int = 16) -> nn.Module:
-    """Replace, in place, every nn.Linear whose shape and dtype Sailfish supports.
+                   skip: Iterable[str] = ("lm_head",), act_bits: int = 16,
+                   dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """Replace, in place, every nn.Linear whose shape Sailfish supports.
 
     act_bits=16: QuantLinear (W4A16); act_bits=8: QuantLinearW4A8 (group_size -1 or 128).
+    dtype (W4A16 only): the layers' dtype, float16 or bfloat16; default, as in
+    QuantLinear.from_linear, each Linear's own dtype if float16/bfloat16, else float16.
+    Float32 Linears are quantized too: run the model in the layers' dtype afterwards
+    (model.half(), a no-op for float16 QuantLinears), since the layers take only it.
 
     skip: module names (or name components) left alone. Returns the model; what was
     quantized and what was skipped, with the reason, is logged and stored as
@@ -362,6 +482,7 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
             raise ValueError("W4A8 (act_bits=8) weights are symmetric; sym=False is not supported")
     else:
         _check_group_size(group_size)
+    _check_layer_dtype(dtype, act_bits)
     skip = tuple(skip)
     quantized, skipped = [], {}
     for name, module in list(model.named_modules()):
@@ -370,8 +491,6 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
         reason = None
         if _skip_match(name, skip):
             reason = "in skip list"
-        elif module.weight.dtype not in HALF_DTYPES:
-            reason = f"dtype {module.weight.dtype}: convert the model to float16/bfloat16 first"
         else:
             reason = check_shape(module.in_features, module.out_features)
         if reason:
@@ -381,7 +500,7 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, QuantLinear.from_linear(module, bits=bits, group_size=group_size, sym=sym,
-                                                       act_bits=act_bits))
+                                                       dtype=dtype, act_bits=act_bits))
         quantized.append(name)
     log.info("sailfish: quantized %d linear layers, skipped %d", len(quantized), len(skipped))
     model.sailfish_report = {"quantized": quantized, "skipped": skipped}

@@ -1,4 +1,5 @@
-"""Benchmark Sailfish and peer kernels with the decode-step method (shared/docs/benchmarking.md).
+"""Benchmark Sailfish and peer kernels with the decode-step method (docs/benchmarking.md
+in the repository; summarised below).
 
     python -m sailfish.bench                       # all Llama-3 8B + 70B shapes, all M, all kernels
     python -m sailfish.bench --quick               # 4096x4096 + 8192x8192, M in {1,16,64,256,1024}

@@ -445,7 +445,7 @@ def build_gemlite(k: int, n: int, ctx: BuildContext, *, group_size: int = 128) -
 
 def _gemlite_load_configs(gemlite) -> None:
     """GemLite picks its shipped config by device-name tag; an H200 has none, so use the
-    H100 one there (as the peer numbers in shared/docs/benchmarking.md did)."""
+    H100 one there."""
     import os
     try:
         name = torch.cuda.get_device_properties(0).name.lower()

@@ -1,4 +1,4 @@
-"""The decode-step timing method (shared/docs/benchmarking.md), in one place.
+"""The decode-step timing method (docs/benchmarking.md in the repository), in one place.
 
 A model runs hundreds of different layers back to back, each weight read once from HBM,
 inside a CUDA graph. So: R distinct weight copies (R x bytes >= 3 x L2, R >= 2), one

@@ -60,11 +60,12 @@ def check_packed(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tens
     g = scales.shape[0]
     if scales.shape[1] != n:
         raise ValueError(f"scales has {scales.shape[1]} columns but qweight has N={n}")
-    if qzeros.shape != (g, n // 8) or n % 8:
-        raise ValueError(f"qzeros must have shape (G={g}, N/8={n // 8}), got {tuple(qzeros.shape)}")
+    # scales before qzeros: G is read from scales, so a wrong G must blame scales
     if g != num_groups(k, group_size):
         raise ValueError(f"scales has {g} groups but K={k} with group_size={group_size} needs "
                          f"ceil(K / group_size) = {num_groups(k, group_size)}")
+    if qzeros.shape != (g, n // 8) or n % 8:
+        raise ValueError(f"qzeros must have shape (G={g}, N/8={n // 8}), got {tuple(qzeros.shape)}")
     return k, n
 
 

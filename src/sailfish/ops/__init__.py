@@ -20,3 +20,4 @@ def use_triton(x: torch.Tensor) -> bool:
 
 from . import w4a16  # noqa: E402,F401  (registers torch.ops.sailfish.w4a16_gemm)
 from . import w4a8  # noqa: E402,F401  (registers sailfish::quantize_per_token, sailfish::w4a8_gemm)
+from . import autograd  # noqa: E402,F401  (input-gradient formulas; sailfish::w4a8_linear)
