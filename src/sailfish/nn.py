@@ -196,22 +196,6 @@ class QuantLinear(nn.Module):
             qw = QuantizedWeight(qw.qweight, qw.scales.to(dtype), qw.zeros, qw.g_idx, qw.group_size)
         return cls.from_quantized(qw, bias)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
-        # the layout version travels as a buffer (not module metadata) so that it survives
-        # formats that drop metadata, e.g. safetensors
-        key = prefix + "qweight_layout"
-        if prefix + "qweight" in state_dict:
-            version = int(state_dict[key]) if key in state_dict else 1
-            if version == 1:
-                state_dict[prefix + "qweight"] = natural_to_fragment_order(state_dict[prefix + "qweight"])
-            elif version != LAYOUT_VERSION:
-                raise ValueError(f"{key}={version} is not supported; this Sailfish reads layout "
-                                 f"versions 1 and {LAYOUT_VERSION} (a newer Sailfish wrote it?)")
-            state_dict[key] = torch.tensor(LAYOUT_VERSION, dtype=torch.int32)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
-
     def _sync_flags(self) -> None:
         """Python-side flags derived from buffers (kept out of forward for torch.compile)."""
         self._general_g_idx = False
@@ -272,6 +256,18 @@ class QuantLinear(nn.Module):
                 error_msgs.append(f"{prefix}{name}: the checkpoint has dtype {t.dtype} but the layer "
                                   f"has dtype {b.dtype}; construct the layer with dtype={t.dtype}")
                 return
+        # qweight's layout version travels as a buffer (not module metadata) so that it
+        # survives formats that drop metadata, e.g. safetensors; version 1 (Sailfish 0.1.0,
+        # no such buffer) is re-packed (load_state_dict works on its own copy of the dict)
+        key = prefix + "qweight_layout"
+        if prefix + "qweight" in state_dict:
+            version = int(state_dict[key]) if key in state_dict else 1
+            if version == 1:
+                state_dict[prefix + "qweight"] = natural_to_fragment_order(state_dict[prefix + "qweight"])
+            elif version != LAYOUT_VERSION:
+                raise ValueError(f"{key}={version} is not supported; this Sailfish reads layout "
+                                 f"versions 1 and {LAYOUT_VERSION} (a newer Sailfish wrote it?)")
+            state_dict[key] = torch.tensor(LAYOUT_VERSION, dtype=torch.int32)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
