@@ -30,7 +30,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .int4 import K_PAD, padded_k, unpack_codes
+from .int4 import K_PAD, padded_k
+from .nibbles import pack_nibbles, unpack_nibbles
 
 GROUP_SIZES_W4A8 = (-1, 128)
 # Per-group RTN: the per-channel int8 step keeps |w_i8| <= 119 so that with the 4-bit
@@ -185,8 +186,8 @@ class PackedQQQ:
     """The layout the W4A8 kernels read.
 
     qweight: int32 (N, Kp // 8), Kp = K rounded up to K_PAD (256): word [n, i] holds the
-             codes of input channels 8i .. 8i+7, channel 8i + j in bits 4j .. 4j+3 (the
-             formats.int4.PackedW4 packing). Padding channels hold code 8 (w8 = 0).
+             codes of input channels 8i .. 8i+7, channel 8i + j in bits 4j .. 4j+3
+             (formats.nibbles). Padding channels hold code 8 (w8 = 0).
     s_ch:    float32 (N,).
     s_g:     float16 (N, Kp // 128) or None; groups covering only padding have scale 0.
     """
@@ -203,10 +204,12 @@ def pack_codes(q: torch.Tensor, kp: int, pad_code: int = 8) -> torch.Tensor:
     n, k = q.shape
     qp = torch.full((n, kp), pad_code, dtype=torch.int32, device=q.device)
     qp[:, :k] = q.to(torch.int32)
-    qp = qp.reshape(n, kp // 8, 8)
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=q.device)
-    words = (qp << shifts).sum(dim=2, dtype=torch.int64)  # disjoint bit fields
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+    return pack_nibbles(qp.reshape(n, kp // 8, 8)).contiguous()
+
+
+def unpack_codes(words: torch.Tensor, in_features: int) -> torch.Tensor:
+    """int32 (N, Kp // 8) words -> uint8 (N, in_features) codes (inverse of pack_codes)."""
+    return unpack_nibbles(words).reshape(words.shape[0], -1)[:, :in_features].contiguous()
 
 
 def pack_qqq(qw: QQQWeight) -> PackedQQQ:
@@ -232,4 +235,4 @@ def unpack_qqq(p: PackedQQQ) -> QQQWeight:
 
 
 __all__ = ["GROUP_SIZES_W4A8", "INT8_LEVEL", "K_PAD", "PackedQQQ", "QQQWeight", "codes_to_int8",
-           "pack_codes", "pack_qqq", "quantize_activations", "quantize_qqq", "unpack_qqq"]
+           "pack_codes", "pack_qqq", "quantize_activations", "quantize_qqq", "unpack_codes", "unpack_qqq"]
