@@ -22,6 +22,7 @@ Activations are quantized per token (row), dynamically (`quantize_activations`):
 and the layer computes y[m, n] = s_tok[m] * s_ch[n] * sum_k x_q[m, k] * w8[n, k] (+ bias).
 Note x_q uses the reciprocal 127 / amax (one IEEE division per row, then a float32
 multiply per element), not x / s_tok: cheaper in the kernel, and matched here exactly.
+A row holding NaN or +-Inf gets s_tok = NaN and x_q = 0: its outputs are NaN.
 """
 from __future__ import annotations
 
@@ -61,9 +62,12 @@ def quantize_activations(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
     x: (M, K) float16 / bfloat16 (any float dtype). Returns x_q int8 (M, K) in [-127, 127]
     and scales float32 (M,), with x ~= scales[:, None] * x_q. Rounding: half to even.
-    All-zero rows give scale 0 and x_q 0 (no NaN anywhere).
+    All-zero rows give scale 0 and x_q 0. A row holding NaN or +-Inf gives scale NaN and
+    x_q 0, so that row's layer outputs are all NaN (never silently finite).
     """
     xf = x.float()
+    bad = ~torch.isfinite(xf).all(dim=1)
+    xf = torch.where(bad[:, None], torch.zeros_like(xf), xf)
     amax = xf.abs().amax(dim=1) if xf.shape[1] else xf.new_zeros(xf.shape[0])
     c = torch.where(amax < _TINY, torch.full_like(amax, _TINY_SCALE), torch.ones_like(amax))
     den = torch.where(amax > 0, amax * c, torch.ones_like(amax))
@@ -73,7 +77,7 @@ def quantize_activations(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     inv = torch.where(amax > 0, c127 / den, torch.zeros_like(amax))
     v = (xf * c[:, None]) * inv[:, None]
     x_q = v.clamp(-127.0, 127.0).round().to(torch.int8)
-    return x_q, amax / c127
+    return x_q, torch.where(bad, torch.full_like(amax, float("nan")), amax / c127)
 
 
 # ----------------------------------------------------------------------------------
