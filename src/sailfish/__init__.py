@@ -6,14 +6,17 @@
     # W4A8 (int8 per-token activations, QQQ weights): a QuantLinearW4A8
     layer = sailfish.QuantLinear.from_linear(linear, act_bits=8, group_size=128)
 
+    # pick the fastest tile configs for a model's shapes once (CUDA; forward never tunes)
+    sailfish.tune(model, m=[1, 16, 256], save="my_gpu.json")   # SAILFISH_CONFIG_FILE=my_gpu.json
+
 Importing sailfish does not touch the GPU and does not compile anything.
 """
 from .formats import (GROUP_SIZES, GROUP_SIZES_W4A8, QQQWeight, QuantizedWeight, from_gptq, quantize,
                       quantize_qqq, to_gptq)
 from .nn import QuantLinear, QuantLinearW4A8, quantize_model
-from .tuning import Config
+from .tuning import Config, tune
 
 __version__ = "0.1.0"
 __all__ = ["QuantLinear", "quantize_model", "quantize", "QuantizedWeight", "from_gptq", "to_gptq",
-           "GROUP_SIZES", "Config", "__version__",
+           "GROUP_SIZES", "Config", "tune", "__version__",
            "QuantLinearW4A8", "QQQWeight", "quantize_qqq", "GROUP_SIZES_W4A8"]
