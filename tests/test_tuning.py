@@ -449,3 +449,35 @@ def test_tune_on_gpu(tmp_path, monkeypatch):
     assert got[w4a8_key(64, 16, 16, -1, torch.float16)] == W4A8_TUNER.lookup(
         torch.device("cuda", torch.cuda.current_device()), (64, 16, 16, -1, torch.float16))
     tuning.clear_caches()
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (Config(16, 64, 0), "BLOCK_K=0 must be a power of two"),
+    (Config(16, 48, 64), "BLOCK_N=48 must be a power of two"),
+    (Config(16, 64, 64, kernel="tiles"), "kernel='tiles' is not one of"),
+    (Config(8, 64, 64), "'mma' needs BLOCK_M >= 16"),
+    (Config(16, 64, 512), "BLOCK_K=512 must divide the padded K=256"),
+    (Config(16, 64, 64, 5), r"SPLIT_K=5 must lie in \[1, 4\]"),
+    (Config(16, 64, 64, 0), r"SPLIT_K=0 must lie in \[1, 4\]"),
+])
+def test_check_config(cfg, match):
+    tuning.check_config(Config(16, 64, 64, 4), 256, 256)
+    tuning.check_config(Config(1, 16, 128, 2, kernel="gemv"), 256, 200)  # ceil(200 / 128) = 2 tiles
+    with pytest.raises(ValueError, match=match):
+        tuning.check_config(cfg, 256, 256)
+
+
+def test_shared_heuristics_match_the_recorded_choices():
+    """gemv_heuristic / mma_heuristic as the families used them before they were shared
+    (split-K: the smallest power of two giving >= 2 programs per SM, 132 SMs)."""
+    sms = 132
+    # 256 tiles of BN 16 -> split 2; 64 tiles -> 8 (= the 8 K tiles of BK 512)
+    assert tuning.gemv_heuristic(4096, 4096, 4096, sms) == Config(1, 16, 512, 2, 8, 4, 4, kernel="gemv")
+    assert tuning.gemv_heuristic(1024, 4096, 4096, sms) == Config(1, 16, 512, 8, 8, 4, 4, kernel="gemv")
+    assert tuning.gemv_heuristic(64, 200, 256, sms).BLOCK_K == 256
+    tiles = ((16, 64, 128, 4, 6), (32, 64, 128, 4, 4), (128, 128, 128, 8, 3))
+    # 64 tiles of 64 columns -> split 8
+    assert tuning.mma_heuristic(8, 4096, 4096, sms, *tiles) == Config(16, 64, 128, 8, 8, 4, 6)
+    assert tuning.mma_heuristic(48, 4096, 4096, sms, *tiles) == Config(64, 64, 128, 8, 8, 4, 4)
+    assert tuning.mma_heuristic(128, 1024, 4096, sms, *tiles) == Config(128, 128, 128, 16, 8, 8, 3)
+    assert tuning.mma_heuristic(8, 40, 4096, sms, *tiles).BLOCK_N == 64

@@ -198,10 +198,11 @@ def mma_candidates(space: Iterable[Tile], m: int, n: int, k: int, kp: int, sms: 
 KERNELS = ("mma", "gemv", "dequant")
 
 
-def check_config(cfg: Config, kp: int, k_tiles: int) -> None:
+def check_config(cfg: Config, kp: int, k: int) -> None:
     """The checks every family's launcher makes (ValueError naming the field): power-of-two
     blocks (>= 16 except BLOCK_M), a known kernel, BLOCK_M >= 16 for 'mma', BLOCK_K dividing
-    the padded K, SPLIT_K in [1, k_tiles]."""
+    the padded K, SPLIT_K in [1, k_tiles] with k_tiles = ceil(k / BLOCK_K) (k: the K the
+    kernel tiles, the padded one where it runs over the padding)."""
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
         v = getattr(cfg, name)
         if v < 1 or v & (v - 1) or (v < 16 and name != "BLOCK_M"):
@@ -212,6 +213,7 @@ def check_config(cfg: Config, kp: int, k_tiles: int) -> None:
         raise ValueError(f"config kernel='mma' needs BLOCK_M >= 16, got {cfg.BLOCK_M}")
     if kp % cfg.BLOCK_K:
         raise ValueError(f"config BLOCK_K={cfg.BLOCK_K} must divide the padded K={kp}")
+    k_tiles = -(-k // cfg.BLOCK_K)
     if cfg.SPLIT_K < 1 or cfg.SPLIT_K > k_tiles:
         raise ValueError(f"config SPLIT_K={cfg.SPLIT_K} must lie in [1, {k_tiles}]")
 

@@ -152,7 +152,7 @@ def _check_config(cfg: Config, M: int, N: int, K: int, Kp: int) -> None:
         raise ValueError(f"config SPLIT_K={cfg.SPLIT_K} must be 1 for 'dequant'")
     if cfg.BLOCK_K < 32:
         raise ValueError(f"config BLOCK_K={cfg.BLOCK_K} must be >= 32 (the int8 MMA's K)")
-    check_config(cfg, Kp, -(-K // cfg.BLOCK_K))
+    check_config(cfg, Kp, K)
 
 
 W4A8_TUNER = Tuner("w4a8", _w4a8_heuristic, _w4a8_candidates,
