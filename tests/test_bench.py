@@ -169,3 +169,25 @@ def test_quick_cpu_end_to_end(tmp_path):
     assert {r["kernel"] for r in doc["rows"]} == {"sailfish-w4a16", "sailfish-w4a8", "sailfish-w4a8-gemm"}
     assert doc["checks"] and all(c["ok"] for c in doc["checks"])
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_overhead_refuses_without_cuda(monkeypatch, capsys):
+    from sailfish.bench import overhead
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert overhead.main([]) == 2
+    assert "CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter check of the callables")
+def test_overhead_rows_compute_the_layer():
+    """Every row of `python -m sailfish.bench.overhead` runs and computes its layer's output
+    (checked here on CPU through the interpreter, at a small shape)."""
+    from sailfish.bench.overhead import callables
+    rows = dict(callables(256, 64, 1, torch.float16, 128, device="cpu"))
+    ref = rows["F.linear"]()
+    x_q, x_s = rows.pop("W4A8 quantize op")()
+    assert x_q.shape == (1, 256) and x_s.shape == (1,)
+    for name, fn in rows.items():
+        y = fn()
+        assert y.shape == (1, 64), name
+        assert (y.float() - ref.float()).norm() / ref.float().norm() < 0.2, name  # 4-bit weights

@@ -2,7 +2,10 @@
 "any" fallback, then autotune / heuristic). Runs on CPU: the CUDA-only parts of the
 lookup (GPU name, stream capture) are replaced by stand-ins."""
 import json
+import threading
+import time
 import types
+import warnings
 
 import pytest
 import torch
@@ -49,9 +52,13 @@ def test_every_tuned_shape_has_a_fallback(path):
 
 @pytest.fixture
 def fake_gpu(monkeypatch, tmp_path):
-    """A device that looks like CUDA to Tuner.get, with a user table in tmp_path."""
+    """A CUDA device for Tuner.get (torch.device("cuda", 0) needs no GPU until used), named
+    like an H200, never capturing, with a user table in tmp_path."""
     monkeypatch.setattr(tuning, "gpu_key", lambda device: "h200")
-    monkeypatch.delenv("SAILFISH_HEURISTICS_ONLY", raising=False)
+    monkeypatch.setattr(tuning, "_capturing", lambda: False)
+    for var in ("SAILFISH_HEURISTICS_ONLY", "SAILFISH_AUTOTUNE", "SAILFISH_CONFIG_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    tuning.clear_caches()
     table = tmp_path / "table.json"
 
     def use(configs):
@@ -59,13 +66,35 @@ def fake_gpu(monkeypatch, tmp_path):
         tuning._load_table.cache_clear()
         monkeypatch.setenv("SAILFISH_CONFIG_FILE", str(table))
 
-    yield types.SimpleNamespace(type="cuda", index=0), use
-    tuning._load_table.cache_clear()
+    yield torch.device("cuda", 0), use
+    tuning.clear_caches()
 
 
-def _tuner():
-    return Tuner("test", heuristic=lambda **p: Config(16, 64, 128, kernel="heuristic"),
-                 candidates=lambda **p: [])
+HEURISTIC = Config(16, 64, 128, kernel="heuristic")
+CANDIDATES = [Config(16, 64, 64, kernel="a"), Config(32, 64, 64, kernel="b"), Config(64, 64, 64, kernel="c")]
+
+
+def _tuner(candidates=(), heuristic=None):
+    return Tuner("test", heuristic=heuristic or (lambda **p: HEURISTIC), candidates=lambda **p: list(candidates))
+
+
+class FakeBench:
+    """Stands in for triton's do_bench: runs fn once and returns the time given per kernel."""
+
+    def __init__(self, times, fail=(), delay=0.0):
+        self.times, self.fail, self.delay = times, set(fail), delay
+        self.ran = []
+
+    def run(self, cfg):  # the launcher's run(cfg)
+        self.ran.append(cfg)
+        if cfg.kernel in self.fail:
+            raise RuntimeError(f"out of resources ({cfg.kernel})")
+
+    def __call__(self, fn):
+        n = len(self.ran)
+        fn()
+        time.sleep(self.delay)
+        return self.times[self.ran[n].kernel]
 
 
 def test_lookup_order(fake_gpu):
@@ -95,7 +124,6 @@ def test_w4a8_untuned_format_uses_the_shapes_g128_config(gs, dtype, fake_gpu, mo
     dev, use = fake_gpu
     monkeypatch.delenv("SAILFISH_CONFIG_FILE", raising=False)
     tuning._load_table.cache_clear()
-    W4A8_TUNER.cache.clear()
     shipped = json.loads((CONFIG_DIR / "h200.json").read_text())["configs"]
     k, n, m = 8192, 57344, 1024
     want = Config(**shipped[w4a8_key(k, n, m, 128, torch.float16)])
@@ -103,7 +131,6 @@ def test_w4a8_untuned_format_uses_the_shapes_g128_config(gs, dtype, fake_gpu, mo
     got = W4A8_TUNER.get(w4a8_key(k, n, m, gs, dtype), dev, None,
                          fallback_key=problem_key("w4a8", k, n, m, "any"),
                          M=m, N=n, K=k, Kp=k, group_size=gs)
-    W4A8_TUNER.cache.clear()
     assert got == want
 
 
@@ -117,6 +144,7 @@ def test_launchers_pass_the_shape_fallback(family, monkeypatch):
         raise RuntimeError("stop")
 
     monkeypatch.setattr(Tuner, "get", spy)
+    tuning.clear_caches()  # a cached config would skip get()
     from sailfish import QuantLinear
     lin = torch.nn.Linear(256, 64, bias=False).to(torch.float16)
     if family == "w4a16":
@@ -162,3 +190,294 @@ def test_scratch_runner_allocates_once_and_lazily():
     assert [c for c, _ in outs] == ["a", "b"]
     assert outs[0][1] is outs[1][1] and outs[0][1] is not like
     assert outs[0][1].shape == like.shape and outs[0][1].dtype == like.dtype
+
+
+# ----------------------------------------------------------------------------------
+# GPU names
+# ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,key", [
+    ("NVIDIA H100 80GB HBM3", "h100"),        # SXM5: the board h100.json was tuned on
+    ("NVIDIA H100 PCIe", "h100_pcie"),
+    ("NVIDIA H100 NVL", "h100_nvl"),
+    ("NVIDIA H100", "nvidia_h100"),           # an H100 that does not say it is the SXM part
+    ("NVIDIA H200", "h200"),
+    ("NVIDIA H200 NVL", "h200_nvl"),
+    ("NVIDIA A100-SXM4-80GB", "a100"),
+    ("NVIDIA A100 80GB PCIe", "a100_pcie"),
+    ("NVIDIA L40S", "nvidia_l40s"),
+    ("NVIDIA GeForce RTX 4090", "nvidia_geforce_rtx_4090"),
+])
+def test_gpu_key_names(name, key):
+    assert tuning.gpu_key_for_name(name) == key
+
+
+def test_pcie_and_nvl_h100_do_not_use_the_sxm_table():
+    for name in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200 NVL"):
+        assert not (CONFIG_DIR / f"{tuning.gpu_key_for_name(name)}.json").exists(), name
+    assert (CONFIG_DIR / f"{tuning.gpu_key_for_name('NVIDIA H100 80GB HBM3')}.json").exists()
+    assert (CONFIG_DIR / f"{tuning.gpu_key_for_name('NVIDIA H200')}.json").exists()
+
+
+def test_gpu_key_is_cached_per_device_index(monkeypatch):
+    names = {0: "NVIDIA H200", 1: "NVIDIA H100 PCIe"}
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: asked.append(i) or names[i])
+    parsed = []
+    real = tuning.gpu_key_for_name
+    monkeypatch.setattr(tuning, "gpu_key_for_name", lambda n: parsed.append(n) or real(n))
+    tuning.clear_caches()
+    try:
+        for _ in range(3):
+            assert tuning.gpu_key(torch.device("cuda", 0)) == "h200"
+            assert tuning.gpu_key(torch.device("cuda", 1)) == "h100_pcie"
+        assert asked == [0, 1] and len(parsed) == 2  # no name query and no regex after the first
+    finally:
+        tuning.clear_caches()
+
+
+# ----------------------------------------------------------------------------------
+# The lookup: cached, no tuning in forward unless opted in
+# ----------------------------------------------------------------------------------
+def test_steady_state_is_one_cached_lookup(fake_gpu, monkeypatch):
+    dev, use = fake_gpu
+    use({"test|exact": vars(Config(16, 128, 128, 2))})
+    calls = []
+    tuner = _tuner(heuristic=lambda **p: calls.append("heuristic") or HEURISTIC)
+    real_table = Tuner.table
+    monkeypatch.setattr(Tuner, "table", lambda self, d: calls.append("table") or real_table(self, d))
+    for _ in range(3):
+        assert tuner.get("test|exact", dev, None, memo_key=("exact",)) == Config(16, 128, 128, 2)
+        assert tuner.get("test|other", dev, None, memo_key=("other",)) == HEURISTIC
+    assert calls == ["table", "table", "heuristic"]  # each problem resolved once, then cached
+    assert tuner.lookup(dev, ("exact",)) == Config(16, 128, 128, 2)
+    assert tuner.lookup(dev, ("other",)) == HEURISTIC
+    assert tuner.lookup(torch.device("cuda", 1), ("exact",)) is None  # per device
+    assert tuner.lookup(dev, ("new",)) is None
+
+
+def test_forward_never_autotunes_by_default(fake_gpu, monkeypatch):
+    dev, _ = fake_gpu
+    bench = FakeBench({"a": 3.0, "b": 1.0, "c": 2.0})
+    monkeypatch.setattr(tuning, "_bench", bench)
+    assert _tuner(CANDIDATES).get("test|k", dev, bench.run) == HEURISTIC
+    assert bench.ran == []
+    monkeypatch.setenv("SAILFISH_AUTOTUNE", "0")
+    assert _tuner(CANDIDATES).get("test|k", dev, bench.run) == HEURISTIC
+    assert bench.ran == []
+
+
+def test_autotune_opt_in_picks_the_fastest_once(fake_gpu, monkeypatch):
+    dev, _ = fake_gpu
+    monkeypatch.setenv("SAILFISH_AUTOTUNE", "1")
+    bench = FakeBench({"a": 3.0, "b": 1.0, "c": 2.0})
+    monkeypatch.setattr(tuning, "_bench", bench)
+    tuner = _tuner(CANDIDATES)
+    assert tuner.get("test|k", dev, bench.run) == CANDIDATES[1]
+    assert tuner.get("test|k", dev, bench.run) == CANDIDATES[1]
+    assert bench.ran == CANDIDATES  # every candidate timed once, on the first call only
+
+
+def test_graph_capture_and_eager_share_one_config(fake_gpu, monkeypatch):
+    """A capture on a cold cache takes the heuristic; later eager calls must use the same
+    config (the graph keeps the one it captured), even with autotuning on."""
+    dev, _ = fake_gpu
+    monkeypatch.setenv("SAILFISH_AUTOTUNE", "1")
+    bench = FakeBench({"a": 3.0, "b": 1.0, "c": 2.0})
+    monkeypatch.setattr(tuning, "_bench", bench)
+    tuner = _tuner(CANDIDATES)
+    monkeypatch.setattr(tuning, "_capturing", lambda: True)
+    captured = tuner.get("test|k", dev, bench.run)
+    monkeypatch.setattr(tuning, "_capturing", lambda: False)
+    assert captured == HEURISTIC and tuner.get("test|k", dev, bench.run) == captured
+    assert bench.ran == []
+
+
+def test_environment_is_read_per_problem_until_cleared(fake_gpu, monkeypatch):
+    dev, use = fake_gpu
+    use({"test|exact": vars(Config(16, 128, 128, 2))})
+    tuner = _tuner()
+    assert tuner.get("test|exact", dev, None) == Config(16, 128, 128, 2)
+    monkeypatch.setenv("SAILFISH_HEURISTICS_ONLY", "1")
+    assert tuner.get("test|exact", dev, None) == Config(16, 128, 128, 2)  # cached
+    tuning.clear_caches()
+    assert tuner.get("test|exact", dev, None) == HEURISTIC
+
+
+def test_autotune_failures_are_reported(fake_gpu, monkeypatch):
+    dev, _ = fake_gpu
+    monkeypatch.setenv("SAILFISH_AUTOTUNE", "1")
+    bench = FakeBench({"a": 3.0, "b": 1.0, "c": 2.0}, fail={"b"})
+    monkeypatch.setattr(tuning, "_bench", bench)
+    with pytest.warns(RuntimeWarning, match=r"config Config\(BLOCK_M=32.*kernel='b'\) failed while "
+                                            r"tuning test\|k: RuntimeError: out of resources \(b\)"):
+        assert _tuner(CANDIDATES).get("test|k", dev, bench.run) == CANDIDATES[2]
+    bench = FakeBench({"a": 3.0, "b": 1.0, "c": 2.0}, fail={"a", "b", "c"})
+    monkeypatch.setattr(tuning, "_bench", bench)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        assert _tuner(CANDIDATES).get("test|k2", dev, bench.run) == HEURISTIC
+    messages = [str(w.message) for w in got]
+    assert len(messages) == 4 and "no test candidate ran for test|k2" in messages[-1], messages
+
+
+def test_two_threads_do_not_tune_one_key_twice(fake_gpu, monkeypatch):
+    dev, _ = fake_gpu
+    monkeypatch.setenv("SAILFISH_AUTOTUNE", "1")
+    bench = FakeBench({"a": 3.0, "b": 1.0, "c": 2.0}, delay=0.02)
+    monkeypatch.setattr(tuning, "_bench", bench)
+    tuner = _tuner(CANDIDATES)
+    start = threading.Barrier(4)
+    got = []
+
+    def worker():
+        start.wait()
+        got.append(tuner.get("test|k", dev, bench.run))
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [CANDIDATES[1]] * 4
+    assert bench.ran == CANDIDATES  # one thread benchmarked; the others waited and reused it
+
+
+def test_a_bad_table_entry_fails_at_first_use(fake_gpu):
+    dev, use = fake_gpu
+    use({"w4a8|K=256|N=64|M=4|gs=-1|float16": vars(Config(16, 64, 512))})
+    with pytest.raises(ValueError, match="BLOCK_K=512 must divide the padded K=256"):
+        W4A8_TUNER.get("w4a8|K=256|N=64|M=4|gs=-1|float16", dev, None, M=4, N=64, K=256, Kp=256,
+                       group_size=-1)
+    assert not W4A8_TUNER.cache
+
+
+# ----------------------------------------------------------------------------------
+# Explicit tuning: tuning_session() and sailfish.tune()
+# ----------------------------------------------------------------------------------
+def test_session_tunes_every_problem_once_over_the_table(fake_gpu, monkeypatch):
+    dev, use = fake_gpu
+    use({"test|k": vars(Config(16, 128, 128, 2))})
+    bench = FakeBench({"a": 3.0, "b": 1.0, "c": 2.0})
+    monkeypatch.setattr(tuning, "_bench", bench)
+    tuner = _tuner(CANDIDATES)
+    assert tuner.get("test|k", dev, bench.run, memo_key="k") == Config(16, 128, 128, 2)  # the table
+    with tuning.tuning_session() as tuned:
+        assert tuner.lookup(dev, "k") is None  # lookups go through get() while tuning
+        assert tuner.get("test|k", dev, bench.run, memo_key="k") == CANDIDATES[1]
+        assert tuner.get("test|k", dev, bench.run, memo_key="k") == CANDIDATES[1]
+        assert tuned == {("test", dev, "test|k"): CANDIDATES[1]}
+    assert bench.ran == CANDIDATES
+    assert tuner.lookup(dev, "k") == CANDIDATES[1]  # the measurement replaces the table entry
+
+
+def _layers(device="cpu"):
+    from sailfish import QuantLinear
+    lin = torch.nn.Linear(64, 16, bias=False).half()
+    a, b = QuantLinear.from_linear(lin), QuantLinear.from_linear(lin)  # the same problems
+    c = QuantLinear.from_linear(lin, act_bits=8, group_size=-1)
+    return torch.nn.Sequential(a, b, c).to(device)
+
+
+def test_tune_arguments():
+    import sailfish
+    model = _layers()
+    with pytest.raises(ValueError, match=r"on CUDA; layer 0 is on cpu"):
+        sailfish.tune(model, m=[1])
+    with pytest.raises(ValueError, match="no QuantLinear"):
+        sailfish.tune(torch.nn.Linear(4, 4), m=[1])
+    with pytest.raises(TypeError, match=r"model_or_layers\[1\] is a Linear"):
+        sailfish.tune([model[0], torch.nn.Linear(4, 4)])
+    with pytest.raises(ValueError, match="positive ints"):
+        sailfish.tune(model, m=[0])
+    with pytest.raises(ValueError, match="positive ints"):
+        sailfish.tune(model, m=16)
+    with pytest.raises(TypeError, match="w4a8_dtype"):
+        sailfish.tune(model, m=[1], w4a8_dtype=torch.float32)
+
+
+def test_tune_runs_each_distinct_problem_once(monkeypatch):
+    """On CPU the layers take their heuristic configs; this checks the walk: one forward per
+    distinct layer and M bucket, inside a tuning session."""
+    import sailfish
+    monkeypatch.setattr(tuning, "_check_on_cuda", lambda name, layer: None)
+    seen = []
+    real_get = Tuner.get
+
+    def spy(self, key, device, run, fallback_key=None, memo_key=None, **problem):
+        seen.append((key, tuning._SESSION.active, run is not None))
+        return real_get(self, key, device, run, fallback_key, memo_key, **problem)
+
+    monkeypatch.setattr(Tuner, "get", spy)
+    tuning.clear_caches()
+    assert sailfish.tune(_layers(), m=[1, 3, 4, 2]) == {}  # CPU: nothing is benchmarked
+    keys = [k for k, _, _ in seen]
+    assert len(keys) == len(set(keys)) == 3 * 2  # (W4A16, W4A8) x M buckets {1, 2, 4}
+    assert {k.split("|")[3] for k in keys} == {"M=1", "M=2", "M=4"}
+    assert all(active and has_run for _, active, has_run in seen)
+    assert not tuning._SESSION.active
+    tuning.clear_caches()
+
+
+def test_save_tuned_merges_into_a_table(tmp_path, monkeypatch):
+    monkeypatch.setattr(tuning, "gpu_key", lambda device: "h200")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    path = tmp_path / "t.json"
+    tuning.save_tuned(str(path), {"w4a8|a": Config(16, 64, 128)}, torch.device("cuda", 0))
+    tuning.save_tuned(str(path), {"w4a8|b": Config(32, 64, 128, 2)}, torch.device("cuda", 0))
+    data = json.loads(path.read_text())
+    assert data["gpu"] == "h200" and data["device"] == "NVIDIA H200"
+    assert {k: Config(**v) for k, v in data["configs"].items()} == {
+        "w4a8|a": Config(16, 64, 128), "w4a8|b": Config(32, 64, 128, 2)}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="tune() benchmarks on a GPU")
+def test_tune_on_gpu(tmp_path, monkeypatch):
+    import sailfish
+    for var in ("SAILFISH_HEURISTICS_ONLY", "SAILFISH_AUTOTUNE", "SAILFISH_CONFIG_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    tuning.clear_caches()
+    model = _layers("cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # candidates a small shape cannot run
+        got = sailfish.tune(model, m=[1, 16], save=str(tmp_path / "t.json"))
+    assert len(got) == 4 and all(isinstance(c, Config) for c in got.values())
+    table = json.loads((tmp_path / "t.json").read_text())["configs"]
+    assert {k: Config(**v) for k, v in table.items()} == got
+    x = torch.randn(16, 64, device="cuda").half()
+    for layer in model:
+        layer(x)
+    assert got[w4a8_key(64, 16, 16, -1, torch.float16)] == W4A8_TUNER.lookup(
+        torch.device("cuda", torch.cuda.current_device()), (64, 16, 16, -1, torch.float16))
+    tuning.clear_caches()
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (Config(16, 64, 0), "BLOCK_K=0 must be a power of two"),
+    (Config(16, 48, 64), "BLOCK_N=48 must be a power of two"),
+    (Config(16, 64, 64, kernel="tiles"), "kernel='tiles' is not one of"),
+    (Config(8, 64, 64), "'mma' needs BLOCK_M >= 16"),
+    (Config(16, 64, 512), "BLOCK_K=512 must divide the padded K=256"),
+    (Config(16, 64, 64, 5), r"SPLIT_K=5 must lie in \[1, 4\]"),
+    (Config(16, 64, 64, 0), r"SPLIT_K=0 must lie in \[1, 4\]"),
+])
+def test_check_config(cfg, match):
+    tuning.check_config(Config(16, 64, 64, 4), 256, 256)
+    tuning.check_config(Config(1, 16, 128, 2, kernel="gemv"), 256, 200)  # ceil(200 / 128) = 2 tiles
+    with pytest.raises(ValueError, match=match):
+        tuning.check_config(cfg, 256, 256)
+
+
+def test_shared_heuristics_match_the_recorded_choices():
+    """gemv_heuristic / mma_heuristic as the families used them before they were shared
+    (split-K: the smallest power of two giving >= 2 programs per SM, 132 SMs)."""
+    sms = 132
+    # 256 tiles of BN 16 -> split 2; 64 tiles -> 8 (= the 8 K tiles of BK 512)
+    assert tuning.gemv_heuristic(4096, 4096, 4096, sms) == Config(1, 16, 512, 2, 8, 4, 4, kernel="gemv")
+    assert tuning.gemv_heuristic(1024, 4096, 4096, sms) == Config(1, 16, 512, 8, 8, 4, 4, kernel="gemv")
+    assert tuning.gemv_heuristic(64, 200, 256, sms).BLOCK_K == 256
+    tiles = ((16, 64, 128, 4, 6), (32, 64, 128, 4, 4), (128, 128, 128, 8, 3))
+    # 64 tiles of 64 columns -> split 8
+    assert tuning.mma_heuristic(8, 4096, 4096, sms, *tiles) == Config(16, 64, 128, 8, 8, 4, 6)
+    assert tuning.mma_heuristic(48, 4096, 4096, sms, *tiles) == Config(64, 64, 128, 8, 8, 4, 4)
+    assert tuning.mma_heuristic(128, 1024, 4096, sms, *tiles) == Config(128, 128, 128, 16, 8, 8, 3)
+    assert tuning.mma_heuristic(8, 40, 4096, sms, *tiles).BLOCK_N == 64

@@ -1,24 +1,34 @@
-"""Kernel configs: heuristics, a shipped per-GPU table, and an autotuner.
+"""Kernel configs: heuristics, a shipped per-GPU table, an autotuner and `tune()`.
 
-Lookup order for a problem (kernel family, K, N, bucketed M, format flags):
-  1. the in-process cache;
-  2. the table shipped for this GPU (kernels/configs/<gpu>.json), or a user file named
-     by SAILFISH_CONFIG_FILE;
-  3. on CUDA and outside graph capture: benchmark the pruned candidate list once
-     (SAILFISH_AUTOTUNE=0 skips this step);
+Lookup order for a problem (kernel family, K, N, bucketed M, format flags) on a device:
+  1. the in-process cache: every answer below is cached per (device, problem), so a
+     problem keeps one config for the life of the process (eager calls and CUDA-graph
+     captures agree) and a steady-state call costs one dict lookup;
+  2. the table for this GPU (kernels/configs/<gpu_key>.json), merged with the user file
+     named by SAILFISH_CONFIG_FILE; a format without an entry may use its shape's entry
+     (`fallback_key`);
+  3. only when opted in with SAILFISH_AUTOTUNE=1, on CUDA and outside graph capture:
+     benchmark the candidate list once (seconds per problem, so never by default inside
+     a forward);
   4. the heuristic.
-SAILFISH_HEURISTICS_ONLY=1 skips 1-3 (no table, no tuning): handy to compare, and for
-deterministic config choice across machines.
+`tune(model, m=[...])` benchmarks the candidates of a model's problems explicitly (and can
+save them as a table). SAILFISH_HEURISTICS_ONLY=1 skips 2-3 (deterministic config choice
+across machines). The environment is read when a problem is first seen on a device; after
+changing it, call `clear_caches()`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import re
+import threading
+import warnings
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Dict, Iterable, Optional, Tuple
+from typing import Callable, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -57,17 +67,45 @@ def split_k_for(tiles: int, k_tiles: int, sms: int) -> int:
 
 
 def m_bucket(m: int) -> int:
-    for b in M_BUCKETS:
-        if m <= b:
-            return b
-    return M_BUCKETS[-1]
+    """M rounded up to a power of two, at most M_BUCKETS[-1] (the buckets are 1, 2, 4, ...)."""
+    return min(next_pow2(m), M_BUCKETS[-1])
+
+
+# ----------------------------------------------------------------------------------
+# GPUs
+# ----------------------------------------------------------------------------------
+_GPU_KEYS: Dict[int, str] = {}  # device index -> table name
+
+
+def gpu_key_for_name(name: str) -> str:
+    """Table name for a CUDA device name: the model ("NVIDIA H200" -> 'h200', "NVIDIA
+    A100-SXM4-80GB" -> 'a100'), suffixed '_pcie' / '_nvl' for those boards ("NVIDIA H100
+    PCIe" -> 'h100_pcie', "NVIDIA H100 NVL" -> 'h100_nvl'): they run at other clocks, power
+    and memory bandwidth than the SXM part a plain model name stands for. 'h100' itself is
+    only the SXM H100 ("NVIDIA H100 80GB HBM3", the board kernels/configs/h100.json was
+    tuned on); another H100 name keeps its full name. Names without a model token: the
+    lowercase alphanumerics joined by '_'."""
+    low = name.lower()
+    full = re.sub(r"[^a-z0-9]+", "_", low).strip("_")
+    m = re.search(r"\b([a-z]\d{2,4})\b", low)
+    if not m:
+        return full
+    key = m.group(1)
+    for board in ("pcie", "nvl"):
+        if re.search(rf"\b{board}\b", low):
+            return f"{key}_{board}"
+    if key == "h100" and not re.search(r"\bhbm3\b|\bsxm", low):
+        return full
+    return key
 
 
 def gpu_key(device: torch.device) -> str:
-    """'h100', 'h200', ... from the device name; lowercase alphanumerics otherwise."""
-    name = torch.cuda.get_device_name(device).lower()
-    m = re.search(r"\b([a-z]\d{2,4})\b", name)
-    return m.group(1) if m else re.sub(r"[^a-z0-9]+", "_", name).strip("_")
+    """The table name of a CUDA device (gpu_key_for_name), computed once per device index."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    key = _GPU_KEYS.get(idx)
+    if key is None:
+        key = _GPU_KEYS[idx] = gpu_key_for_name(torch.cuda.get_device_name(idx))
+    return key
 
 
 @lru_cache(maxsize=None)
@@ -75,8 +113,18 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def sms_for(device: torch.device) -> int:
+    """SM count for the heuristics: the device's on CUDA; 132 (H100 / H200) elsewhere, so that
+    the interpreter runs the configs a GPU would."""
+    return sm_count(device.index or 0) if device.type == "cuda" else 132
+
+
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_current_stream_capturing()
 
 
 def problem_key(family: str, k: int, n: int, m: int, flags: str) -> str:
@@ -93,6 +141,86 @@ def _load_table(path: str) -> Dict[str, dict]:
     return data.get("configs", {})
 
 
+# ----------------------------------------------------------------------------------
+# Heuristics and config checks shared by the kernel families
+# ----------------------------------------------------------------------------------
+Tile = Tuple[int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
+
+
+def gemv_heuristic(n: int, k: int, kp: int, sms: int) -> Config:
+    """M = 1: the CUDA-core GEMV with BLOCK_N 16, BLOCK_K 512 (256 where 512 does not divide
+    the padded K), the measured best on H200 (docs/perf_log.md), split-K up to 2 programs
+    per SM. k: the K the kernel tiles (the padded K where the kernel runs over it)."""
+    bk = 512 if kp % 512 == 0 else 256
+    return Config(1, 16, bk, split_k_for(-(-n // 16), -(-k // bk), sms), 8, 4, 4, kernel="gemv")
+
+
+def mma_heuristic(m: int, n: int, k: int, sms: int, small: Tile, mid: Tile, large: Tile) -> Config:
+    """Tensor-core tiles: `small` for M <= 16, `mid` for M <= 64 (BLOCK_M 32 or 64 by M),
+    `large` above; BLOCK_N at most next_pow2(N) (>= 64)."""
+    bm, bn, bk, warps, stages = small if m <= 16 else mid if m <= 64 else large
+    if 16 < m <= 64:
+        bm = 32 if m <= 32 else 64
+    bn = min(bn, max(64, next_pow2(n)))
+    tiles = -(-m // bm) * -(-n // bn)
+    # M > 64 (BM 128, 8 warps): split-K only while the tiles fill under half the SMs. Without
+    # it W4A16 4096x1024 at M = 128 ran 8 programs (46.9 us on H200; 12.4 us tuned, SPLIT_K = 16);
+    # splitting up to 2 programs per SM as at small M lost on 4096x14336 M = 128 (0.71x -> 0.50x)
+    split = split_k_for(tiles, -(-k // bk), sms if m <= 64 else sms // 4)
+    return Config(bm, bn, bk, split, 8, warps, stages)
+
+
+def gemv_candidates(space: Iterable[Tile], n: int, k: int, kp: int, sms: int):
+    """GEMV configs from (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) tiles, each unsplit and
+    with the split-K that gives 2 programs per SM; tiles whose BLOCK_K does not divide kp
+    are left out."""
+    for bm, bn, bk, warps, stages in space:
+        if kp % bk == 0 and bn >= 8:
+            for split in sorted({1, split_k_for(-(-n // bn), -(-k // bk), sms)}):
+                yield Config(bm, bn, bk, split, 8, warps, stages, kernel="gemv")
+
+
+def mma_candidates(space: Iterable[Tile], m: int, n: int, k: int, kp: int, sms: int):
+    """Tensor-core configs from tiles, each with split-K 1, s0 (2 programs per SM) and 2 * s0."""
+    seen = set()
+    for bm, bn, bk, warps, stages in space:
+        if kp % bk:
+            continue
+        k_tiles = -(-k // bk)
+        s0 = split_k_for(-(-m // bm) * -(-n // bn), k_tiles, sms)
+        for split in sorted({1, s0, min(2 * s0, k_tiles)}):
+            cfg = Config(bm, bn, bk, split, 8, warps, stages)
+            if cfg not in seen:
+                seen.add(cfg)
+                yield cfg
+
+
+KERNELS = ("mma", "gemv", "dequant")
+
+
+def check_config(cfg: Config, kp: int, k: int) -> None:
+    """The checks every family's launcher makes (ValueError naming the field): power-of-two
+    blocks (>= 16 except BLOCK_M), a known kernel, BLOCK_M >= 16 for 'mma', BLOCK_K dividing
+    the padded K, SPLIT_K in [1, k_tiles] with k_tiles = ceil(k / BLOCK_K) (k: the K the
+    kernel tiles, the padded one where it runs over the padding)."""
+    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+        v = getattr(cfg, name)
+        if v < 1 or v & (v - 1) or (v < 16 and name != "BLOCK_M"):
+            raise ValueError(f"config {name}={v} must be a power of two (>= 16 except BLOCK_M)")
+    if cfg.kernel not in KERNELS:
+        raise ValueError(f"config kernel={cfg.kernel!r} is not one of {KERNELS}")
+    if cfg.kernel == "mma" and cfg.BLOCK_M < 16:
+        raise ValueError(f"config kernel='mma' needs BLOCK_M >= 16, got {cfg.BLOCK_M}")
+    if kp % cfg.BLOCK_K:
+        raise ValueError(f"config BLOCK_K={cfg.BLOCK_K} must divide the padded K={kp}")
+    k_tiles = -(-k // cfg.BLOCK_K)
+    if cfg.SPLIT_K < 1 or cfg.SPLIT_K > k_tiles:
+        raise ValueError(f"config SPLIT_K={cfg.SPLIT_K} must lie in [1, {k_tiles}]")
+
+
+# ----------------------------------------------------------------------------------
+# The tuner
+# ----------------------------------------------------------------------------------
 def scratch_runner(run: Callable[[Config, torch.Tensor], None], like: torch.Tensor
                    ) -> Callable[[Config], None]:
     """`run(cfg, out)` as the tuner's `run(cfg)`: candidates write into a scratch tensor shaped
@@ -108,15 +236,43 @@ def scratch_runner(run: Callable[[Config, torch.Tensor], None], like: torch.Tens
     return bench_run
 
 
+def _bench(fn: Callable[[], None]) -> float:
+    """Median time of fn in ms (triton's do_bench: CUDA events, L2 flushed between calls)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=5, rep=20, return_mode="median")
+
+
+class _Session(threading.local):
+    """A `tune()` call in progress on this thread: every problem it meets is benchmarked
+    once, whatever the cache or the table say; `tuned` collects the results."""
+    active = False
+    tuned: Dict[Tuple[str, torch.device, str], Config] = {}
+
+
+_SESSION = _Session()
+# One benchmark at a time in the process: two threads cannot tune the same key at once
+# (the second finds the first one's result in the cache), and benchmarks of different keys
+# would share the GPU and distort each other's timings.
+_TUNE_LOCK = threading.Lock()
+_TUNERS: List["Tuner"] = []
+
+
 class Tuner:
     """Chooses a Config per problem; one instance per kernel family."""
 
     def __init__(self, family: str, heuristic: Callable[..., Config],
-                 candidates: Callable[..., Iterable[Config]]):
+                 candidates: Callable[..., Iterable[Config]],
+                 check: Optional[Callable[..., None]] = None):
+        """heuristic(device=, **problem) -> Config; candidates(device=, **problem) -> Configs;
+        check(cfg, **problem) raises ValueError for a config the problem cannot run: applied
+        to every answer before it is cached (a bad table entry fails at its first use)."""
         self.family = family
         self.heuristic = heuristic
         self.candidates = candidates
-        self.cache: Dict[Tuple[str, str], Config] = {}
+        self.check = check
+        self.cache: Dict[Tuple[torch.device, Hashable], Config] = {}
+        _TUNERS.append(self)
 
     def table(self, device: torch.device) -> Dict[str, dict]:
         user = os.environ.get("SAILFISH_CONFIG_FILE")
@@ -125,40 +281,90 @@ class Tuner:
             merged.update(_load_table(user))
         return merged
 
+    def lookup(self, device: torch.device, memo_key: Hashable) -> Optional[Config]:
+        """The steady-state path: the cached config of `memo_key` on `device` (one dict
+        lookup), or None if the problem is new there (or a tune() call is running)."""
+        if _SESSION.active:
+            return None
+        return self.cache.get((device, memo_key))
+
     def get(self, key: str, device: torch.device, run: Optional[Callable[[Config], None]],
-            fallback_key: Optional[str] = None, **problem) -> Config:
-        """problem: keyword arguments for the heuristic / candidate functions.
+            fallback_key: Optional[str] = None, memo_key: Optional[Hashable] = None,
+            **problem) -> Config:
+        """The config of problem `key` (a table key) on `device`.
+
+        run(cfg): one launch of the problem with cfg (for the autotuner), or None.
         fallback_key: a table entry to use when `key` has none (e.g. the same shape tuned
-        for another weight format: every config of a family is valid for every format)."""
-        if device.type != "cuda" or _env_flag("SAILFISH_HEURISTICS_ONLY"):
-            return self.heuristic(device=device, **problem)
-        ck = (gpu_key(device), key)
-        if ck in self.cache:
-            return self.cache[ck]
-        table = self.table(device)
-        entry = table.get(key, table.get(fallback_key) if fallback_key else None)
-        if entry is not None:
-            cfg = Config(**entry)
-        elif (run is not None and os.environ.get("SAILFISH_AUTOTUNE", "1") != "0"
-              and not torch.cuda.is_current_stream_capturing()):
-            cfg = self.autotune(run, device=device, **problem)
-        else:
-            return self.heuristic(device=device, **problem)
-        self.cache[ck] = cfg
+        for another weight format: every config of a family is valid for every format).
+        memo_key: the cache key, if the caller has a cheaper one than `key` (what it will
+        pass to `lookup`). problem: keyword arguments for the heuristic / candidates."""
+        ck = (device, key if memo_key is None else memo_key)
+        cfg = self.cache.get(ck)
+        if cfg is None or _SESSION.active:
+            cfg = self._resolve(ck, key, device, run, fallback_key, problem)
         return cfg
 
-    def autotune(self, run: Callable[[Config], None], **problem) -> Config:
-        from triton.testing import do_bench
+    def _resolve(self, ck, key, device, run, fallback_key, problem) -> Config:
+        if _SESSION.active and device.type == "cuda" and run is not None:
+            done = _SESSION.tuned.get((self.family, device, key))
+            if done is None:
+                with _TUNE_LOCK:
+                    done = self.autotune(run, key, device=device, **problem)
+                self._check(done, problem)
+                _SESSION.tuned[(self.family, device, key)] = done
+            self.cache[ck] = done
+            return done
+        cfg = self.cache.get(ck)
+        if cfg is not None:
+            return cfg
+        if device.type != "cuda" or _env_flag("SAILFISH_HEURISTICS_ONLY"):
+            cfg = self.heuristic(device=device, **problem)
+        else:
+            table = self.table(device)
+            entry = table.get(key)
+            if entry is None and fallback_key is not None:
+                entry = table.get(fallback_key)
+            if entry is not None:
+                cfg = Config(**entry)
+            elif run is not None and _env_flag("SAILFISH_AUTOTUNE") and not _capturing():
+                with _TUNE_LOCK:
+                    cfg = self.cache.get(ck) or self.autotune(run, key, device=device, **problem)
+            else:
+                cfg = self.heuristic(device=device, **problem)
+        self._check(cfg, problem)
+        # the first answer stored wins, so that every caller uses one config per problem
+        return self.cache.setdefault(ck, cfg)
 
-        best, best_t = None, float("inf")
+    def _check(self, cfg: Config, problem: dict) -> None:
+        if self.check is not None:
+            self.check(cfg, **problem)
+
+    def autotune(self, run: Callable[[Config], None], key: str = "", **problem) -> Config:
+        """The fastest candidate (median time); a candidate that fails is reported with a
+        warning naming it and skipped; the heuristic if none runs."""
+        best, best_t = None, math.inf
         for cfg in self.candidates(**problem):
             try:
-                t = do_bench(lambda: run(cfg), warmup=5, rep=20, return_mode="median")
-            except Exception:  # a config the compiler rejects (e.g. out of shared memory)
+                t = _bench(lambda: run(cfg))
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory; reported, not fatal
+                warnings.warn(f"sailfish: {self.family} config {cfg} failed while tuning {key}: "
+                              f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
                 continue
             if t < best_t:
                 best, best_t = cfg, t
-        return best if best is not None else self.heuristic(**problem)
+        if best is None:
+            best = self.heuristic(**problem)
+            warnings.warn(f"sailfish: no {self.family} candidate ran for {key}; using the heuristic "
+                          f"config {best}", RuntimeWarning, stacklevel=2)
+        return best
+
+
+def clear_caches() -> None:
+    """Forget every cached config, table and GPU name (e.g. after changing SAILFISH_*)."""
+    for t in _TUNERS:
+        t.cache.clear()
+    _load_table.cache_clear()
+    _GPU_KEYS.clear()
 
 
 def save_table(path: str, gpu: str, entries: Dict[str, Config], meta: Optional[dict] = None) -> None:
@@ -171,3 +377,100 @@ def save_table(path: str, gpu: str, entries: Dict[str, Config], meta: Optional[d
         f.write("\n")
     _load_table.cache_clear()
 
+
+# ----------------------------------------------------------------------------------
+# Explicit tuning of a model's problems
+# ----------------------------------------------------------------------------------
+def _quant_layers(model_or_layers) -> List[Tuple[str, torch.nn.Module]]:
+    from .nn import QuantLinear, QuantLinearW4A8
+
+    kinds = (QuantLinear, QuantLinearW4A8)
+    if isinstance(model_or_layers, torch.nn.Module):
+        return [(name or type(mod).__name__, mod) for name, mod in model_or_layers.named_modules()
+                if isinstance(mod, kinds)]
+    if isinstance(model_or_layers, (str, bytes)) or not isinstance(model_or_layers, Iterable):
+        raise TypeError("model_or_layers must be an nn.Module or an iterable of QuantLinear / "
+                        f"QuantLinearW4A8 layers, got {type(model_or_layers).__name__}")
+    layers = list(model_or_layers)
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, kinds):
+            raise TypeError(f"model_or_layers[{i}] is a {type(layer).__name__}, not a QuantLinear "
+                            "or QuantLinearW4A8")
+    return [(f"[{i}]", layer) for i, layer in enumerate(layers)]
+
+
+def _layer_signature(layer: torch.nn.Module) -> tuple:
+    """Layers with equal signatures pose the same problems (shape, format, device)."""
+    bufs = tuple((n, tuple(b.shape), b.dtype, b.device) for n, b in layer.named_buffers())
+    return (type(layer), layer.group_size, getattr(layer, "_general_g_idx", False), bufs)
+
+
+@contextlib.contextmanager
+def tuning_session():
+    """Inside: every problem a Tuner meets on CUDA with a runner is benchmarked once (cache
+    and table notwithstanding) and cached. Yields {(family, device, table key): Config}."""
+    _SESSION.active, _SESSION.tuned = True, {}
+    try:
+        yield _SESSION.tuned
+    finally:
+        _SESSION.active, _SESSION.tuned = False, {}
+
+
+def _check_on_cuda(name: str, layer: torch.nn.Module) -> None:
+    if layer.qweight.device.type != "cuda":
+        raise ValueError(f"tune() benchmarks on CUDA; layer {name} is on {layer.qweight.device}")
+
+
+def save_tuned(path: str, entries: Dict[str, Config], device: torch.device) -> None:
+    """Write entries as device's config table at path, over the entries already there."""
+    merged = {k: Config(**v) for k, v in _load_table.__wrapped__(str(path)).items()}
+    merged.update(entries)
+    save_table(str(path), gpu_key(device), merged,
+               {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+                "triton": __import__("triton").__version__})
+
+
+def tune(model_or_layers, m: Sequence[int] = M_BUCKETS, save: Optional[str] = None, *,
+         w4a8_dtype: torch.dtype = torch.float16) -> Dict[str, Config]:
+    """Benchmark the candidate configs of every distinct problem of a model's Sailfish layers.
+
+    model_or_layers: an nn.Module (its QuantLinear / QuantLinearW4A8 submodules) or an
+    iterable of such layers, on CUDA. m: batch sizes (rows); each M bucket is tuned once per
+    distinct layer shape and format. w4a8_dtype: the activation dtype W4A8 layers are tuned
+    for (W4A16 layers use their own dtype). The results go into the in-process cache, so the
+    model's later calls (eager or CUDA-graph captured) use them; save=path also writes them,
+    merged over the entries already in that file, as a config table for SAILFISH_CONFIG_FILE.
+    Returns {table key: Config}. Takes seconds per problem (each candidate is compiled and
+    timed); forward itself never tunes unless SAILFISH_AUTOTUNE=1. Candidates that fail are
+    reported with warnings.warn and skipped.
+    """
+    from .nn import QuantLinearW4A8
+
+    layers = _quant_layers(model_or_layers)
+    if not layers:
+        raise ValueError("model_or_layers holds no QuantLinear or QuantLinearW4A8 layer")
+    if isinstance(m, int) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in m):
+        raise ValueError(f"m must be a sequence of positive ints, got {m!r}")
+    if w4a8_dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"w4a8_dtype={w4a8_dtype} is not supported; allowed: torch.float16, torch.bfloat16")
+    for name, layer in layers:
+        _check_on_cuda(name, layer)
+    devices = {layer.qweight.device for _, layer in layers}
+    if save is not None and len({gpu_key(d) for d in devices}) > 1:
+        raise ValueError(f"save={save!r}: the layers are on GPUs of different kinds; one table "
+                         "holds one kind")
+    buckets = sorted({m_bucket(v) for v in m})
+    seen = set()
+    with tuning_session() as tuned, torch.no_grad():
+        for _, layer in layers:
+            sig = _layer_signature(layer)
+            if sig in seen:
+                continue
+            seen.add(sig)
+            dtype = w4a8_dtype if isinstance(layer, QuantLinearW4A8) else layer.dtype
+            for mb in buckets:
+                layer(torch.randn(mb, layer.in_features, dtype=dtype, device=layer.qweight.device))
+        result = {key: cfg for (_, _, key), cfg in tuned.items()}
+    if save is not None:
+        save_tuned(save, result, next(iter(devices)))
+    return result

@@ -22,8 +22,8 @@ Without CUDA: correctness mode. TRITON_INTERPRET=1 is set before triton is impor
 shapes (256x128, 512x256; M 1 and 16) run through the Triton interpreter, only the Sailfish
 kernels are checked; no timings, no plots; JSON (time_us null) only with --out-dir/--name.
 Exit status: 0 when every Sailfish check passed, 1 when one failed, 2 when nothing ran.
-Config choice follows the library (shipped table, then autotune, then heuristic); set
-SAILFISH_AUTOTUNE=0 / SAILFISH_HEURISTICS_ONLY=1 to change that.
+Config choice follows the library (shipped table, then heuristic; SAILFISH_AUTOTUNE=1 adds a
+one-time benchmark where the table has no entry, SAILFISH_HEURISTICS_ONLY=1 skips the table).
 """
 from __future__ import annotations
 

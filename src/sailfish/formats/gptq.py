@@ -18,30 +18,23 @@ from typing import Optional
 import torch
 
 from .int4 import QuantizedWeight, _check_bits, _check_group_size, default_g_idx, num_groups
-
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
-
+from .nibbles import pack_nibbles, unpack_nibbles
 
 def _unpack_nibbles(t: torch.Tensor, dim: int) -> torch.Tensor:
     """int32 tensor -> uint8 nibbles, 8 per word, expanded along `dim` (low nibble first)."""
-    q = (t.unsqueeze(-1) >> _SHIFTS.to(t.device)) & 0xF  # (..., 8)
+    q = unpack_nibbles(t)  # (R, C, 8)
     if dim == 0:  # (R, C, 8) -> (R, 8, C) -> (8R, C)
-        q = q.permute(0, 2, 1).reshape(t.shape[0] * 8, t.shape[1])
-    else:  # (R, C, 8) -> (R, 8C)
-        q = q.reshape(t.shape[0], t.shape[1] * 8)
-    return q.to(torch.uint8)
+        return q.permute(0, 2, 1).reshape(t.shape[0] * 8, t.shape[1])
+    return q.reshape(t.shape[0], t.shape[1] * 8)  # (R, C, 8) -> (R, 8C)
 
 
 def _pack_nibbles(q: torch.Tensor, dim: int) -> torch.Tensor:
-    """Inverse of `_unpack_nibbles`: uint8 codes in [0, 15] -> int32 words."""
-    q = q.to(torch.int64)
+    """Inverse of `_unpack_nibbles`: codes in [0, 15] -> int32 words."""
     if dim == 0:
         q = q.reshape(q.shape[0] // 8, 8, q.shape[1]).permute(0, 2, 1)
     else:
         q = q.reshape(q.shape[0], q.shape[1] // 8, 8)
-    words = (q << _SHIFTS.to(q.device).to(torch.int64)).sum(dim=-1)
-    words = torch.where(words >= 2**31, words - 2**32, words)
-    return words.to(torch.int32).contiguous()
+    return pack_nibbles(q).contiguous()
 
 
 def check_packed(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, bits: int,

@@ -22,6 +22,7 @@ Activations are quantized per token (row), dynamically (`quantize_activations`):
 and the layer computes y[m, n] = s_tok[m] * s_ch[n] * sum_k x_q[m, k] * w8[n, k] (+ bias).
 Note x_q uses the reciprocal 127 / amax (one IEEE division per row, then a float32
 multiply per element), not x / s_tok: cheaper in the kernel, and matched here exactly.
+A row holding NaN or +-Inf gets s_tok = NaN and x_q = 0: its outputs are NaN.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .int4 import K_PAD, padded_k, unpack_codes
+from .int4 import K_PAD, padded_k
+from .nibbles import pack_nibbles, unpack_nibbles
 
 GROUP_SIZES_W4A8 = (-1, 128)
 # Per-group RTN: the per-channel int8 step keeps |w_i8| <= 119 so that with the 4-bit
@@ -60,9 +62,12 @@ def quantize_activations(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
     x: (M, K) float16 / bfloat16 (any float dtype). Returns x_q int8 (M, K) in [-127, 127]
     and scales float32 (M,), with x ~= scales[:, None] * x_q. Rounding: half to even.
-    All-zero rows give scale 0 and x_q 0 (no NaN anywhere).
+    All-zero rows give scale 0 and x_q 0. A row holding NaN or +-Inf gives scale NaN and
+    x_q 0, so that row's layer outputs are all NaN (never silently finite).
     """
     xf = x.float()
+    bad = ~torch.isfinite(xf).all(dim=1)
+    xf = torch.where(bad[:, None], torch.zeros_like(xf), xf)
     amax = xf.abs().amax(dim=1) if xf.shape[1] else xf.new_zeros(xf.shape[0])
     c = torch.where(amax < _TINY, torch.full_like(amax, _TINY_SCALE), torch.ones_like(amax))
     den = torch.where(amax > 0, amax * c, torch.ones_like(amax))
@@ -72,7 +77,7 @@ def quantize_activations(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     inv = torch.where(amax > 0, c127 / den, torch.zeros_like(amax))
     v = (xf * c[:, None]) * inv[:, None]
     x_q = v.clamp(-127.0, 127.0).round().to(torch.int8)
-    return x_q, amax / c127
+    return x_q, torch.where(bad, torch.full_like(amax, float("nan")), amax / c127)
 
 
 # ----------------------------------------------------------------------------------
@@ -185,8 +190,8 @@ class PackedQQQ:
     """The layout the W4A8 kernels read.
 
     qweight: int32 (N, Kp // 8), Kp = K rounded up to K_PAD (256): word [n, i] holds the
-             codes of input channels 8i .. 8i+7, channel 8i + j in bits 4j .. 4j+3 (the
-             formats.int4.PackedW4 packing). Padding channels hold code 8 (w8 = 0).
+             codes of input channels 8i .. 8i+7, channel 8i + j in bits 4j .. 4j+3
+             (formats.nibbles). Padding channels hold code 8 (w8 = 0).
     s_ch:    float32 (N,).
     s_g:     float16 (N, Kp // 128) or None; groups covering only padding have scale 0.
     """
@@ -203,10 +208,12 @@ def pack_codes(q: torch.Tensor, kp: int, pad_code: int = 8) -> torch.Tensor:
     n, k = q.shape
     qp = torch.full((n, kp), pad_code, dtype=torch.int32, device=q.device)
     qp[:, :k] = q.to(torch.int32)
-    qp = qp.reshape(n, kp // 8, 8)
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=q.device)
-    words = (qp << shifts).sum(dim=2, dtype=torch.int64)  # disjoint bit fields
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+    return pack_nibbles(qp.reshape(n, kp // 8, 8)).contiguous()
+
+
+def unpack_codes(words: torch.Tensor, in_features: int) -> torch.Tensor:
+    """int32 (N, Kp // 8) words -> uint8 (N, in_features) codes (inverse of pack_codes)."""
+    return unpack_nibbles(words).reshape(words.shape[0], -1)[:, :in_features].contiguous()
 
 
 def pack_qqq(qw: QQQWeight) -> PackedQQQ:
@@ -232,4 +239,4 @@ def unpack_qqq(p: PackedQQQ) -> QQQWeight:
 
 
 __all__ = ["GROUP_SIZES_W4A8", "INT8_LEVEL", "K_PAD", "PackedQQQ", "QQQWeight", "codes_to_int8",
-           "pack_codes", "pack_qqq", "quantize_activations", "quantize_qqq", "unpack_qqq"]
+           "pack_codes", "pack_qqq", "quantize_activations", "quantize_qqq", "unpack_codes", "unpack_qqq"]

@@ -27,17 +27,28 @@ Math and layouts: formats/qqq.py. Design (why):
   operand layout costs more than the arithmetic: W4A16 166 -> 122 us); "dequant" for
   large M, the int8 weight written once by `_w4a8_dequant_kernel`, then cuBLAS's int8
   GEMM (torch._int_mm) and the epilogue in `_w4a8_splitk_reduce_kernel`.
-- Codes are unpacked with tl.join (`_unpack8`), not a broadcast-and-shift over a new
+- Codes are unpacked with tl.join (common._unpack8), not a broadcast-and-shift over a new
   axis, which spread a word's 8 nibbles over 8 threads that each re-read it from shared
   memory (W4A16: 296 vs 16 ld.shared per iteration, M=1 240 -> 167 us).
+- 64-bit offsets wherever a product of a row index and a row length can pass 2**31
+  elements: activation / output / workspace rows (M * N reaches 2**31 at M = 37450 on
+  N = 57344), the weight rows (N * Kp / 8 words) and the split-K slices. Offsets within a
+  row, and the group-scale offsets (N * Kp / 128 < 2**31 for any weight under 64 GiB), stay
+  32-bit. tests/test_w4a8.py checks the compiled IR for this.
+- A token (row) holding NaN or +-Inf gets scale NaN and x_q = 0, so all of its outputs are
+  NaN (a float matmul's output row would be non-finite too), never silently finite:
+  tl.max / tl.maximum drop NaN, so non-finite values are mapped to +Inf before the max and
+  an infinite max marks the row.
 """
 import triton
 import triton.language as tl
 
-from .common import cast_out, grouped_tile, split_k_range
+from .common import _unpack8, cast_out, grouped_tile, split_k_range
 
 _RND = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + _RND has ulp 1 for |x| <= 2**22
 _RND_BITS = tl.constexpr(0x4B400000)  # bit pattern of _RND
+_INF = tl.constexpr(float("inf"))
+_NAN = tl.constexpr(float("nan"))
 
 
 @triton.jit
@@ -45,24 +56,6 @@ def _round_i8(v):
     """float32 -> int32 in [-127, 127]: clamp, round half to even (see module docstring)."""
     v = tl.minimum(tl.maximum(v, -127.0), 127.0)
     return (v + _RND).to(tl.int32, bitcast=True) - _RND_BITS
-
-
-@triton.jit
-def _join8(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """8 tensors (BLOCK_N, R) -> (BLOCK_N, 8R) with element [n, 8r + j] = n_j[n, r].
-    Each join appends a minor axis kept in the same thread's registers; index [b2, b1, b0]
-    of the three appended axes is nibble 4*b2 + 2*b1 + b0 (as kernels/w4a16.py)."""
-    q = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)), tl.join(tl.join(n1, n5), tl.join(n3, n7)))
-    return tl.reshape(q, (BLOCK_N, BLOCK_K))
-
-
-@triton.jit
-def _unpack8(words, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """int32 (BLOCK_N, BLOCK_K // 8) words -> int32 (BLOCK_N, BLOCK_K) codes; channel
-    8r + j is bits 4j .. 4j+3 of word r."""
-    return _join8(words & 0xF, (words >> 4) & 0xF, (words >> 8) & 0xF, (words >> 12) & 0xF,
-                  (words >> 16) & 0xF, (words >> 20) & 0xF, (words >> 24) & 0xF, (words >> 28) & 0xF,
-                  BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -80,12 +73,20 @@ def _to_f32(x):
 # Activation quantization
 # ----------------------------------------------------------------------------------
 @triton.jit
+def _abs_or_inf(x):
+    """|x|, with NaN mapped to +Inf: tl.max / tl.maximum drop NaN, so a NaN would vanish
+    from the row maximum; this way the maximum is +Inf exactly when the row is not finite."""
+    return tl.where(x == x, tl.abs(x), _INF)
+
+
+@triton.jit
 def _quantize_per_token_kernel(x_ptr, xq_ptr, s_ptr, K, stride_xm, stride_qm,
                                BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
     """x (M, K) fp16/bf16 -> x_q int8 (M, K), s float32 (M,). One program per row.
 
     ONE_PASS: the row fits in one BLOCK_K tile and stays in registers; otherwise a
     max pass and a quantize pass over the row (the second one mostly hits L2).
+    A row holding NaN or +-Inf: s = NaN, x_q = 0 (formats.qqq.quantize_activations).
     """
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
@@ -93,23 +94,26 @@ def _quantize_per_token_kernel(x_ptr, xq_ptr, s_ptr, K, stride_xm, stride_qm,
     offs = tl.arange(0, BLOCK_K)
     if ONE_PASS:
         x = _to_f32(tl.load(x_row + offs, mask=offs < K, other=0.0))
-        amax = tl.max(tl.abs(x), axis=0)
+        amax = tl.max(_abs_or_inf(x), axis=0)
     else:
         amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             xk = _to_f32(tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0))
-            amax = tl.maximum(amax, tl.abs(xk))
+            amax = tl.maximum(amax, _abs_or_inf(xk))
         amax = tl.max(amax, axis=0)
+    bad = amax == _INF  # a NaN or an Inf in the row; then den = inf, inv = 0 and x is zeroed
     # tiny rows: scale by 2**64 first (exact) so that 127 / amax cannot overflow
     c = tl.where(amax < 8.673617379884035e-19, 1.8446744073709552e19, 1.0)
     den = tl.where(amax > 0.0, amax * c, 1.0)
     inv = tl.where(amax > 0.0, tl.math.div_rn(tl.full((), 127.0, tl.float32), den), 0.0)
-    tl.store(s_ptr + row, tl.math.div_rn(amax, tl.full((), 127.0, tl.float32)))
+    tl.store(s_ptr + row, tl.where(bad, _NAN, tl.math.div_rn(amax, tl.full((), 127.0, tl.float32))))
     if ONE_PASS:
+        x = tl.where(bad, 0.0, x)  # inf * 0 would be NaN, which no int8 can hold
         tl.store(q_row + offs, _round_i8((x * c) * inv).to(tl.int8), mask=offs < K)
     else:
         for k0 in range(0, K, BLOCK_K):
             xk = _to_f32(tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0))
+            xk = tl.where(bad, 0.0, xk)
             tl.store(q_row + k0 + offs, _round_i8((xk * c) * inv).to(tl.int8), mask=k0 + offs < K)
 
 
@@ -182,7 +186,7 @@ def _w4a8_kernel(
 
     offs_w = tl.arange(0, BLOCK_K // 8)
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = qw_ptr + rn[:, None] * stride_qn + (kt0 * (BLOCK_K // 8) + offs_w)[None, :]
+    w_ptrs = qw_ptr + rn.to(tl.int64)[:, None] * stride_qn + (kt0 * (BLOCK_K // 8) + offs_w)[None, :]
     x_ptrs = xq_ptr + rm.to(tl.int64)[:, None] * stride_xm + (kt0 * BLOCK_K + offs_k)[None, :]
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
@@ -201,7 +205,7 @@ def _w4a8_kernel(
     out_mask = (offs_m < M)[None, :] & (offs_n < N)[:, None]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]  # M * N may pass 2**31
     if SPLIT_K > 1:
-        tl.store(y_ptrs + pid_k * M * N, acc, mask=out_mask)
+        tl.store(y_ptrs + pid_k.to(tl.int64) * M * N, acc, mask=out_mask)
     elif RAW:
         tl.store(y_ptrs, acc, mask=out_mask)
     else:
@@ -226,7 +230,7 @@ def _w4a8_gemv_kernel(
     rn = offs_n % N
     kt0, kt1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = qw_ptr + rn[:, None] * stride_qn + (kt0 * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8))[None, :]
+    w_ptrs = qw_ptr + rn.to(tl.int64)[:, None] * stride_qn + (kt0 * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8))[None, :]
     x_ptrs = xq_ptr + kt0 * BLOCK_K + offs_k
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
     for kt in range(kt0, kt1):
@@ -243,7 +247,7 @@ def _w4a8_gemv_kernel(
     out = tl.sum(acc, axis=1)
     mask = offs_n < N
     if SPLIT_K > 1:
-        tl.store(y_ptr + pid_k * N + offs_n, out, mask=mask)
+        tl.store(y_ptr + pid_k.to(tl.int64) * N + offs_n, out, mask=mask)
     elif RAW:
         tl.store(y_ptr + offs_n, out, mask=mask)
     else:
@@ -261,7 +265,7 @@ def _w4a8_dequant_kernel(qw_ptr, sg_ptr, w_ptr, N, K, stride_qn, stride_gn, stri
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     rn = offs_n % N
-    words = tl.load(qw_ptr + rn[:, None] * stride_qn + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :])
+    words = tl.load(qw_ptr + rn.to(tl.int64)[:, None] * stride_qn + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :])
     w8 = _int8_weight(words, sg_ptr, rn, k0, stride_gn, BLOCK_N, BLOCK_K, GROUP_SIZE)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
@@ -279,11 +283,13 @@ def _w4a8_splitk_reduce_kernel(ws_ptr, xs_ptr, sch_ptr, bias_ptr, y_ptr, M, N, s
     mask = (offs_m < M)[None, :] & (offs_n < N)[:, None]
     rm = offs_m % M
     rn = offs_n % N
-    ws_ptrs = ws_ptr + rm[None, :] * N + rn[:, None]
+    # 64-bit: M * N passes 2**31 at M = 37450 on N = 57344 (the dequant path's large M)
+    ws_ptrs = ws_ptr + rm.to(tl.int64)[None, :] * N + rn[:, None]
+    mn = tl.cast(M, tl.int64) * N  # one workspace slice
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
     for s in tl.static_range(SPLIT_K):
-        acc += tl.load(ws_ptrs + s * M * N)
-    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+        acc += tl.load(ws_ptrs + s * mn)
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
     if RAW:
         tl.store(y_ptrs, acc, mask=mask)
     else:

@@ -9,8 +9,14 @@ Formats: formats/qqq.py. Kernels: kernels/w4a8.py. `w4a8_linear` chains the two 
 Paths (tuning.Config.kernel), chosen per (K, N, bucketed M, group size, out dtype) by
 W4A8_TUNER: "gemv" (M = 1, CUDA cores), "mma" (int8 tensor-core tiles; BLOCK_M 16 / 32 /
 64 / 128 by M bucket, split-K when there are fewer than 2 tiles per SM), "dequant"
-(int8 weight + torch._int_mm; an autotuning candidate for M >= 256, never the heuristic's
-pick: unmeasured). `w4a8_launch(..., raw_acc=True)` returns the int32 accumulator.
+(int8 weight + torch._int_mm; a tuning candidate for M >= 256, and the tuned H100 / H200
+tables' choice from M = 256-512 up on every Llama shape; the heuristic never picks it).
+`w4a8_launch(..., raw_acc=True)` returns the int32 accumulator.
+
+Every launch runs under ops.device_of (the tensors' GPU made current). Host cost per call
+is kept to a dict lookup for the config (W4A8_TUNER.lookup with a tuple key) plus the
+kernel launches: the key strings, the problem dict and the tuner's runner are only built
+the first time a problem is seen.
 """
 from __future__ import annotations
 
@@ -20,13 +26,28 @@ import torch
 
 from ..formats.int4 import HALF_DTYPES, K_PAD
 from ..formats.qqq import GROUP_SIZES_W4A8, PackedQQQ, quantize_activations, unpack_qqq
-from ..tuning import (Config, Tuner, m_bucket, next_pow2, problem_key, scratch_runner, sm_count,
-                      split_k_for)
+from ..tuning import (Config, Tuner, check_config, gemv_candidates, gemv_heuristic, m_bucket,
+                      mma_candidates, mma_heuristic, next_pow2, problem_key, scratch_runner, sms_for)
+from . import device_of
 
 ACT_DTYPES = HALF_DTYPES + (torch.float32,)
 # Rows up to this many channels are quantized from registers in one pass (32 fp32 values
 # per thread at 8 warps); longer rows take a max pass and a quantize pass.
 QUANT_ONE_PASS_MAX = 8192
+
+_KERNELS = None  # kernels.w4a8, imported on first use (after TRITON_INTERPRET is settled)
+
+
+def _kernels():
+    global _KERNELS
+    if _KERNELS is None:
+        from ..kernels import w4a8 as k
+        _KERNELS = k
+    return _KERNELS
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 # ----------------------------------------------------------------------------------
@@ -37,9 +58,6 @@ def quantize_per_token_launch(x: torch.Tensor, block_k: Optional[int] = None
     """Run the per-token quantization kernel. x (M, K) fp16/bf16/fp32 ->
     (x_q int8 (M, K) contiguous, scales float32 (M,)). block_k: tile over K (a power of
     two); default: the whole row if K <= QUANT_ONE_PASS_MAX, else 4096 (two passes)."""
-
-    from ..kernels.w4a8 import _quantize_per_token_kernel
-
     M, K = x.shape
     x_q = torch.empty((M, K), dtype=torch.int8, device=x.device)
     scales = torch.empty((M,), dtype=torch.float32, device=x.device)
@@ -51,10 +69,10 @@ def quantize_per_token_launch(x: torch.Tensor, block_k: Optional[int] = None
         block_k = max(16, next_pow2(K)) if K <= QUANT_ONE_PASS_MAX else 4096
     if block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"block_k={block_k} must be a power of two >= 16")
-    one_pass = K <= block_k
-    warps = 4 if block_k <= 2048 else 8
-    _quantize_per_token_kernel[(M,)](x, x_q, scales, K, x.stride(0), x_q.stride(0),
-                                     BLOCK_K=block_k, ONE_PASS=one_pass, num_warps=warps)
+    with device_of(x):
+        _kernels()._quantize_per_token_kernel[(M,)](
+            x, x_q, scales, K, x.stride(0), x_q.stride(0),
+            BLOCK_K=block_k, ONE_PASS=K <= block_k, num_warps=4 if block_k <= 2048 else 8)
     return x_q, scales
 
 
@@ -85,32 +103,23 @@ def _(x):
 # ----------------------------------------------------------------------------------
 # GEMM configs
 # ----------------------------------------------------------------------------------
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) at M <= 16, M <= 64 (BLOCK_M 32 / 64), M > 64
+_W4A8_TILES = ((16, 128, 128, 4, 4), (32, 128, 128, 4, 4), (128, 128, 128, 8, 3))
+
+
 def _w4a8_heuristic(*, device, M, N, K, Kp, group_size) -> Config:
-    sms = sm_count(device.index or 0) if device.type == "cuda" else 132
+    sms = sms_for(device)
     if M == 1:  # CUDA-core GEMV; tile as W4A16's measured best on H200 (BN 16, BK 512)
-        bk = 512 if Kp % 512 == 0 else 256
-        return Config(1, 16, bk, split_k_for(-(-N // 16), -(-K // bk), sms), 8, 4, 4, kernel="gemv")
-    if M <= 16:
-        bm, bn, bk, warps, stages = 16, 128, 128, 4, 4
-    elif M <= 64:
-        bm, bn, bk, warps, stages = (32 if M <= 32 else 64), 128, 128, 4, 4
-    else:
-        bm, bn, bk, warps, stages = 128, 128, 128, 8, 3
-    bn = min(bn, max(64, next_pow2(N)))
-    tiles = -(-M // bm) * -(-N // bn)
-    split = split_k_for(tiles, -(-K // bk), sms if M <= 64 else sms // 4)  # as W4A16's heuristic
-    return Config(bm, bn, bk, split, 8, warps, stages)
+        return gemv_heuristic(N, K, Kp, sms)
+    return mma_heuristic(M, N, K, sms, *_W4A8_TILES)
 
 
 def _w4a8_candidates(*, device, M, N, K, Kp, group_size):
-    sms = sm_count(device.index or 0)
+    sms = sms_for(device)
     if M == 1:
-        space = [(1, 16, 512, 4, 4), (1, 32, 256, 4, 4), (1, 16, 256, 4, 6), (1, 32, 512, 4, 3),
-                 (1, 64, 256, 4, 4), (1, 16, 512, 2, 4)]
-        for bm, bn, bk, warps, stages in space:
-            if Kp % bk == 0:
-                for split in sorted({1, split_k_for(-(-N // bn), -(-K // bk), sms)}):
-                    yield Config(bm, bn, bk, split, 8, warps, stages, kernel="gemv")
+        yield from gemv_candidates([(1, 16, 512, 4, 4), (1, 32, 256, 4, 4), (1, 16, 256, 4, 6),
+                                    (1, 32, 512, 4, 3), (1, 64, 256, 4, 4), (1, 16, 512, 2, 4)],
+                                   N, K, Kp, sms)
         space = [(16, 64, 256, 4, 4), (16, 128, 128, 4, 4)]  # the tensor-core tiles too
     elif M <= 16:
         space = [(16, 64, 256, 4, 4), (16, 128, 128, 4, 4), (16, 128, 256, 4, 3),
@@ -124,46 +133,30 @@ def _w4a8_candidates(*, device, M, N, K, Kp, group_size):
                  (256, 128, 128, 8, 3), (128, 128, 64, 8, 4)]
     if M >= 256 and K % 8 == 0 and N % 8 == 0 and K >= 16 and N >= 16:
         yield Config(1, 64, 256, 1, 8, 4, 1, kernel="dequant")  # int8 weight + torch._int_mm
-    seen = set()
-    for bm, bn, bk, warps, stages in space:
-        k_tiles = -(-K // bk)
-        s0 = split_k_for(-(-M // bm) * -(-N // bn), k_tiles, sms)
-        for split in sorted({1, s0, min(2 * s0, k_tiles)}):
-            cfg = Config(bm, bn, bk, split, 8, warps, stages)
-            if cfg not in seen:
-                seen.add(cfg)
-                yield cfg
+    yield from mma_candidates(space, M, N, K, Kp, sms)
 
 
 def w4a8_key(k: int, n: int, m: int, group_size: int, out_dtype: torch.dtype) -> str:
     return problem_key("w4a8", k, n, m, f"gs={group_size}|{str(out_dtype)[6:]}")
 
 
-W4A8_TUNER = Tuner("w4a8", _w4a8_heuristic, _w4a8_candidates)
-
-
-KERNELS = ("mma", "gemv", "dequant")
-
-
 def _check_config(cfg: Config, M: int, N: int, K: int, Kp: int) -> None:
-    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
-        v = getattr(cfg, name)
-        if v < 1 or v & (v - 1) or (v < 16 and name != "BLOCK_M"):
-            raise ValueError(f"config {name}={v} must be a power of two (>= 16 except BLOCK_M)")
-    if cfg.kernel not in KERNELS:
-        raise ValueError(f"config kernel={cfg.kernel!r} is not one of {KERNELS}")
+    """W4A8's own rules, then tuning.check_config's. M may be the M bucket: the rules hold
+    for every M of a bucket alike (gemv: bucket 1; dequant: buckets >= 32)."""
     if cfg.kernel == "gemv" and M != 1:
         raise ValueError(f"config kernel='gemv' needs M=1, got M={M}")
-    if cfg.kernel == "mma" and cfg.BLOCK_M < 16:
-        raise ValueError(f"config kernel='mma' needs BLOCK_M >= 16, got {cfg.BLOCK_M}")
     if cfg.kernel == "dequant" and (M <= 16 or K % 8 or N % 8 or K < 16 or N < 16):
         raise ValueError("config kernel='dequant' (torch._int_mm) needs M > 16 and K, N multiples "
                          f"of 8, >= 16; got M={M}, K={K}, N={N}")
-    if cfg.BLOCK_K < 32 or Kp % cfg.BLOCK_K:
-        raise ValueError(f"config BLOCK_K={cfg.BLOCK_K} must be >= 32 and divide the padded K={Kp}")
-    k_tiles = -(-K // cfg.BLOCK_K)
-    if cfg.SPLIT_K < 1 or cfg.SPLIT_K > k_tiles or (cfg.kernel == "dequant" and cfg.SPLIT_K != 1):
-        raise ValueError(f"config SPLIT_K={cfg.SPLIT_K} must lie in [1, {k_tiles}] (1 for 'dequant')")
+    if cfg.kernel == "dequant" and cfg.SPLIT_K != 1:
+        raise ValueError(f"config SPLIT_K={cfg.SPLIT_K} must be 1 for 'dequant'")
+    if cfg.BLOCK_K < 32:
+        raise ValueError(f"config BLOCK_K={cfg.BLOCK_K} must be >= 32 (the int8 MMA's K)")
+    check_config(cfg, Kp, K)
+
+
+W4A8_TUNER = Tuner("w4a8", _w4a8_heuristic, _w4a8_candidates,
+                   check=lambda cfg, *, M, N, K, Kp, **_: _check_config(cfg, M, N, K, Kp))
 
 
 # ----------------------------------------------------------------------------------
@@ -182,6 +175,52 @@ def w4a8_reference(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_s
     return y.to(out_dtype)
 
 
+def _reduce(ws, out, split, x_scales, s_ch, bias, M, N, raw, emu) -> None:
+    """int32 ws (split, M, N) -> out: the exact sum, then the epilogue (raw: the sum)."""
+    _kernels()._w4a8_splitk_reduce_kernel[(_cdiv(M, 16), _cdiv(N, 128))](
+        ws, x_scales, s_ch, s_ch if bias is None else bias, out, M, N, out.stride(0),
+        SPLIT_K=split, HAS_BIAS=bias is not None, RAW=raw, EMU_BF16=emu,
+        BLOCK_M=16, BLOCK_N=128, num_warps=4)
+
+
+def _launch(cfg: Config, out: torch.Tensor, x_q, x_scales, qweight, s_ch, s_g, bias,
+            gs: int, raw: bool, emu: bool) -> None:
+    """One GEMM with cfg into out (M, N). Operands contiguous; s_g / bias may be None
+    (their pointer arguments then get s_ch, never read)."""
+    kern = _kernels()
+    M, K = x_q.shape
+    N = qweight.shape[0]
+    s_g_arg = s_ch if s_g is None else s_g
+    sg_stride = 0 if s_g is None else s_g.stride(0)
+    if cfg.kernel == "dequant":
+        w8 = torch.empty((N, K), dtype=torch.int8, device=x_q.device)
+        kern._w4a8_dequant_kernel[(_cdiv(N, cfg.BLOCK_N), _cdiv(K, cfg.BLOCK_K))](
+            qweight, s_g_arg, w8, N, K, qweight.stride(0), sg_stride, w8.stride(0),
+            GROUP_SIZE=gs, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _reduce(torch._int_mm(x_q, w8.t()), out, 1, x_scales, s_ch, bias, M, N, raw, emu)
+        return
+    split = cfg.SPLIT_K
+    # split-K: int32 partial sums in a (split, M, N) workspace, added exactly by the reduce kernel
+    target = out if split == 1 else torch.empty((split, M, N), dtype=torch.int32, device=x_q.device)
+    bias_arg = s_ch if bias is None else bias
+    if cfg.kernel == "gemv":
+        kern._w4a8_gemv_kernel[(_cdiv(N, cfg.BLOCK_N), split)](
+            x_q, x_scales, qweight, s_ch, s_g_arg, bias_arg, target, N, K, qweight.stride(0), sg_stride,
+            GROUP_SIZE=gs, HAS_BIAS=bias is not None, EVEN_K=K % cfg.BLOCK_K == 0, SPLIT_K=split,
+            RAW=raw, EMU_BF16=emu, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        kern._w4a8_kernel[(_cdiv(M, cfg.BLOCK_M) * _cdiv(N, cfg.BLOCK_N), split)](
+            x_q, x_scales, qweight, s_ch, s_g_arg, bias_arg, target, M, N, K, x_q.stride(0),
+            N if split > 1 else out.stride(0), qweight.stride(0), sg_stride,
+            GROUP_SIZE=gs, HAS_BIAS=bias is not None, EVEN_K=K % cfg.BLOCK_K == 0, SPLIT_K=split,
+            RAW=raw, EMU_BF16=emu, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+            GROUP_M=cfg.GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:
+        _reduce(target, out, split, x_scales, s_ch, bias, M, N, raw, emu)
+
+
 def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor,
                 s_ch: torch.Tensor, s_g: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                 in_features: int, group_size: int, out_dtype: torch.dtype,
@@ -189,11 +228,6 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
     """Run the W4A8 Triton kernel. x_q int8 (M, K), x_scales float32 (M,) -> y (M, N) in
     out_dtype; raw_acc=True returns the int32 accumulator sum_k x_q[m, k] * w8[n, k]
     instead (no scales, no bias), for exact tests."""
-    import triton
-
-    from ..kernels.w4a8 import (_w4a8_dequant_kernel, _w4a8_gemv_kernel, _w4a8_kernel,
-                                _w4a8_splitk_reduce_kernel)
-
     M, K = x_q.shape
     N, Kp = qweight.shape[0], qweight.shape[1] * 8
     y = torch.empty((M, N), dtype=torch.int32 if raw_acc else out_dtype, device=x_q.device)
@@ -207,53 +241,25 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
     bias = None if bias is None else bias.contiguous()
     gs = 0 if group_size == -1 else group_size
     emu = out_dtype == torch.bfloat16 and not x_q.is_cuda  # interpreter bf16 twin (kernels/common.py)
-    s_g_arg = s_ch if s_g is None else s_g
-    bias_arg = s_ch if bias is None else bias
-    sg_stride = 0 if s_g is None else s_g.stride(0)
-
-    def reduce(ws: torch.Tensor, out: torch.Tensor, split: int) -> None:
-        """int32 ws (split, M, N) -> out: exact sum, then the epilogue (raw: the sum)."""
-        bm, bn = 16, 128
-        _w4a8_splitk_reduce_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-            ws, x_scales, s_ch, bias_arg, out, M, N, out.stride(0),
-            SPLIT_K=split, HAS_BIAS=bias is not None, RAW=raw_acc, EMU_BF16=emu,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
-
-    def run(cfg: Config, out: torch.Tensor = y) -> None:
-        flags = dict(GROUP_SIZE=gs, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **cfg.launch())
-        if cfg.kernel == "dequant":
-            w8 = torch.empty((N, K), dtype=torch.int8, device=x_q.device)
-            _w4a8_dequant_kernel[(triton.cdiv(N, cfg.BLOCK_N), triton.cdiv(K, cfg.BLOCK_K))](
-                qweight, s_g_arg, w8, N, K, qweight.stride(0), sg_stride, w8.stride(0), **flags)
-            reduce(torch._int_mm(x_q, w8.t()), out, 1)
-            return
-        target = out
-        if cfg.SPLIT_K > 1:  # int32 partial sums, added exactly by the reduce kernel
-            target = torch.empty((cfg.SPLIT_K, M, N), dtype=torch.int32, device=x_q.device)
-        common = dict(HAS_BIAS=bias is not None, EVEN_K=(K % cfg.BLOCK_K == 0), SPLIT_K=cfg.SPLIT_K,
-                      RAW=raw_acc, EMU_BF16=emu, **flags)
-        ptrs = (x_q, x_scales, qweight, s_ch, s_g_arg, bias_arg, target)
-        if cfg.kernel == "gemv":
-            _w4a8_gemv_kernel[(triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)](
-                *ptrs, N, K, qweight.stride(0), sg_stride, **common)
+    args = (x_q, x_scales, qweight, s_ch, s_g, bias, gs, raw_acc, emu)
+    with device_of(x_q):
+        if config is None:
+            mb = m_bucket(M)
+            config = W4A8_TUNER.lookup(x_q.device, (K, N, mb, group_size, out_dtype))
+            if config is None:  # first call of this problem on this device
+                # no entry for this group size / output dtype: the same shape's g128 fp16
+                # config (every config runs every format). Per-channel on heuristics alone
+                # chose the fused tiles at large M, 0.63-0.71x cuBLAS fp16 on H200 8192x57344
+                # vs 1.04-1.22x for g128.
+                config = W4A8_TUNER.get(
+                    w4a8_key(K, N, M, group_size, out_dtype), x_q.device,
+                    scratch_runner(lambda cfg, out: _launch(cfg, out, *args), y),
+                    fallback_key=problem_key("w4a8", K, N, M, "any"),
+                    memo_key=(K, N, mb, group_size, out_dtype),
+                    M=mb, N=N, K=K, Kp=Kp, group_size=group_size)
         else:
-            grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
-            _w4a8_kernel[grid](
-                *ptrs, M, N, K, x_q.stride(0), N if cfg.SPLIT_K > 1 else out.stride(0),
-                qweight.stride(0), sg_stride, BLOCK_M=cfg.BLOCK_M, GROUP_M=cfg.GROUP_M, **common)
-        if cfg.SPLIT_K > 1:
-            reduce(target, out, cfg.SPLIT_K)
-
-    if config is None:
-        key = w4a8_key(K, N, M, group_size, out_dtype)
-        # no entry for this group size / output dtype: the same shape's g128 fp16 config
-        # (every config runs every format). Per-channel on heuristics alone chose the fused
-        # tiles at large M, 0.63-0.71x cuBLAS fp16 on H200 8192x57344 vs 1.04-1.22x for g128.
-        config = W4A8_TUNER.get(key, x_q.device, scratch_runner(run, y),
-                                fallback_key=problem_key("w4a8", K, N, M, "any"),
-                                M=m_bucket(M), N=N, K=K, Kp=Kp, group_size=group_size)
-    _check_config(config, M, N, K, Kp)
-    run(config)
+            _check_config(config, M, N, K, Kp)
+        _launch(config, y, *args)
     return y
 
 

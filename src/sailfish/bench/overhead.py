@@ -1,0 +1,131 @@
+"""Eager per-call cost of a Sailfish layer against F.linear: `python -m sailfish.bench.overhead`.
+
+At decode (M = 1) a 4096x4096 layer's kernels take ~7 us on an H100 / H200, so what the host
+spends per call (op dispatch, checks, config lookup, allocation, Triton's launcher) decides
+the eager speed. For each callable below, after a warm-up (compilation, config choice):
+
+  gpu us/call   CUDA events around `--calls` back-to-back calls, divided by the count: the
+                throughput of an eager loop (the larger of host and GPU time per call)
+  host us/call  time.perf_counter around each call without synchronizing (the host's share:
+                enqueueing only), median and 90th percentile
+
+Rows: F.linear (cuBLAS, the bar); the W4A16 QuantLinear and the W4A8 QuantLinearW4A8 layers;
+their torch.library ops; and the bare launchers (no op dispatch, no argument checks), so the
+difference between rows shows where the time goes. Issue 11's target: <= 20 us per layer
+call at M = 1. This is a benchmark, not a test: it prints numbers and exits 0.
+Needs CUDA (on CPU the kernels run in Triton's interpreter, whose cost says nothing here).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+TARGET_US = 20.0
+
+
+def gpu_us_per_call(fn: Callable[[], object], calls: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
+
+
+def host_us_per_call(fn: Callable[[], object], calls: int) -> Tuple[float, float]:
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    times.sort()
+    return statistics.median(times), times[int(0.9 * (len(times) - 1))]
+
+
+def callables(k: int, n: int, m: int, dtype: torch.dtype, group_size: int, device: str = "cuda"
+              ) -> List[Tuple[str, Callable[[], object]]]:
+    """(name, zero-argument call) per row; each call returns the (M, N) output (the quantize
+    op row: (x_q, scales))."""
+    from ..nn import QuantLinear, QuantLinearW4A8
+    from ..ops.w4a8 import quantize_per_token_launch, w4a8_launch
+    from ..ops.w4a16 import w4a16_launch
+
+    lin = torch.nn.Linear(k, n, bias=False, dtype=dtype, device=device)
+    w16 = QuantLinear.from_linear(lin, group_size=group_size)
+    w8 = QuantLinearW4A8.from_linear(lin, group_size=group_size if group_size in (-1, 128) else 128)
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    x_q, x_s = w8.quantize_input(x)
+    ops = torch.ops.sailfish
+    return [
+        ("F.linear", lambda: torch.nn.functional.linear(x, lin.weight)),
+        ("W4A16 layer", lambda: w16(x)),
+        ("W4A16 op", lambda: ops.w4a16_gemm(x, w16.qweight, w16.scales, w16.zeros, w16.perm, None,
+                                            None, k, w16.group_size)),
+        ("W4A16 launcher", lambda: w4a16_launch(x, w16.qweight, w16.scales, w16.zeros, None, None,
+                                                None, k, w16.group_size)),
+        ("W4A8 layer", lambda: w8(x)),
+        ("W4A8 ops (quantize + gemm)", lambda: ops.w4a8_gemm(*ops.quantize_per_token(x), w8.qweight,
+                                                             w8.s_ch, w8.s_g, None, k, w8.group_size, dtype)),
+        ("W4A8 quantize op", lambda: ops.quantize_per_token(x)),
+        ("W4A8 gemm op", lambda: ops.w4a8_gemm(x_q, x_s, w8.qweight, w8.s_ch, w8.s_g, None, k,
+                                               w8.group_size, dtype)),
+        ("W4A8 launchers", lambda: w4a8_launch(*quantize_per_token_launch(x), w8.qweight, w8.s_ch, w8.s_g,
+                                               None, k, w8.group_size, dtype)),
+    ]
+
+
+def measure(k: int, n: int, m: int, dtype: torch.dtype, group_size: int, calls: int, warmup: int
+            ) -> Dict[str, Dict[str, float]]:
+    rows = {}
+    with torch.no_grad():
+        for name, fn in callables(k, n, m, dtype, group_size):
+            for _ in range(warmup):
+                fn()
+            torch.cuda.synchronize()
+            gpu = gpu_us_per_call(fn, calls)
+            med, p90 = host_us_per_call(fn, calls)
+            rows[name] = {"gpu_us_per_call": gpu, "host_us_median": med, "host_us_p90": p90}
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="4096x4096", help="KxN (default 4096x4096)")
+    ap.add_argument("--m", type=int, default=1, help="rows per call (default 1)")
+    ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--calls", type=int, default=2000, help="timed calls per row")
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("sailfish.bench.overhead measures the host cost of eager calls on a CUDA GPU; no GPU "
+              "is available here (the CPU interpreter's cost says nothing about it).", file=sys.stderr)
+        return 2
+    k, n = (int(v) for v in args.shape.lower().split("x"))
+    dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    rows = measure(k, n, args.m, dtype, args.group_size, args.calls, args.warmup)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
+          f"{__import__('triton').__version__}; K x N = {k}x{n}, M = {args.m}, {args.dtype}, "
+          f"{args.calls} calls; target <= {TARGET_US:.0f} us per layer call")
+    print(f"{'':28s} {'gpu us/call':>12s} {'host median':>12s} {'host p90':>10s}")
+    for name, r in rows.items():
+        print(f"{name:28s} {r['gpu_us_per_call']:12.1f} {r['host_us_median']:12.1f} {r['host_us_p90']:10.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "K": k, "N": n, "M": args.m, "dtype": args.dtype, "calls": args.calls,
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
