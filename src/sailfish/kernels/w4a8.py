@@ -48,7 +48,6 @@ from .common import _unpack8, cast_out, grouped_tile, split_k_range
 _RND = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + _RND has ulp 1 for |x| <= 2**22
 _RND_BITS = tl.constexpr(0x4B400000)  # bit pattern of _RND
 _INF = tl.constexpr(float("inf"))
-_NAN = tl.constexpr(float("nan"))
 
 
 @triton.jit
@@ -106,7 +105,9 @@ def _quantize_per_token_kernel(x_ptr, xq_ptr, s_ptr, K, stride_xm, stride_qm,
     c = tl.where(amax < 8.673617379884035e-19, 1.8446744073709552e19, 1.0)
     den = tl.where(amax > 0.0, amax * c, 1.0)
     inv = tl.where(amax > 0.0, tl.math.div_rn(tl.full((), 127.0, tl.float32), den), 0.0)
-    tl.store(s_ptr + row, tl.where(bad, _NAN, tl.math.div_rn(amax, tl.full((), 127.0, tl.float32))))
+    # NaN scale for a bad row as inf - inf: a NaN global constexpr never equals itself, so
+    # Triton (3.6) takes it for a changed global and refuses to launch the cached kernel
+    tl.store(s_ptr + row, tl.where(bad, amax - amax, tl.math.div_rn(amax, tl.full((), 127.0, tl.float32))))
     if ONE_PASS:
         x = tl.where(bad, 0.0, x)  # inf * 0 would be NaN, which no int8 can hold
         tl.store(q_row + offs, _round_i8((x * c) * inv).to(tl.int8), mask=offs < K)
