@@ -5,6 +5,7 @@ on a GPU, the tiny model through all three modes."""
 import copy
 import io
 import json
+import os
 
 import pytest
 import torch
@@ -14,6 +15,15 @@ from sailfish import QuantLinear, QuantLinearW4A8
 from sailfish.bench import e2e as E
 from sailfish.bench import llama as L
 from sailfish.bench import report as RP
+
+
+@pytest.fixture(autouse=True)
+def _keep_interpreter_setting(monkeypatch):
+    """The CPU mode sets TRITON_INTERPRET=1 when it is unset (right for the CLI process); in
+    a test process on a GPU machine that would switch every later kernel launch of the worker
+    to the interpreter. Pin the variable to its current state for each test."""
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
+
 
 CPU = torch.device("cpu")
 
