@@ -42,7 +42,8 @@ def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optiona
     arguments. An op of its own so that torch.compile traces the backward through it (the
     format code checks values, which a traced graph cannot)."""
     p = PackedW4(qweight, scales, zeros, perm, sorted_g_idx, in_features, group_size)
-    return unpack(p).dequantize().to(scales.dtype)
+    # contiguous: the fake below promises row-major, and inductor checks the strides
+    return unpack(p).dequantize().to(scales.dtype).contiguous()
 
 
 @w4a16_dequantize.register_fake
@@ -91,7 +92,7 @@ def _(x, qweight, s_ch, s_g, bias, in_features, group_size):
 def w4a8_dequantize(qweight: torch.Tensor, s_ch: torch.Tensor, s_g: Optional[torch.Tensor],
                     in_features: int, group_size: int) -> torch.Tensor:
     """W_eff (N, K) float32 = s_ch[n] * w8[n, k] from the op's arguments (see w4a16_dequantize)."""
-    return unpack_qqq(PackedQQQ(qweight, s_ch, s_g, in_features, group_size)).dequantize()
+    return unpack_qqq(PackedQQQ(qweight, s_ch, s_g, in_features, group_size)).dequantize().contiguous()
 
 
 @w4a8_dequantize.register_fake
