@@ -95,6 +95,12 @@ def test_runner_with_fake_timer():
         if ("cublas-int8", m) in rows:  # _int_mm may refuse small M on some builds
             assert rows[("cublas-int8", m)]["gbps"] == pytest.approx(KR.int8_min_bytes(m, 256, 128) / 30.0e3)
     assert all(c["ok"] for c in res.checks)
+    RP.add_limit_fractions(res.rows, 100.0)
+    best_half = max(2 * m * 256 * 128 / 30.0 for m in ms)  # flop per us of the fp16 rows
+    for m in ms:
+        b = rows[("cublas-fp16", m)]
+        hbm_us = KR.half_min_bytes(m, 256, 128) / (100.0 * 1e3)
+        assert b["limit_fraction"] == pytest.approx(max(hbm_us, 2 * m * 256 * 128 / best_half) / 30.0)
     doc = RP.build_document({"gpu": "fake", "torch": torch.__version__, "triton": "x", "hbm_gbps": 100.0},
                             res.rows, {"command": "python -m sailfish.bench"})
     assert RP.validate_document(doc) == []

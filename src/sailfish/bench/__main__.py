@@ -257,6 +257,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("\ninterrupted: reporting the rows finished so far")
     elapsed = time.time() - t_start
     rows, checks, skipped, failures = res.rows, res.checks, res.skipped, res.failures
+    RP.add_limit_fractions(rows, hbm)
     kernel_notes, base_us = res.kernel_notes, res.base_us
 
     # ---- tail: what the lead reads -------------------------------------------------
@@ -284,7 +285,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "cuda": getattr(torch.version, "cuda", None),
         "replays": None if check_only else args.replays,
         "method": "decode-step: R distinct weight copies (R*bytes >= 3*L2, R >= 2) in one CUDA graph, "
-                  "median of replays / R; roofline = min bytes / time / hbm_gbps",
+                  "median of replays / R; roofline = min bytes / time / hbm_gbps; limit_fraction = "
+                  "max(min bytes / hbm_gbps, 2MNK / best cuBLAS rate of the kernel's tensor-core "
+                  "family in the run) / time",
         "group_size_convention": "0 = not group-quantized (cuBLAS fp16/bf16/int8/fp8); -1 = per output channel",
         "bytes_models": {
             "w4a16": "N*K/2 + 2*N*ceil(K/g)*(2 if zeros else 1) + 2*M*K + 2*M*N",

@@ -9,7 +9,7 @@ import textwrap
 from typing import Dict, List, Optional, Sequence, Tuple
 
 ROW_KEYS = ("kernel", "K", "N", "M", "dtype", "group_size", "time_us", "gbps", "roofline",
-            "speedup_vs_fp16")
+            "speedup_vs_fp16", "limit_fraction")
 TOP_KEYS = ("gpu", "torch", "triton", "hbm_gbps", "rows")
 
 
@@ -155,6 +155,34 @@ def _shape_order(k: int, n: int) -> int:
 # ----------------------------------------------------------------------------------
 # JSON
 # ----------------------------------------------------------------------------------
+def _tensor_core_family(kernel: str) -> str:
+    """Which cuBLAS rate bounds a kernel: int8 / fp8 tensor cores (W4A8, W8A8; Hopper runs
+    both at one peak) or fp16 / bf16 (everything else)."""
+    return "8bit" if kernel.startswith(("sailfish-w4a8", "cublas-int8", "cublas-fp8")) else "half"
+
+
+def add_limit_fractions(rows: Sequence[dict], hbm_gbps: Optional[float]) -> None:
+    """Set each row's `limit_fraction`, the fraction of the physical limit (docs/benchmarking.md):
+    max(min bytes / HBM ceiling, 2MNK / P) / time, P = the best dense rate a cuBLAS row of the
+    kernel's tensor-core family reached in the same run. Without such a row only the HBM
+    term counts; untimed rows (or no HBM ceiling) get None."""
+    peak: Dict[str, float] = {}
+    for r in rows:
+        if r.get("time_us") and r["kernel"].startswith("cublas"):
+            fam = _tensor_core_family(r["kernel"])
+            peak[fam] = max(peak.get(fam, 0.0), 2.0 * r["M"] * r["N"] * r["K"] / r["time_us"])  # flop/us
+    for r in rows:
+        t, gbps = r.get("time_us"), r.get("gbps")
+        if not t or not gbps or not hbm_gbps:
+            r["limit_fraction"] = None
+            continue
+        limit_us = gbps * t / hbm_gbps  # = min bytes / ceiling, in us
+        p = peak.get(_tensor_core_family(r["kernel"]))
+        if p:
+            limit_us = max(limit_us, 2.0 * r["M"] * r["N"] * r["K"] / p)
+        r["limit_fraction"] = limit_us / t
+
+
 def json_row(r: dict) -> dict:
     """Exactly the documented row keys (floats to 6 significant digits; None stays null)."""
     out = {}
@@ -193,7 +221,7 @@ def validate_document(doc: dict) -> List[str]:
         for k, t in types.items():
             if not isinstance(r[k], t) or isinstance(r[k], bool):
                 errs.append(f"row {i}: {k} must be {t.__name__}")
-        for k in ("time_us", "gbps", "roofline", "speedup_vs_fp16"):
+        for k in ("time_us", "gbps", "roofline", "speedup_vs_fp16", "limit_fraction"):
             if r[k] is not None and not isinstance(r[k], (int, float)):
                 errs.append(f"row {i}: {k} must be a number or null")
     return errs
