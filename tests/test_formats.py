@@ -6,6 +6,7 @@ import torch
 from helpers import DTYPE_NAMES, TOL, make_g_idx, random_quantized, rel_err
 from sailfish import QuantLinear, QuantizedWeight, from_gptq, quantize, to_gptq
 from sailfish.formats import pack, unpack
+from sailfish.formats.int4 import num_groups
 
 F16, BF16 = torch.float16, torch.bfloat16
 UNIT_ROUNDOFF = {F16: 2.0 ** -11, BF16: 2.0 ** -9}
@@ -318,3 +319,30 @@ def test_from_gptq_errors(over, exc, match):
     kw.update(over)
     with pytest.raises(exc, match=match):
         from_gptq(**kw)
+
+
+def test_g_idx_weight_with_more_scale_rows_than_groups_of_k():
+    """A g_idx weight may hold more scale rows than ceil(K / group_size) (a tensor-parallel
+    slice of a desc_act weight): it packs, unpacks and runs exactly; fewer rows are refused,
+    and so are rows past ceil(K / group_size) without a g_idx."""
+    k, n, gs = 256, 16, 64
+    g_idx = (torch.arange(k) % 7).to(torch.int32)                 # 7 groups > ceil(256 / 64) = 4
+    assert num_groups(k, gs) == 4
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales = torch.rand(7, n).half() + 0.1
+    zeros = torch.randint(0, 17, (7, n), dtype=torch.uint8)
+    big = QuantizedWeight(codes, scales, zeros, g_idx, gs)
+    back = unpack(pack(big))
+    assert torch.equal(back.dequantize(), big.dequantize())
+    layer = QuantLinear.from_quantized(big)
+    assert layer.scales.shape == (n, 7) and layer.act_order
+    x = torch.randn(3, k).half()
+    assert rel_err(layer(x), x.float() @ big.dequantize().T) <= TOL[F16]
+    with pytest.raises(ValueError, match="needs at least ceil"):
+        QuantizedWeight(codes, scales[:3], zeros[:3], g_idx % 3, gs)
+    with pytest.raises(ValueError, match="scales has 7 groups"):
+        QuantizedWeight(codes, scales, zeros, None, gs)
+    with pytest.raises(ValueError, match="groups=5 is only for act_order"):
+        QuantLinear(k, n, group_size=gs, groups=5)
+    with pytest.raises(ValueError, match="GPTQ stores ceil"):
+        to_gptq(big)

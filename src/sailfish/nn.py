@@ -64,7 +64,9 @@ class QuantLinear(nn.Module):
 
     Buffers (formats.int4.PackedW4 layout): qweight int32 (N, Kp/8); scales (N, Gp) and,
     asymmetric, zeros (N, Gp) in the layer dtype; act-order: perm int32 (K,) and
-    sorted_g_idx int32 (Kp,); bias (N,) in the layer dtype. Kp = K rounded up to 256.
+    sorted_g_idx int32 (Kp,); bias (N,) in the layer dtype. Kp = K rounded up to 256;
+    Gp = Kp / group_size, or `groups` for an act-order layer whose g_idx uses more scale rows
+    (a tensor-parallel slice of a GPTQ desc_act weight: formats/shard.py).
     qweight_layout: int32 scalar, the layout version of qweight (formats.int4.LAYOUT_VERSION).
     A state_dict without it (Sailfish 0.1.0, natural nibble order) is re-packed on load.
 
@@ -86,7 +88,7 @@ class QuantLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, bits: int = 4,
                  group_size: int = 128, sym: bool = True, act_order: bool = False,
-                 dtype: torch.dtype = torch.float16, device=None):
+                 dtype: torch.dtype = torch.float16, device=None, groups: Optional[int] = None):
         super().__init__()
         _check_bits(bits)
         _check_group_size(group_size)
@@ -102,6 +104,11 @@ class QuantLinear(nn.Module):
         self.bits, self.group_size, self.sym, self.act_order = bits, group_size, sym, act_order
         kp = padded_k(in_features)
         gp = 1 if group_size == -1 else kp // group_size
+        if groups is not None:  # scale rows of an act-order layer (formats.int4.QuantizedWeight)
+            if not act_order or groups < gp:
+                raise ValueError(f"groups={groups!r} is only for act_order layers and must be at least "
+                                 f"padded in_features / group_size = {gp}")
+            gp = groups
         self.register_buffer("qweight", torch.zeros((out_features, kp // 8), dtype=torch.int32, device=device))
         self.register_buffer("scales", torch.zeros((out_features, gp), dtype=dtype, device=device))
         self.register_buffer("zeros", None if sym else torch.zeros((out_features, gp), dtype=dtype, device=device))
@@ -122,9 +129,11 @@ class QuantLinear(nn.Module):
     def from_quantized(cls, qw: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> "QuantLinear":
         _check_bias(bias, qw.out_features)
         p = pack(qw)  # a g_idx equal to k // group_size packs without permutation
+        act_order = p.perm is not None
         layer = cls(qw.in_features, qw.out_features, bias is not None, bits=qw.bits,
-                    group_size=qw.group_size, sym=qw.sym, act_order=p.perm is not None,
-                    dtype=qw.dtype, device=qw.qweight.device)
+                    group_size=qw.group_size, sym=qw.sym, act_order=act_order,
+                    dtype=qw.dtype, device=qw.qweight.device,
+                    groups=p.scales.shape[1] if act_order and qw.group_size != -1 else None)
         layer.qweight.copy_(p.qweight)
         layer.scales.copy_(p.scales)
         if p.zeros is not None:

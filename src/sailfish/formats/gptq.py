@@ -89,6 +89,9 @@ def to_gptq(qw: QuantizedWeight) -> dict:
     n, k = qw.qweight.shape
     if k % 8 or n % 8:
         raise ValueError(f"GPTQ needs K and N multiples of 8, got K={k}, N={n}")
+    if qw.scales.shape[0] != num_groups(k, qw.group_size):
+        raise ValueError(f"GPTQ stores ceil(K / group_size) = {num_groups(k, qw.group_size)} scale rows; this "
+                         f"weight has {qw.scales.shape[0]} (a tensor-parallel slice of an act-order weight?)")
     zeros = torch.full_like(qw.scales, 8, dtype=torch.uint8) if qw.zeros is None else qw.zeros
     if bool((zeros == 0).any()):
         raise ValueError("a zero point of 0 cannot be stored in GPTQ format (it stores zero - 1)")

@@ -57,7 +57,7 @@ class QuantizedWeight:
     """A 4-bit weight in its canonical, unpacked form.
 
     qweight: uint8 (N, K), codes in [0, 15].
-    scales:  float16 or bfloat16 (G, N).
+    scales:  float16 or bfloat16 (G, N); G = ceil(K / group_size), or more with a g_idx.
     zeros:   uint8 (G, N) in [0, 16] (16 occurs in GPTQ checkpoints, which store
              zero - 1 in a nibble), or None for symmetric (zero point 8).
     g_idx:   int32 (K,), group of each input channel, or None for k // group_size.
@@ -82,10 +82,17 @@ class QuantizedWeight:
         g = self.scales.shape[0]
         if self.scales.dim() != 2 or self.scales.shape[1] != n:
             raise ValueError(f"scales must have shape (G, N={n}), got {tuple(self.scales.shape)}")
-        if g != num_groups(k, self.group_size):
+        if self.g_idx is None and g != num_groups(k, self.group_size):
             raise ValueError(
                 f"scales has {g} groups but K={k} with group_size={self.group_size} needs "
                 f"ceil(K / group_size) = {num_groups(k, self.group_size)}")
+        # with a g_idx, g_idx alone says which row scales a channel: more rows than
+        # ceil(K / group_size) are allowed (a tensor-parallel slice of a GPTQ desc_act
+        # weight touches nearly every group of the full weight), fewer are not
+        if self.g_idx is not None and g < num_groups(k, self.group_size):
+            raise ValueError(
+                f"scales has {g} groups but a g_idx weight with K={k} and group_size="
+                f"{self.group_size} needs at least ceil(K / group_size) = {num_groups(k, self.group_size)}")
         if self.g_idx is not None:
             if self.g_idx.shape != (k,):
                 raise ValueError(f"g_idx must have shape (K={k},), got {tuple(self.g_idx.shape)}")
@@ -283,15 +290,16 @@ def pack(qw: QuantizedWeight) -> PackedW4:
     qp = torch.zeros((n, kp), dtype=torch.int32, device=dev)
     qp[:, :k] = q.to(torch.int32)
     words = pack_words(qp)
-    # scales / zeros: (N, Gp)
-    g = qw.scales.shape[0]
-    gp = 1 if qw.group_size == -1 else kp // qw.group_size
+    # scales / zeros: (N, Gp). Rows past ceil(K / group_size) (a g_idx weight may have them)
+    # are kept only under act-order; with the plain k // group_size order nothing reads them
+    g = qw.scales.shape[0] if perm is not None else num_groups(k, qw.group_size)
+    gp = 1 if qw.group_size == -1 else max(kp // qw.group_size, g)
     scales = torch.zeros((n, gp), dtype=qw.scales.dtype, device=dev)
-    scales[:, :g] = qw.scales.T
+    scales[:, :g] = qw.scales[:g].T
     zeros = None
     if qw.zeros is not None:
         zeros = torch.zeros((n, gp), dtype=qw.scales.dtype, device=dev)
-        zeros[:, :g] = qw.zeros.T.to(qw.scales.dtype)
+        zeros[:, :g] = qw.zeros[:g].T.to(qw.scales.dtype)
     return PackedW4(words, scales.contiguous(), zeros, perm, sorted_g, k, qw.group_size)
 
 
@@ -307,6 +315,8 @@ def unpack(p: PackedW4) -> QuantizedWeight:
     k = p.in_features
     q = unpack_words(p.qweight)[:, :k].to(torch.uint8)
     g = num_groups(k, p.group_size)
+    if p.sorted_g_idx is not None and k:  # a general g_idx may use more rows (QuantizedWeight)
+        g = max(g, int(p.sorted_g_idx[:k].max()) + 1)
     scales = p.scales[:, :g].T.contiguous()
     zeros = None if p.zeros is None else p.zeros[:, :g].T.to(torch.uint8).contiguous()
     g_idx = None

@@ -12,12 +12,10 @@ size, or K itself), since a group's scale row is shared by its channels in both 
 Act-order (g_idx) weights can be cut anywhere: the slice keeps its channels in the original
 order, its g_idx is renumbered 0 .. T-1 over the T groups it touches (in increasing order,
 so the kernels' sort by group still visits each group's channels in the original order),
-and the scale / zero rows are those T groups'. A QuantizedWeight with K' input channels has
-ceil(K' / group_size) scale rows; when T is smaller the extra rows are unused (scale 0), and
-when T is larger -- the usual case for GPTQ desc_act, whose groups are scattered over all
-of K -- the slice is stored with the largest smaller group size whose ceil(K' / group_size)
-rows hold T groups. With a g_idx the group size only sizes the scale table (g_idx alone
-says which scale multiplies which channel), so this changes no weight.
+and the scale / zero rows are those T groups'. A g_idx weight may hold more scale rows than
+ceil(K' / group_size) (formats.int4.QuantizedWeight): the slice keeps the group size and
+stores max(T, ceil(K' / group_size)) rows (unused ones with scale 0), which the usual case needs
+-- GPTQ desc_act scatters every group over all of K, so each shard touches nearly all of them.
 """
 from __future__ import annotations
 
@@ -25,7 +23,7 @@ from typing import Optional, Union
 
 import torch
 
-from .int4 import GROUP_SIZES, QuantizedWeight, num_groups
+from .int4 import QuantizedWeight, num_groups
 from .qqq import QQQWeight
 
 Weight = Union[QuantizedWeight, QQQWeight]
@@ -64,16 +62,7 @@ def _act_order_slice(qw: QuantizedWeight, start: int, stop: int) -> QuantizedWei
     touched, local = torch.unique(g_idx.long(), sorted=True, return_inverse=True)
     t, k_new = touched.numel(), stop - start
     group_size = qw.group_size
-    if num_groups(k_new, group_size) < t:
-        fits = [g for g in sorted(GROUP_SIZES, reverse=True) if 0 < g < group_size and num_groups(k_new, g) >= t]
-        if not fits:
-            g_min = min(g for g in GROUP_SIZES if g > 0)
-            raise ValueError(
-                f"act-order slice [{start}, {stop}) touches {t} groups, but a weight with "
-                f"in_features={k_new} holds at most ceil({k_new} / {g_min}) = {num_groups(k_new, g_min)} "
-                f"scale rows (group_size={g_min}, the smallest); use fewer shards along in_features")
-        group_size = fits[0]
-    rows = num_groups(k_new, group_size)
+    rows = max(num_groups(k_new, group_size), t)
     n = qw.out_features
 
     def gather(t_full: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
