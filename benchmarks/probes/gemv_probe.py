@@ -1,5 +1,7 @@
 """Probe (not part of the package; GPU; run from the repo root as
-`PYTHONPATH=src python benchmarks/probes/gemv_probe.py`): M = 1 GEMV variants on the current PackedW4 layout.
+`PYTHONPATH=src python benchmarks/probes/gemv_probe.py`): M = 1 GEMV variants on the natural-order
+PackedW4 layout (layout version 1, the layout before perf log v9; `natural_words` converts a
+QuantLinear's fragment-order qweight back to it).
 A: the shipped path (op, tuned config). B: fp32 magic-number dequant, no join, 8 strided
 x gathers. C: asm f16 dequant, no join, f16->f32 cvt. D: fp32 magic, scale applied once
 per (row, K tile) (BK <= group size)."""
@@ -9,7 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
+from sailfish.formats.int4 import _words_from_nibbles, unpack_words
 from sailfish.kernels.w4a16 import _ASM_F16, _pair
+
+
+def natural_words(qweight):
+    """Fragment-order words (layout 2) -> natural order (layout 1): channel 8i + j in nibble j."""
+    return _words_from_nibbles(unpack_words(qweight).reshape(qweight.shape[0], -1, 8))
 
 
 @triton.jit
@@ -96,10 +104,10 @@ def main():
                     split *= 2
                 y = torch.zeros(N, dtype=torch.float32 if split > 1 else torch.float16, device="cuda")
 
-                def call(L=L, bn=bn, bk=bk, w=w, st=st, split=split, y=y, mode=mode):
+                def call(L=L, bn=bn, bk=bk, w=w, st=st, split=split, y=y, mode=mode, qn=natural_words(L.qweight)):
                     if split > 1:
                         y.zero_()
-                    gemv_probe[(ntiles, split)](x, L.qweight, L.scales, y, N, K, L.qweight.stride(0), L.scales.stride(0),
+                    gemv_probe[(ntiles, split)](x, qn, L.scales, y, N, K, qn.stride(0), L.scales.stride(0),
                                                 MODE=mode, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=w, num_stages=st)
                 try:
                     call()

@@ -13,9 +13,9 @@ SIG = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble p -> sub-row; pairs (i, i+4) are adjace
 
 
 def repack(words, kp):
-    from sailfish.formats.int4 import unpack_codes
+    from sailfish.formats.int4 import unpack_words  # QuantLinear.qweight is in fragment order (v9)
     n = words.shape[0]
-    codes = unpack_codes(words, kp).to(torch.int64).reshape(n, kp // 64, 8, 8)  # [n, c, s, r]
+    codes = unpack_words(words)[:, :kp].to(torch.int64).reshape(n, kp // 64, 8, 8)  # [n, c, s, r]
     out = torch.zeros(n, kp // 64, 8, dtype=torch.int64, device=words.device)
     for p in range(8):
         out |= codes[:, :, SIG[p], :] << (4 * p)
