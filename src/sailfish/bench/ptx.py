@@ -125,9 +125,12 @@ def main(argv=None) -> int:
     from ..tuning import Config
 
     if args.config:
-        cfgs = [("cli", Config(*[int(v) for v in c.split(",")[:3]], SPLIT_K=int(c.split(",")[3]),
-                               num_warps=int(c.split(",")[4]), num_stages=int(c.split(",")[5])))
-                for c in args.config]
+        cfgs = []
+        for c in args.config:
+            v = [int(t) for t in c.split(",")]
+            if len(v) != 6:
+                ap.error(f"--config {c!r}: want BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,num_warps,num_stages")
+            cfgs.append(("cli", Config(v[0], v[1], v[2], SPLIT_K=v[3], num_warps=v[4], num_stages=v[5])))
     else:
         cfgs = shipped_mma_configs()
     bad = 0
