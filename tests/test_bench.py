@@ -49,12 +49,26 @@ def test_registry():
                                                             ("fp16", -1, True)}
     assert all(s.ours and s.cpu for s in sf)
     assert KR.REGISTRY[KR.BASELINE_ID].baseline
-    for name in ("cublas-fp16", "cublas-bf16", "tinygemm", "gemlite", "cublas-int8", "cublas-fp8"):
+    for name in ("cublas-fp16", "cublas-bf16", "tinygemm", "gemlite", "marlin", "cublas-int8", "cublas-fp8"):
         assert KR.select([name]), name
     assert len(KR.select(["sailfish-w4a16"])) == 3
     assert KR.select(["sailfish-w4a16/bf16/g128/asym"]) == [s for s in sf if s.dtype == "bf16"]
     with pytest.raises(ValueError):
-        KR.select(["marlin"])
+        KR.select(["qqq"])
+    assert KR.REGISTRY["marlin/fp16/g128"].optional
+
+
+def test_marlin_row_unavailable_without_a_build(monkeypatch):
+    """Marlin's row is optional: without an importable marlin_cuda it says why and its
+    builder skips, never failing the run."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "marlin_cuda", None)  # import raises ImportError
+    why = KR.marlin_available()
+    assert why and "marlin_cuda" in why
+    ctx = KR.BuildContext(device=torch.device("cpu"), copies=lambda nb: 2)
+    with pytest.raises(KR.Skip):
+        KR.build_marlin(256, 256, ctx)
     with pytest.raises(ValueError):
         KR.register(KR.REGISTRY[KR.BASELINE_ID])
     unquantized = [s for s in KR.REGISTRY.values() if s.kernel.startswith("cublas")]

@@ -392,6 +392,71 @@ def build_tinygemm(k: int, n: int, ctx: BuildContext, *, group_size: int = 128,
     return Built(case, r, nbytes, note=f"packing: {fmt}")
 
 
+def marlin_available() -> Optional[str]:
+    """None when a built `marlin_cuda` extension (IST-DASLab/marlin, built from its public
+    source; never shipped with Sailfish) is importable, from sys.path or from the folder
+    named by MARLIN_BUILD_DIR; else why not."""
+    import os
+    import sys
+
+    d = os.environ.get("MARLIN_BUILD_DIR")
+    if d and d not in sys.path:
+        sys.path.insert(0, d)
+    try:
+        import marlin_cuda  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"marlin_cuda is not importable ({_short(e)}); build it and set MARLIN_BUILD_DIR"
+    return None
+
+
+MARLIN_MAX_PAR = 16  # Marlin's default: at most 16 x 4 x 16 = 1024 rows per launch slice
+
+
+def build_marlin(k: int, n: int, ctx: BuildContext, *, group_size: int = 128) -> Built:
+    """Marlin W4A16 (fp16, symmetric, g128), for the same-run comparison of issue 8.
+
+    Marlin's packed layout is its own (an offline permutation for its mma.sync fragments); the
+    bench does not re-implement its packer. The weight is random packed words with random
+    scales (Marlin's speed does not depend on the values), and the check compares Marlin's
+    output with x @ W_eff in fp32, where W_eff is the weight Marlin itself decodes, read back
+    by multiplying the K x K identity (each row of the identity selects one row of W^T, and
+    the fp16 output holds that dequantized weight exactly). That catches wrong results at
+    the timed M (split/reduction bugs, races), not a wrong packing, which Marlin owns."""
+    if ctx.device.type != "cuda":
+        raise Skip("Marlin runs on CUDA only")
+    if marlin_available():
+        raise Skip(marlin_available())
+    import marlin_cuda
+
+    if group_size != 128 or k % 128 or n % 256:
+        raise Skip("Marlin here: group_size 128, K % 128 == 0, N % 256 == 0")
+    gen = _gen(ctx, 7)
+    dev = ctx.device
+    words = torch.randint(-2**31, 2**31 - 1, (k // 16, n * 16 // 8), dtype=torch.int32, device=dev, generator=gen)
+    s = ((torch.rand(k // group_size, n, device=dev, generator=gen) + 0.5) * 0.01).half()
+    ws = torch.zeros(n // 128 * MARLIN_MAX_PAR, dtype=torch.int32, device=dev)
+
+    def mul(x, b, sc, out):
+        marlin_cuda.mul(x, b, out, sc, ws, -1, -1, -1, MARLIN_MAX_PAR)
+        return out
+
+    eye = torch.eye(k, dtype=torch.float16, device=dev)
+    w_eff_t = mul(eye, words, s, torch.empty(k, n, dtype=torch.float16, device=dev)).float()  # (K, N)
+    del eye
+    nbytes = tensor_bytes(words, s)
+    r = ctx.copies(nbytes)
+    weights = [(words, s)] + [(words.clone(), s.clone()) for _ in range(r - 1)]
+
+    def case(m: int) -> Case:
+        x = torch.randn(m, k, dtype=torch.float16, device=dev, generator=gen)
+        outs = [torch.empty(m, n, dtype=torch.float16, device=dev) for _ in weights]
+        return Case(calls=[functools.partial(mul, x, b, sc, o) for (b, sc), o in zip(weights, outs)],
+                    check=lambda: rel_err(mul(x, words, s, outs[0]), x.float() @ w_eff_t),
+                    tol=3e-3, min_bytes=w4a16_min_bytes(m, k, n, group_size))
+
+    return Built(case, r, nbytes, note="random packed weight; reference: the weight Marlin decodes")
+
+
 def gemlite_available() -> Optional[str]:
     try:
         import gemlite  # noqa: F401
@@ -479,6 +544,8 @@ register(KernelSpec("sailfish-w4a16", "fp16", -1,
 register(KernelSpec("cublas-bf16", "bf16", 0, functools.partial(build_cublas_half, dtype=torch.bfloat16),
                     short="cublas bf16"))
 register(KernelSpec("tinygemm", "bf16", 128, build_tinygemm, sym=False, short="tinygemm"))
+register(KernelSpec("marlin", "fp16", 128, build_marlin, sym=True, optional=True,
+                    available=marlin_available, short="marlin"))
 register(KernelSpec("gemlite", "fp16", 128, build_gemlite, sym=False, optional=True,
                     available=gemlite_available, short="gemlite"))
 for _gs, _short_gs in ((128, "g128"), (-1, "chan")):
