@@ -421,7 +421,9 @@ def build_marlin(k: int, n: int, ctx: BuildContext, *, group_size: int = 128) ->
     output with x @ W_eff in fp32, where W_eff is the weight Marlin itself decodes, read back
     by multiplying the K x K identity (each row of the identity selects one row of W^T, and
     the fp16 output holds that dequantized weight exactly). That catches wrong results at
-    the timed M (split/reduction bugs, races), not a wrong packing, which Marlin owns."""
+    the timed M (split/reduction bugs, races), not a wrong packing, which Marlin owns.
+    Tolerance 1e-2, as for the other peers: Marlin adds its K slices in fp16 through global
+    memory, measured 2.8e-4 (8192x10240) to 6.5e-3 (28672x8192) on an H200."""
     if ctx.device.type != "cuda":
         raise Skip("Marlin runs on CUDA only")
     if marlin_available():
@@ -452,7 +454,7 @@ def build_marlin(k: int, n: int, ctx: BuildContext, *, group_size: int = 128) ->
         outs = [torch.empty(m, n, dtype=torch.float16, device=dev) for _ in weights]
         return Case(calls=[functools.partial(mul, x, b, sc, o) for (b, sc), o in zip(weights, outs)],
                     check=lambda: rel_err(mul(x, words, s, outs[0]), x.float() @ w_eff_t),
-                    tol=3e-3, min_bytes=w4a16_min_bytes(m, k, n, group_size))
+                    tol=1e-2, min_bytes=w4a16_min_bytes(m, k, n, group_size))
 
     return Built(case, r, nbytes, note="random packed weight; reference: the weight Marlin decodes")
 

@@ -26,38 +26,65 @@ import triton.language as tl
 
 from .common import cast_out, grouped_tile, join8, round_bf16_emu, split_k_range
 
-# One int32 word -> its 8 codes, dequantized, as 8 half-precision values, in 15 instructions
-# (Marlin's trick): lop3 (w & 0x000f000f) | 0x64006400 puts nibbles j and j+4 into the
-# mantissas of a half2 whose exponent makes it (1024 + q_j, 1024 + q_j+4); one sub.x2 of
-# (1024 + zero) and one mul.x2 by the scale finish two weights. `_dequant_words`' pure-Triton
-# branch computes the identical values (the interpreter cannot run asm). sub/mul.bf16x2
-# need sm_90: the launcher uses the pure branch for bf16 on older GPUs.
-_ASM_DEQUANT = """
+# One int32 word -> its 8 codes, dequantized, as 8 half-precision values (Marlin's trick):
+# lop3 (w & 0x000f000f) | MAGIC puts nibbles j and j+4 into the mantissas of a half2 whose
+# exponent makes it (1024 + q_j, 1024 + q_j+4); one sub.x2 of (1024 + zero) and one mul.x2 by
+# the scale finish two weights. fp16 (13 instructions; the 1/16 constant is hoisted): the odd nibbles are masked in place
+# (0x00f000f0 gives 1024 + 16 q, exact) and one fma.x2 by 1/16 minus (64 + zero) replaces
+# their shift and subtraction; every intermediate is an integer below 2048, so q - zero is
+# exact as before. bf16 (15): 16 q would overflow bf16's 7 mantissa bits, so each nibble
+# pair is shifted down. `_dequant_words`' pure-Triton branch computes the identical values
+# (the interpreter cannot run asm). The bf16x2 instructions need sm_90: the launcher uses
+# the pure branch for bf16 on older GPUs.
+# $8 = word, $9 = scale (s, s), $10 = (1024 + z, 1024 + z) [fp16] / (128 + z, ...) [bf16],
+# $11 = (-(64 + z), -(64 + z)) [fp16 only].
+_ASM_F16 = tl.constexpr("""
+{
+.reg .b32 t0, t1, t2, t3, u, c;
+mov.b32 c, 0x2c002c00;
+lop3.b32 t0, $8, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 t1, $8, 0x00f000f0, 0x64006400, 0xea;
+shr.u32 u, $8, 8;
+lop3.b32 t2, u, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 t3, u, 0x00f000f0, 0x64006400, 0xea;
+sub.rn.f16x2 t0, t0, $10;
+fma.rn.f16x2 t1, t1, c, $11;
+sub.rn.f16x2 t2, t2, $10;
+fma.rn.f16x2 t3, t3, c, $11;
+mul.rn.f16x2 t0, t0, $9;
+mul.rn.f16x2 t1, t1, $9;
+mul.rn.f16x2 t2, t2, $9;
+mul.rn.f16x2 t3, t3, $9;
+mov.b32 {$0, $4}, t0;
+mov.b32 {$2, $6}, t2;
+mov.b32 {$1, $5}, t1;
+mov.b32 {$3, $7}, t3;
+}
+""")
+_ASM_BF16 = tl.constexpr("""
 {
 .reg .b32 t0, t1, t2, t3, u;
-lop3.b32 t0, $8, 0x000f000f, MAGIC2, 0xea;
+lop3.b32 t0, $8, 0x000f000f, 0x43004300, 0xea;
 shr.u32 u, $8, 4;
-lop3.b32 t1, u, 0x000f000f, MAGIC2, 0xea;
+lop3.b32 t1, u, 0x000f000f, 0x43004300, 0xea;
 shr.u32 u, $8, 8;
-lop3.b32 t2, u, 0x000f000f, MAGIC2, 0xea;
+lop3.b32 t2, u, 0x000f000f, 0x43004300, 0xea;
 shr.u32 u, $8, 12;
-lop3.b32 t3, u, 0x000f000f, MAGIC2, 0xea;
-sub.rn.TY t0, t0, $10;
-sub.rn.TY t1, t1, $10;
-sub.rn.TY t2, t2, $10;
-sub.rn.TY t3, t3, $10;
-mul.rn.TY t0, t0, $9;
-mul.rn.TY t1, t1, $9;
-mul.rn.TY t2, t2, $9;
-mul.rn.TY t3, t3, $9;
+lop3.b32 t3, u, 0x000f000f, 0x43004300, 0xea;
+sub.rn.bf16x2 t0, t0, $10;
+sub.rn.bf16x2 t1, t1, $10;
+sub.rn.bf16x2 t2, t2, $10;
+sub.rn.bf16x2 t3, t3, $10;
+mul.rn.bf16x2 t0, t0, $9;
+mul.rn.bf16x2 t1, t1, $9;
+mul.rn.bf16x2 t2, t2, $9;
+mul.rn.bf16x2 t3, t3, $9;
 mov.b32 {$0, $4}, t0;
 mov.b32 {$1, $5}, t1;
 mov.b32 {$2, $6}, t2;
 mov.b32 {$3, $7}, t3;
 }
-"""
-_ASM_F16 = tl.constexpr(_ASM_DEQUANT.replace("MAGIC2", "0x64006400").replace("TY", "f16x2"))
-_ASM_BF16 = tl.constexpr(_ASM_DEQUANT.replace("MAGIC2", "0x43004300").replace("TY", "bf16x2"))
+""")
 
 
 @triton.jit
@@ -76,14 +103,35 @@ def _channel_of(w, j):
 
 
 @triton.jit
-def _load_groups(s_ptr, rn, k0, stride_sn, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr):
+def _load_groups(s_ptr, rn, k0, stride_sn, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                 PAIRED: tl.constexpr = False):
     """The (N, Gp) per-group values (scales or zeros) of the K tile at k0: (BLOCK_N,) if the
-    tile lies in one group, else (BLOCK_N, BLOCK_K // GROUP_SIZE)."""
-    if GROUP_SIZE == 0 or BLOCK_K <= GROUP_SIZE:
-        return tl.load(s_ptr + rn * stride_sn + (0 if GROUP_SIZE == 0 else k0 // GROUP_SIZE))
+    tile lies in one group, else (BLOCK_N, BLOCK_K // GROUP_SIZE).
+    PAIRED (the launcher checks that rows start 4-byte aligned): a row's BLOCK_K // GROUP_SIZE
+    values are loaded as int32 pairs, so that Triton's pipeliner can stream them with cp.async
+    (it needs >= 4 bytes per thread) instead of a synchronous 2-byte load in the K loop."""
+    if GROUP_SIZE == 0:  # per channel: the same values every tile
+        return tl.load(s_ptr + rn * stride_sn)
+    elif BLOCK_K <= GROUP_SIZE:
+        if PAIRED:  # the int32 pair holding this tile's group and its neighbour
+            DT1: tl.constexpr = s_ptr.dtype.element_ty
+            g = k0 // GROUP_SIZE
+            p1 = s_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+            w1 = tl.load(p1 + rn * (stride_sn // 2) + g // 2)
+            return (w1 >> (16 * (g % 2))).to(tl.int16).to(DT1, bitcast=True)
+        else:
+            return tl.load(s_ptr + rn * stride_sn + k0 // GROUP_SIZE)
     else:
         NG: tl.constexpr = BLOCK_K // GROUP_SIZE
-        return tl.load(s_ptr + rn[:, None] * stride_sn + (k0 // GROUP_SIZE + tl.arange(0, NG))[None, :])
+        if PAIRED:
+            DT: tl.constexpr = s_ptr.dtype.element_ty
+            p = s_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+            w = tl.load(p + rn[:, None] * (stride_sn // 2) + (k0 // (2 * GROUP_SIZE) + tl.arange(0, NG // 2))[None, :])
+            lo = w.to(tl.int16).to(DT, bitcast=True)
+            hi = (w >> 16).to(tl.int16).to(DT, bitcast=True)
+            return tl.reshape(tl.join(lo, hi), (rn.shape[0], NG))
+        else:
+            return tl.load(s_ptr + rn[:, None] * stride_sn + (k0 // GROUP_SIZE + tl.arange(0, NG))[None, :])
 
 
 @triton.jit
@@ -153,8 +201,12 @@ def _dequant_words(words, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn,
         else:  # (136, 136) in bf16
             z2 = tl.full((BLOCK_N, BLOCK_K // 8), 0x43084308, tl.int32)
         if DTYPE == tl.float16:
+            if HAS_ZEROS:  # -(64 + z) for the odd nibbles' fma
+                z16 = _pair(960.0 - zb)
+            else:  # (-72, -72) = 0xD480D480 as a signed int32
+                z16 = tl.full((BLOCK_N, BLOCK_K // 8), -729754496, tl.int32)
             n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
-                _ASM_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, _pair(s), z2],
+                _ASM_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r", [words, _pair(s), z2, z16],
                 dtype=(tl.float16,) * 8, is_pure=True, pack=1)
         else:
             n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
@@ -247,7 +299,7 @@ def _w4a16_kernel(
     M, N, K, stride_xm, stride_ym, stride_qn, stride_sn,
     GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr,
-    USE_ASM: tl.constexpr, PREFETCH_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_ASM: tl.constexpr, PREFETCH_S: tl.constexpr, PAIRED_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """x (M, K) row-major; qweight int32 (N, Kp // 8), Kp >= K; scales/zeros (N, Gp); y (M, N).
@@ -292,8 +344,8 @@ def _w4a16_kernel(
             s_nxt = _load_groups(s_ptr, rn, kn, stride_sn, BLOCK_K, GROUP_SIZE)
             z_nxt = _load_groups(z_ptr, rn, kn, stride_sn, BLOCK_K, GROUP_SIZE)
         else:
-            sv = _load_groups(s_ptr, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE)
-            zv = _load_groups(z_ptr, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE)
+            sv = _load_groups(s_ptr, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE, PAIRED_S)
+            zv = _load_groups(z_ptr, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE, PAIRED_S)
         n0, n1, n2, n3, n4, n5, n6, n7 = _dequant_words(
             words, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn, BLOCK_N, BLOCK_K, GROUP_SIZE,
             HAS_ZEROS, HAS_GIDX, DTYPE, EMU_BF16, USE_ASM)

@@ -70,7 +70,7 @@ def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx):
     elif M <= 64:
         bm = 32 if M <= 32 else 64
         space = [(bm, 128, 128, 4, 4), (bm, 128, 256, 4, 3), (bm, 64, 128, 4, 4), (bm, 256, 128, 8, 4),
-                 (bm, 128, 128, 8, 4)]
+                 (bm, 256, 128, 8, 3), (bm, 128, 128, 8, 4)]
     else:
         space = [(64, 128, 128, 4, 4), (128, 128, 128, 8, 3), (128, 256, 128, 8, 3),
                  (256, 128, 128, 8, 3), (128, 128, 256, 8, 2)]
@@ -147,6 +147,27 @@ def prefetch_scales(cfg: Config, group_size: int) -> bool:
 SCALE_PREFETCH = os.environ.get("SAILFISH_SCALE_PREFETCH", "0") == "1"
 
 
+# The mma kernel loads the per-group scales (and zeros) as int32 pairs of two adjacent groups,
+# so Triton pipelines them with cp.async like the weights (a 2-byte load is too narrow for it
+# and stalled every K tile: docs/perf_log.md v12). Needs rows of an even number of elements
+# that start 4-byte aligned; otherwise the 2-byte load. SAILFISH_PAIRED_SCALES=0 turns it off.
+PAIRED_SCALES = os.environ.get("SAILFISH_PAIRED_SCALES", "1") == "1"
+
+
+def _pairable(t: torch.Tensor) -> bool:
+    return t.stride(1) == 1 and t.stride(0) % 2 == 0 and t.data_ptr() % 4 == 0
+
+
+def paired_scales(cfg: Config) -> bool:
+    """Whether the mma kernel loads its scales as int32 pairs (PAIRED_SCALES) with this tile.
+    Only where BLOCK_N >= 32 * num_warps: with fewer rows than threads Triton (3.6 and 3.9)
+    sends the dequantized tile through shared memory again (`python -m sailfish.bench.ptx`),
+    as with PREFETCH_S. Only for BLOCK_M >= 32: H200, same run, table configs, paired vs not:
+    M = 64 8192x57344 256 -> 202 us, 14336x4096 45 -> 35 us, M = 32-128 otherwise within 2%,
+    but M = 2-16 mixed (8192x10240 26.2 -> 24.7 us, 14336x4096 19.0 -> 20.4 us)."""
+    return PAIRED_SCALES and cfg.BLOCK_N >= 32 * cfg.num_warps and cfg.BLOCK_M >= 32
+
+
 @lru_cache(maxsize=None)
 def _has_bf16x2(device_index: int) -> bool:
     """sub/mul.bf16x2 (the bf16 asm dequantization) need sm_90; ptxas rejects them below."""
@@ -181,6 +202,7 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     asm = (use_asm and x.is_cuda and sorted_g_idx is None
            and (x.dtype == torch.float16 or _has_bf16x2(x.device.index)))
     z_arg = scales if zeros is None else zeros  # unused pointer arguments get a valid tensor
+    pairable = gs > 0 and all(_pairable(t) for t in (scales, z_arg))
     g_arg = qweight if sorted_g_idx is None else sorted_g_idx
 
     def run(cfg: Config, out: torch.Tensor = y) -> None:
@@ -214,7 +236,8 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
             _w4a16_kernel[grid](
                 *ptrs, M, N, K, x.stride(0), out.stride(0), qweight.stride(0), scales.stride(0),
-                BLOCK_M=cfg.BLOCK_M, GROUP_M=cfg.GROUP_M, PREFETCH_S=prefetch_scales(cfg, group_size), **common)
+                BLOCK_M=cfg.BLOCK_M, GROUP_M=cfg.GROUP_M, PREFETCH_S=prefetch_scales(cfg, group_size),
+                PAIRED_S=pairable and paired_scales(cfg), **common)
         if cfg.SPLIT_K > 1:
             block = 1024
             _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
