@@ -13,8 +13,8 @@ from .formats.gptq import from_gptq as _read_gptq
 from .formats.int4 import (HALF_DTYPES, LAYOUT_VERSION, PackedW4, QuantizedWeight, _check_bits,
                            _check_group_size, default_g_idx, natural_to_fragment_order, pack, padded_k,
                            quantize, unpack)
-from .formats.qqq import (PackedQQQ, QQQWeight, check_group_size_w4a8, pack_qqq, quantize_qqq,
-                          unpack_qqq)
+from .formats.qqq import (LAYOUT_VERSION_W4A8, PackedQQQ, QQQWeight, check_group_size_w4a8,
+                          natural_to_fragment_order_w4a8, pack_qqq, quantize_qqq, unpack_qqq)
 
 log = logging.getLogger("sailfish")
 
@@ -339,7 +339,9 @@ class QuantLinearW4A8(nn.Module):
 
     Buffers (formats.qqq.PackedQQQ layout): qweight int32 (N, Kp/8), Kp = K rounded up to
     256; s_ch float32 (N,); s_g float16 (N, Kp/128) for group_size=128 (None for -1);
-    bias float32 (N,) or None. Their dtypes are part of the format: .half(), .to(dtype)
+    bias float32 (N,) or None; qweight_layout int32 scalar, the layout version of qweight
+    (formats.qqq.LAYOUT_VERSION_W4A8; state dicts without it, from Sailfish <= 0.2, hold
+    version 1 and are re-packed on load). Their dtypes are part of the format: .half(), .to(dtype)
     and friends move them between devices but never change their dtype.
 
     Autograd: the weights are frozen buffers. When x requires a gradient, backward gives
@@ -363,6 +365,7 @@ class QuantLinearW4A8(nn.Module):
         self.register_buffer("s_g", None if group_size == -1 else
                              torch.zeros((out_features, kp // group_size), dtype=torch.float16, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float32, device=device) if bias else None)
+        self.register_buffer("qweight_layout", torch.tensor(LAYOUT_VERSION_W4A8, dtype=torch.int32, device=device))
 
     # -- construction ---------------------------------------------------------------
     @classmethod
@@ -400,6 +403,22 @@ class QuantLinearW4A8(nn.Module):
             if new is not None and new.dtype != old.dtype:
                 self._buffers[k] = old.to(new.device)
         return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # as QuantLinear: the layout version travels as a buffer; version 1 (no such buffer)
+        # is re-packed into the fragment order (load_state_dict works on its own copy)
+        key = prefix + "qweight_layout"
+        if prefix + "qweight" in state_dict:
+            version = int(state_dict[key]) if key in state_dict else 1
+            if version == 1:
+                state_dict[prefix + "qweight"] = natural_to_fragment_order_w4a8(state_dict[prefix + "qweight"])
+            elif version != LAYOUT_VERSION_W4A8:
+                raise ValueError(f"{key}={version} is not supported; this Sailfish reads W4A8 layout "
+                                 f"versions 1 and {LAYOUT_VERSION_W4A8} (a newer Sailfish wrote it?)")
+            state_dict[key] = torch.tensor(LAYOUT_VERSION_W4A8, dtype=torch.int32)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
 
     # -- use --------------------------------------------------------------------------
     def packed(self) -> PackedQQQ:

@@ -185,15 +185,35 @@ def quantize_qqq(weight: torch.Tensor, group_size: int = -1) -> QQQWeight:
 # ----------------------------------------------------------------------------------
 # Kernel layout
 # ----------------------------------------------------------------------------------
+# Layout version of PackedQQQ.qweight (QuantLinearW4A8's state_dict carries it, nn.py):
+# 1 = natural order (channel 8i + j in nibble j of word i; Sailfish <= 0.2), 2 = fragment
+# order (below).
+LAYOUT_VERSION_W4A8 = 2
+# Channels per chunk of the fragment order: K tiles of the kernels are whole chunks or
+# whole k32 steps of one.
+K_CHUNK_W4A8 = 128
+
+
 @dataclass
 class PackedQQQ:
     """The layout the W4A8 kernels read.
 
-    qweight: int32 (N, Kp // 8), Kp = K rounded up to K_PAD (256): word [n, i] holds the
-             codes of input channels 8i .. 8i+7, channel 8i + j in bits 4j .. 4j+3
-             (formats.nibbles). Padding channels hold code 8 (w8 = 0).
+    qweight: int32 (N, Kp // 8), Kp = K rounded up to K_PAD (256), in *fragment order*,
+             best read as bytes (N, Kp // 2) (little-endian): within each chunk c of 128
+             channels of one output row, channel
+                 k = 128 c + 32 s + 16 h + 4 t + e      (s, t, e in 0..3; h in 0..1)
+             is nibble h (0: low) of byte 64 c + 16 t + 4 s + e.
+             Why: in Hopper's int8 wgmma (m64nNk32) A fragment, lane t = lane % 4 holds
+             channels 4t + e (register 0) and 16 + 4t + e (register 1) of every k32 step,
+             four int8 per 32-bit register. So a thread's 16 bytes of a chunk are adjacent
+             (one 16-byte load), the 4 bytes of one 32-bit word are the 4 bytes of two of its
+             A registers (low nibbles: h = 0, high nibbles: h = 1), and the unpack is a few
+             register-local instructions per word, with no shared-memory relayout
+             (kernels/w4a8.py). Padding channels hold code 8 (w8 = 0).
+             (`pack_codes` / `unpack_codes` are the exact map; layout version 2.)
     s_ch:    float32 (N,).
     s_g:     float16 (N, Kp // 128) or None; groups covering only padding have scale 0.
+             A group (128 channels) is one chunk: 64 whole bytes.
     """
 
     qweight: torch.Tensor
@@ -204,16 +224,31 @@ class PackedQQQ:
 
 
 def pack_codes(q: torch.Tensor, kp: int, pad_code: int = 8) -> torch.Tensor:
-    """uint8 (N, K) codes -> int32 (N, kp // 8) words, padding channels set to pad_code."""
+    """uint8 (N, K) codes -> int32 (N, kp // 8) words in fragment order (PackedQQQ),
+    padding channels set to pad_code."""
     n, k = q.shape
+    if kp % K_CHUNK_W4A8 or kp < k:
+        raise ValueError(f"kp={kp} must be a multiple of {K_CHUNK_W4A8} and >= K={k}")
     qp = torch.full((n, kp), pad_code, dtype=torch.int32, device=q.device)
     qp[:, :k] = q.to(torch.int32)
+    qp = qp.reshape(n, kp // K_CHUNK_W4A8, 4, 2, 4, 4)   # (n, c, s, h, t, e)
+    qp = qp.permute(0, 1, 4, 2, 5, 3)                    # (n, c, t, s, e, h): byte (c, t, s, e), nibble h
     return pack_nibbles(qp.reshape(n, kp // 8, 8)).contiguous()
 
 
 def unpack_codes(words: torch.Tensor, in_features: int) -> torch.Tensor:
-    """int32 (N, Kp // 8) words -> uint8 (N, in_features) codes (inverse of pack_codes)."""
-    return unpack_nibbles(words).reshape(words.shape[0], -1)[:, :in_features].contiguous()
+    """int32 (N, Kp // 8) fragment-order words -> uint8 (N, in_features) codes (inverse of
+    pack_codes)."""
+    n, kw = words.shape
+    q = unpack_nibbles(words).reshape(n, kw // 16, 4, 4, 4, 2)  # (n, c, t, s, e, h)
+    q = q.permute(0, 1, 3, 5, 2, 4)                               # (n, c, s, h, t, e)
+    return q.reshape(n, kw * 8)[:, :in_features].contiguous()
+
+
+def natural_to_fragment_order_w4a8(words: torch.Tensor) -> torch.Tensor:
+    """Layout version 1 words (channel 8i + j in nibble j of word i) -> version 2."""
+    n, kw = words.shape
+    return pack_codes(unpack_nibbles(words).reshape(n, kw * 8), kw * 8)
 
 
 def pack_qqq(qw: QQQWeight) -> PackedQQQ:
@@ -238,5 +273,6 @@ def unpack_qqq(p: PackedQQQ) -> QQQWeight:
     return QQQWeight(q, p.s_ch, s_g, p.group_size)
 
 
-__all__ = ["GROUP_SIZES_W4A8", "INT8_LEVEL", "K_PAD", "PackedQQQ", "QQQWeight", "codes_to_int8",
-           "pack_codes", "pack_qqq", "quantize_activations", "quantize_qqq", "unpack_codes", "unpack_qqq"]
+__all__ = ["GROUP_SIZES_W4A8", "INT8_LEVEL", "K_CHUNK_W4A8", "K_PAD", "LAYOUT_VERSION_W4A8", "PackedQQQ",
+           "QQQWeight", "codes_to_int8", "natural_to_fragment_order_w4a8", "pack_codes", "pack_qqq",
+           "quantize_activations", "quantize_qqq", "unpack_codes", "unpack_qqq"]

@@ -12,9 +12,16 @@ Math and layouts: formats/qqq.py. Design (why):
   div.full.f32 on NVIDIA, which would not match the PyTorch reference bit for bit.
 - GEMM, "swap AB" as the W4A16 kernel: each program computes acc^T[n, m] =
   w8[n, :] . x_q[m, :] with tl.dot(w8 (BLOCK_N, BLOCK_K), trans(x_q (BLOCK_M, BLOCK_K))).
-  Both operands are K-contiguous (the weight rows are packed along K, x_q is row-major),
-  which is what 8-bit wgmma needs on Hopper (both operands K-major); the small batch
-  dimension M is the MMA's N dimension (>= 16), so decode M = 1 runs on tensor cores.
+  The weight is wgmma's A operand, taken from registers; x_q (K-contiguous, as 8-bit
+  wgmma needs) is the shared-memory B operand, and the small batch dimension M is the
+  MMA's N dimension (>= 16), so decode M = 1 runs on tensor cores.
+- Fragment order (formats.qqq.PackedQQQ, layout 2): the weight is read as bytes, and the
+  4 bytes of a 32-bit load are 4 weights of one int8 A-fragment register (low nibbles)
+  and 4 of another (high nibbles). The unpack is elementwise inline asm with pack=4 (one
+  register in, two out: `_ASM_CHAN` 7 instructions per 8 weights, `_ASM_GROUP` 27 with the
+  group scale), then tl.join + reshape/permute that Triton lowers to nothing: the int8
+  tile never goes through shared memory (bench/ptx.py --family w4a8 counts it; the natural
+  order of layout 1 cost a st.shared + ldmatrix round trip per K tile).
 - int8 x int8 -> int32 accumulation is exact. Split-K: each K slice stores its int32
   partial tile in a workspace (SPLIT_K, M, N) and `_w4a8_splitk_reduce_kernel` adds the
   slices (exact, so deterministic) and applies the epilogue: two launches, no memset
@@ -27,12 +34,9 @@ Math and layouts: formats/qqq.py. Design (why):
   operand layout costs more than the arithmetic: W4A16 166 -> 122 us); "dequant" for
   large M, the int8 weight written once by `_w4a8_dequant_kernel`, then cuBLAS's int8
   GEMM (torch._int_mm) and the epilogue in `_w4a8_splitk_reduce_kernel`.
-- Codes are unpacked with tl.join (common._unpack8), not a broadcast-and-shift over a new
-  axis, which spread a word's 8 nibbles over 8 threads that each re-read it from shared
-  memory (W4A16: 296 vs 16 ld.shared per iteration, M=1 240 -> 167 us).
 - 64-bit offsets wherever a product of a row index and a row length can pass 2**31
   elements: activation / output / workspace rows (M * N reaches 2**31 at M = 37450 on
-  N = 57344), the weight rows (N * Kp / 8 words) and the split-K slices. Offsets within a
+  N = 57344), the weight rows (N * Kp / 2 bytes) and the split-K slices. Offsets within a
   row, and the group-scale offsets (N * Kp / 128 < 2**31 for any weight under 64 GiB), stay
   32-bit. tests/test_w4a8.py checks the compiled IR for this.
 - A token (row) holding NaN or +-Inf gets scale NaN and x_q = 0, so all of its outputs are
@@ -43,7 +47,7 @@ Math and layouts: formats/qqq.py. Design (why):
 import triton
 import triton.language as tl
 
-from .common import _unpack8, cast_out, grouped_tile, split_k_range
+from .common import cast_out, grouped_tile, split_k_range
 
 _RND = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + _RND has ulp 1 for |x| <= 2**22
 _RND_BITS = tl.constexpr(0x4B400000)  # bit pattern of _RND
@@ -121,29 +125,177 @@ def _quantize_per_token_kernel(x_ptr, xq_ptr, s_ptr, K, stride_xm, stride_qm,
 # ----------------------------------------------------------------------------------
 # GEMM
 # ----------------------------------------------------------------------------------
+# 4 packed bytes (8 codes) -> two registers of 4 int8 weights: `lo` from the low nibbles,
+# `hi` from the high ones (byte e of each register from byte e of the input), in the
+# wgmma A-fragment byte order (formats.qqq.PackedQQQ). Per-channel, w8 = q - 8 per byte
+# without carries between bytes: (q | 0x80) - 8 lies in [0x78, 0x87], and xor 0x80 turns
+# it into the two's complement of q - 8. 7 instructions per 8 weights.
+_ASM_CHAN = tl.constexpr("""
+{
+.reg .b32 t;
+lop3.b32 t, $2, 0x0f0f0f0f, 0x80808080, 0xea;
+sub.u32 t, t, 0x08080808;
+xor.b32 $0, t, 0x80808080;
+shr.u32 t, $2, 4;
+lop3.b32 t, t, 0x0f0f0f0f, 0x80808080, 0xea;
+sub.u32 t, t, 0x08080808;
+xor.b32 $1, t, 0x80808080;
+}
+""")
+# Per-group: w8 = clamp(rne(s_g * (q - 8)), -127, 127) two weights per f16x2 instruction.
+# lop3 (b & 0x000f000f) | 0x64006400 is the half2 (1024 + q, 1024 + q') of bytes 0 and 2;
+# minus 1032 gives q - 8 exactly; fma.rn(s, q - 8, 1536) rounds the exact product plus
+# 1536 once, and in [1024, 2048) fp16 has ulp 1, so that is 1536 + rne(s * (q - 8)) (1536
+# is even: ties go the same way). Clamped to [1536 - 127, 1536 + 127] (a product outside
+# the binade rounds coarser but lands outside that range anyway), the low byte of each
+# half is the int8 weight; prmt gathers them. $3..$6: the scale pairs (s, s) of bytes 0..3.
+_ASM_GROUP = tl.constexpr("""
+{
+.reg .b32 a, b, c, d, s02, s13, u, z, m, lo, hi;
+mov.b32 z, 0x64086408;
+mov.b32 m, 0x66006600;
+mov.b32 lo, 0x65816581;
+mov.b32 hi, 0x667f667f;
+prmt.b32 s02, $3, $5, 0x5410;
+prmt.b32 s13, $4, $6, 0x5410;
+lop3.b32 a, $2, 0x000f000f, 0x64006400, 0xea;
+shr.u32 u, $2, 8;
+lop3.b32 b, u, 0x000f000f, 0x64006400, 0xea;
+shr.u32 u, $2, 4;
+lop3.b32 c, u, 0x000f000f, 0x64006400, 0xea;
+shr.u32 u, $2, 12;
+lop3.b32 d, u, 0x000f000f, 0x64006400, 0xea;
+sub.rn.f16x2 a, a, z;
+sub.rn.f16x2 b, b, z;
+sub.rn.f16x2 c, c, z;
+sub.rn.f16x2 d, d, z;
+fma.rn.f16x2 a, a, s02, m;
+fma.rn.f16x2 b, b, s13, m;
+fma.rn.f16x2 c, c, s02, m;
+fma.rn.f16x2 d, d, s13, m;
+max.f16x2 a, a, lo;
+max.f16x2 b, b, lo;
+max.f16x2 c, c, lo;
+max.f16x2 d, d, lo;
+min.f16x2 a, a, hi;
+min.f16x2 b, b, hi;
+min.f16x2 c, c, hi;
+min.f16x2 d, d, hi;
+prmt.b32 $0, a, b, 0x6240;
+prmt.b32 $1, c, d, 0x6240;
+}
+""")
+
+
 @triton.jit
-def _int8_weight(words, sg_ptr, rn, k0, stride_gn,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr):
-    """int32 (BLOCK_N, BLOCK_K // 8) packed codes -> w8 as int32 (BLOCK_N, BLOCK_K), values
-    in [-127, 127] (formats.qqq.codes_to_int8); GROUP_SIZE 0: per-channel, w8 = q - 8."""
-    # One return at the end: the compiler (unlike the interpreter) keeps generating the
-    # statements after a `return` inside a constexpr `if`.
-    q = _unpack8(words, BLOCK_N, BLOCK_K)
-    if GROUP_SIZE == 0:
-        w8 = q - 8
+def _group_scales(sg_ptr, rn, k0, stride_gn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_SIZE: tl.constexpr):
+    """float16 group scales of the K tile at k0, one per packed byte: (BLOCK_N, BLOCK_K // 2).
+    A group (128 channels) is a run of 64 whole bytes (formats.qqq.PackedQQQ), so the
+    (BLOCK_N, groups) tile is only broadcast and reshaped: every value stays in the
+    registers of the threads that own its bytes."""
+    if BLOCK_K <= GROUP_SIZE:
+        s = tl.load(sg_ptr + rn * stride_gn + k0 // GROUP_SIZE)
+        return tl.broadcast_to(s[:, None], (BLOCK_N, BLOCK_K // 2))
     else:
-        # (q | 0x4B000000) read as fp32 is 2**23 + q exactly; minus (2**23 + 8) gives q - 8
-        t = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-        if BLOCK_K <= GROUP_SIZE:
-            s = tl.load(sg_ptr + rn * stride_gn + k0 // GROUP_SIZE).to(tl.float32)
-            w8 = _round_i8(t * s[:, None])  # the product is exact
+        NG: tl.constexpr = BLOCK_K // GROUP_SIZE
+        s = tl.load(sg_ptr + rn[:, None] * stride_gn + (k0 // GROUP_SIZE + tl.arange(0, NG))[None, :])
+        return tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NG, GROUP_SIZE // 2)), (BLOCK_N, BLOCK_K // 2))
+
+
+@triton.jit
+def _int8_pair(b, s, GROUP_SIZE: tl.constexpr, USE_ASM: tl.constexpr):
+    """Packed bytes int8 (BLOCK_N, BLOCK_K // 2) (+ their fp16 group scales, same shape) ->
+    (lo, hi) int8: w8 of every byte's low and high nibble (formats.qqq.codes_to_int8).
+    USE_ASM: the inline asm above (GPU); else the pure-Triton twin computing the same
+    exact values (the interpreter cannot run asm): per-channel q - 8; per-group the exact
+    float32 product s * (q - 8), rounded half to even by _round_i8 (which clamps first:
+    the same result as rounding first, since +-127 are integers)."""
+    if USE_ASM:
+        if GROUP_SIZE == 0:
+            lo, hi = tl.inline_asm_elementwise(_ASM_CHAN, "=r,=r,r", [b], dtype=(tl.int8, tl.int8),
+                                               is_pure=True, pack=4)
         else:
-            NG: tl.constexpr = BLOCK_K // GROUP_SIZE
-            g = k0 // GROUP_SIZE + tl.arange(0, NG)
-            s = tl.load(sg_ptr + rn[:, None] * stride_gn + g[None, :]).to(tl.float32)
-            t3 = tl.reshape(t, (BLOCK_N, NG, GROUP_SIZE))
-            w8 = tl.reshape(_round_i8(t3 * s[:, :, None]), (BLOCK_N, BLOCK_K))
-    return w8
+            sb = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            lo, hi = tl.inline_asm_elementwise(_ASM_GROUP, "=r,=r,r,r,r,r,r", [b, sb | (sb << 16)],
+                                               dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
+    else:
+        bi = b.to(tl.int32)
+        q_lo = bi & 0xF
+        q_hi = (bi >> 4) & 0xF
+        if GROUP_SIZE == 0:
+            lo = (q_lo - 8).to(tl.int8)
+            hi = (q_hi - 8).to(tl.int8)
+        else:
+            sf = s.to(tl.float32)
+            # (q | 0x4B000000) read as fp32 is 2**23 + q exactly; minus (2**23 + 8) gives q - 8
+            t_lo = (q_lo | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+            t_hi = (q_hi | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+            lo = _round_i8(t_lo * sf).to(tl.int8)  # the products are exact
+            hi = _round_i8(t_hi * sf).to(tl.int8)
+    return lo, hi
+
+
+@triton.jit
+def _int8_tile(b, sg_ptr, rn, k0, stride_gn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               GROUP_SIZE: tl.constexpr, USE_ASM: tl.constexpr):
+    """The K tile's packed bytes at k0 -> (lo, hi) int8 weights (_int8_pair), loading the
+    group scales it needs."""
+    if GROUP_SIZE == 0:
+        s = b  # unused
+    else:
+        s = _group_scales(sg_ptr, rn, k0, stride_gn, BLOCK_N, BLOCK_K, GROUP_SIZE)
+    return _int8_pair(b, s, GROUP_SIZE, USE_ASM)
+
+
+@triton.jit
+def _byte_offsets(BLOCK_K: tl.constexpr):
+    """Offsets (within the K tile's first chunk) of the BLOCK_K // 2 packed bytes a K tile
+    reads, in the tile's byte order (t, s, e) for BLOCK_K < 128; 0 .. BLOCK_K / 2 - 1 else.
+    A 128-channel chunk holds byte 16t + 4s + e (t, s, e < 4); a tile of S = BLOCK_K / 32
+    k32 steps takes s in [s0, s0 + S): S runs of 4 bytes per t."""
+    if BLOCK_K >= 128:
+        return tl.arange(0, BLOCK_K // 2)
+    else:
+        S: tl.constexpr = BLOCK_K // 32
+        i = tl.arange(0, BLOCK_K // 2)
+        return 16 * (i // (4 * S)) + i % (4 * S)
+
+
+@triton.jit
+def _tile_byte0(k0, BLOCK_K: tl.constexpr):
+    """Byte offset of the K tile at channel k0 within a packed row (see _byte_offsets)."""
+    if BLOCK_K >= 128:
+        return k0 // 2
+    else:
+        return 64 * (k0 // 128) + 4 * ((k0 % 128) // 32)
+
+
+@triton.jit
+def _fragment_tile(lo, hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(lo, hi) int8 (BLOCK_N, BLOCK_K // 2) in byte order -> the (BLOCK_N, BLOCK_K) int8 weight
+    tile in channel order. Byte 64c + 4S t + 4s + e, nibble h is channel 128c + 32s + 16h +
+    4t + e (S = 4, or BLOCK_K / 32 for a tile shorter than a chunk). Join, reshape and permute
+    only move values between a thread's registers: in wgmma's int8 A fragment, lane t = lane
+    % 4 of a row holds channels 4t + e and 16 + 4t + e of each k32 step, 4 per 32-bit
+    register, which is exactly a thread's (s, h) registers here."""
+    C: tl.constexpr = BLOCK_K // 128 if BLOCK_K >= 128 else 1
+    S: tl.constexpr = 4 if BLOCK_K >= 128 else BLOCK_K // 32
+    q = tl.join(lo, hi)                                  # (n, b, h)
+    q = tl.reshape(q, (BLOCK_N, C, 4, S, 4, 2))          # (n, c, t, s, e, h)
+    q = tl.permute(q, (0, 1, 3, 5, 2, 4))                # (n, c, s, h, t, e)
+    return tl.reshape(q, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _byte_order(x, BLOCK_K: tl.constexpr):
+    """x (BLOCK_K,) in channel order -> the order of the joined (byte, nibble) tile, position
+    2b + h (the inverse of _fragment_tile's permutation), for the GEMV's elementwise product."""
+    C: tl.constexpr = BLOCK_K // 128 if BLOCK_K >= 128 else 1
+    S: tl.constexpr = 4 if BLOCK_K >= 128 else BLOCK_K // 32
+    x = tl.reshape(x, (C, S, 2, 4, 4))                   # (c, s, h, t, e)
+    x = tl.permute(x, (0, 3, 1, 4, 2))                   # (c, t, s, e, h)
+    return tl.reshape(x, (BLOCK_K,))
 
 
 @triton.jit
@@ -159,15 +311,16 @@ def _epilogue(acc, xs_ptr, sch_ptr, bias_ptr, rm, rn, HAS_BIAS: tl.constexpr):
 
 @triton.jit
 def _w4a8_kernel(
-    xq_ptr, xs_ptr, qw_ptr, sch_ptr, sg_ptr, bias_ptr, y_ptr,
+    xq_ptr, xs_ptr, qb_ptr, sch_ptr, sg_ptr, bias_ptr, y_ptr,
     M, N, K, stride_xm, stride_ym, stride_qn, stride_gn,
     GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, RAW: tl.constexpr, EMU_BF16: tl.constexpr,
+    SPLIT_K: tl.constexpr, RAW: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """x_q int8 (M, K) row-major, s_tok float32 (M,); qweight int32 (N, Kp // 8);
-    s_ch float32 (N,); s_g float16 (N, Kp // 128) (GROUP_SIZE = 128; 0: per-channel).
+    """x_q int8 (M, K) row-major, s_tok float32 (M,); qweight as bytes int8 (N, Kp // 2)
+    (formats.qqq.PackedQQQ, stride_qn in bytes); s_ch float32 (N,); s_g float16 (N, Kp // 128)
+    (GROUP_SIZE = 128; 0: per-channel).
 
     Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K). y is (M, N) in the output
     dtype, or int32 when RAW (the accumulator itself). SPLIT_K > 1: y is the int32
@@ -185,22 +338,21 @@ def _w4a8_kernel(
 
     kt0, kt1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
 
-    offs_w = tl.arange(0, BLOCK_K // 8)
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = qw_ptr + rn.to(tl.int64)[:, None] * stride_qn + (kt0 * (BLOCK_K // 8) + offs_w)[None, :]
+    w_rows = qb_ptr + rn.to(tl.int64)[:, None] * stride_qn + _byte_offsets(BLOCK_K)[None, :]
     x_ptrs = xq_ptr + rm.to(tl.int64)[:, None] * stride_xm + (kt0 * BLOCK_K + offs_k)[None, :]
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
     for kt in range(kt0, kt1):
         k0 = kt * BLOCK_K
-        words = tl.load(w_ptrs, eviction_policy="evict_first")
+        b = tl.load(w_rows + _tile_byte0(k0, BLOCK_K), eviction_policy="evict_first")
         if EVEN_K:
             x = tl.load(x_ptrs, eviction_policy="evict_last")
         else:
             x = tl.load(x_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0, eviction_policy="evict_last")
-        w8 = _int8_weight(words, sg_ptr, rn, k0, stride_gn, BLOCK_N, BLOCK_K, GROUP_SIZE).to(tl.int8)
+        lo, hi = _int8_tile(b, sg_ptr, rn, k0, stride_gn, BLOCK_N, BLOCK_K, GROUP_SIZE, USE_ASM)
+        w8 = _fragment_tile(lo, hi, BLOCK_N, BLOCK_K)
         acc = tl.dot(w8, tl.trans(x), acc, out_dtype=tl.int32)  # triton 3.6 needs it spelled out
-        w_ptrs += BLOCK_K // 8
         x_ptrs += BLOCK_K
 
     out_mask = (offs_m < M)[None, :] & (offs_n < N)[:, None]
@@ -216,34 +368,36 @@ def _w4a8_kernel(
 
 @triton.jit
 def _w4a8_gemv_kernel(
-    xq_ptr, xs_ptr, qw_ptr, sch_ptr, sg_ptr, bias_ptr, y_ptr,
+    xq_ptr, xs_ptr, qb_ptr, sch_ptr, sg_ptr, bias_ptr, y_ptr,
     N, K, stride_qn, stride_gn,
     GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, RAW: tl.constexpr, EMU_BF16: tl.constexpr,
+    SPLIT_K: tl.constexpr, RAW: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """M = 1: acc[n] = sum_k x_q[k] * w8[n, k] with int32 multiply-adds on CUDA cores into a
     (BLOCK_N, BLOCK_K) accumulator reduced once at the end. Same operands, outputs and
-    split-K protocol as _w4a8_kernel. Grid: (cdiv(N, BLOCK_N), SPLIT_K)."""
+    split-K protocol as _w4a8_kernel. The weights stay in byte order (a sum over K does not
+    care); x is loaded in channel order (wide loads) and permuted to it in registers, as the
+    W4A16 GEMV does (docs/perf_log.md v10). Grid: (cdiv(N, BLOCK_N), SPLIT_K)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = offs_n % N
     kt0, kt1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = qw_ptr + rn.to(tl.int64)[:, None] * stride_qn + (kt0 * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8))[None, :]
+    w_rows = qb_ptr + rn.to(tl.int64)[:, None] * stride_qn + _byte_offsets(BLOCK_K)[None, :]
     x_ptrs = xq_ptr + kt0 * BLOCK_K + offs_k
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
     for kt in range(kt0, kt1):
         k0 = kt * BLOCK_K
-        words = tl.load(w_ptrs, eviction_policy="evict_first")
+        b = tl.load(w_rows + _tile_byte0(k0, BLOCK_K), eviction_policy="evict_first")
         if EVEN_K:
             xv = tl.load(x_ptrs, eviction_policy="evict_last")
         else:
             xv = tl.load(x_ptrs, mask=k0 + offs_k < K, other=0, eviction_policy="evict_last")
-        w8 = _int8_weight(words, sg_ptr, rn, k0, stride_gn, BLOCK_N, BLOCK_K, GROUP_SIZE)
-        acc += w8 * xv.to(tl.int32)[None, :]
-        w_ptrs += BLOCK_K // 8
+        lo, hi = _int8_tile(b, sg_ptr, rn, k0, stride_gn, BLOCK_N, BLOCK_K, GROUP_SIZE, USE_ASM)
+        w8 = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+        acc += w8.to(tl.int32) * _byte_order(xv, BLOCK_K).to(tl.int32)[None, :]
         x_ptrs += BLOCK_K
     out = tl.sum(acc, axis=1)
     mask = offs_n < N
@@ -259,18 +413,21 @@ def _w4a8_gemv_kernel(
 
 
 @triton.jit
-def _w4a8_dequant_kernel(qw_ptr, sg_ptr, w_ptr, N, K, stride_qn, stride_gn, stride_wn,
-                         GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Write w8 int8 (N, K) (the large-M path hands the product to cuBLAS).
+def _w4a8_dequant_kernel(qb_ptr, sg_ptr, w_ptr, N, K, stride_qn, stride_gn, stride_wn,
+                         GROUP_SIZE: tl.constexpr, USE_ASM: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Write w8 int8 (N, K) in channel order (the large-M path hands the product to cuBLAS).
     Grid: (cdiv(N, BLOCK_N), cdiv(K, BLOCK_K)); BLOCK_K must divide Kp."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     rn = offs_n % N
-    words = tl.load(qw_ptr + rn.to(tl.int64)[:, None] * stride_qn + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :])
-    w8 = _int8_weight(words, sg_ptr, rn, k0, stride_gn, BLOCK_N, BLOCK_K, GROUP_SIZE)
+    b = tl.load(qb_ptr + rn.to(tl.int64)[:, None] * stride_qn
+                + (_tile_byte0(k0, BLOCK_K) + _byte_offsets(BLOCK_K))[None, :])
+    lo, hi = _int8_tile(b, sg_ptr, rn, k0, stride_gn, BLOCK_N, BLOCK_K, GROUP_SIZE, USE_ASM)
+    w8 = _fragment_tile(lo, hi, BLOCK_N, BLOCK_K)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
-    tl.store(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], w8.to(tl.int8), mask=mask)
+    tl.store(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], w8, mask=mask)
 
 
 @triton.jit

@@ -186,17 +186,21 @@ def _reduce(ws, out, split, x_scales, s_ch, bias, M, N, raw, emu) -> None:
 def _launch(cfg: Config, out: torch.Tensor, x_q, x_scales, qweight, s_ch, s_g, bias,
             gs: int, raw: bool, emu: bool) -> None:
     """One GEMM with cfg into out (M, N). Operands contiguous; s_g / bias may be None
-    (their pointer arguments then get s_ch, never read)."""
+    (their pointer arguments then get s_ch, never read). The kernels read qweight as its
+    bytes (formats.qqq.PackedQQQ); on the GPU they unpack with inline asm, in the
+    interpreter with its pure-Triton twin."""
     kern = _kernels()
     M, K = x_q.shape
     N = qweight.shape[0]
+    qb = qweight.view(torch.int8)  # (N, Kp // 2), little-endian bytes of the words
+    asm = x_q.is_cuda
     s_g_arg = s_ch if s_g is None else s_g
     sg_stride = 0 if s_g is None else s_g.stride(0)
     if cfg.kernel == "dequant":
         w8 = torch.empty((N, K), dtype=torch.int8, device=x_q.device)
         kern._w4a8_dequant_kernel[(_cdiv(N, cfg.BLOCK_N), _cdiv(K, cfg.BLOCK_K))](
-            qweight, s_g_arg, w8, N, K, qweight.stride(0), sg_stride, w8.stride(0),
-            GROUP_SIZE=gs, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+            qb, s_g_arg, w8, N, K, qb.stride(0), sg_stride, w8.stride(0),
+            GROUP_SIZE=gs, USE_ASM=asm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         _reduce(torch._int_mm(x_q, w8.t()), out, 1, x_scales, s_ch, bias, M, N, raw, emu)
         return
@@ -206,17 +210,17 @@ def _launch(cfg: Config, out: torch.Tensor, x_q, x_scales, qweight, s_ch, s_g, b
     bias_arg = s_ch if bias is None else bias
     if cfg.kernel == "gemv":
         kern._w4a8_gemv_kernel[(_cdiv(N, cfg.BLOCK_N), split)](
-            x_q, x_scales, qweight, s_ch, s_g_arg, bias_arg, target, N, K, qweight.stride(0), sg_stride,
+            x_q, x_scales, qb, s_ch, s_g_arg, bias_arg, target, N, K, qb.stride(0), sg_stride,
             GROUP_SIZE=gs, HAS_BIAS=bias is not None, EVEN_K=K % cfg.BLOCK_K == 0, SPLIT_K=split,
-            RAW=raw, EMU_BF16=emu, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+            RAW=raw, EMU_BF16=emu, USE_ASM=asm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         kern._w4a8_kernel[(_cdiv(M, cfg.BLOCK_M) * _cdiv(N, cfg.BLOCK_N), split)](
-            x_q, x_scales, qweight, s_ch, s_g_arg, bias_arg, target, M, N, K, x_q.stride(0),
-            N if split > 1 else out.stride(0), qweight.stride(0), sg_stride,
+            x_q, x_scales, qb, s_ch, s_g_arg, bias_arg, target, M, N, K, x_q.stride(0),
+            N if split > 1 else out.stride(0), qb.stride(0), sg_stride,
             GROUP_SIZE=gs, HAS_BIAS=bias is not None, EVEN_K=K % cfg.BLOCK_K == 0, SPLIT_K=split,
-            RAW=raw, EMU_BF16=emu, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-            GROUP_M=cfg.GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            RAW=raw, EMU_BF16=emu, USE_ASM=asm, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+            BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         _reduce(target, out, split, x_scales, s_ch, bias, M, N, raw, emu)
 
