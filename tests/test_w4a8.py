@@ -739,3 +739,36 @@ def test_kernels_compile(arch, tmp_path):
     r = subprocess.run([sys.executable, "-c", _COMPILE_CHILD, str(arch)], env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+_PTX_CHILD = r"""
+import sys
+from sailfish.bench.ptx import W4A8_TILES, compile_w4a8, k_loop_stats
+bad = []
+for tile in W4A8_TILES:
+    for gs in (-1, 128):
+        ptx = compile_w4a8(*tile, group_size=gs).asm["ptx"]
+        st = k_loop_stats(ptx)
+        # per-channel: nothing at all through shared memory; g128: at most the scale vector
+        limit = 0 if gs == -1 else 1
+        if (st is None or not st.wgmma_a_in_registers or st.ldmatrix or st.st_shared > limit
+                or ".s32.s8.s8" not in ptx):
+            bad.append((tile, gs, st))
+print("checked", 2 * len(W4A8_TILES))
+sys.exit(f"int8 weight tile through shared memory: {bad}" if bad else 0)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
+def test_mma_tile_stays_in_registers(tmp_path):
+    """The point of the fragment-order layout (formats.qqq.PackedQQQ): compiled for sm_90a, the
+    K loop of every tile shape the W4A8 tables use (BM 16-256, BK 64-256, 4-8 warps) feeds the
+    int8 wgmma (s32.s8.s8) from registers, with no ldmatrix and no st.shared of the int8 weight
+    tile (bench/ptx.py). A layout or compiler change that brings a round trip back fails here."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    src_dir = os.path.dirname(os.path.dirname(sailfish.__file__))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src_dir, env.get("PYTHONPATH")]))
+    r = subprocess.run([sys.executable, "-c", _PTX_CHILD], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "checked" in r.stdout, (r.stdout + r.stderr)[-3000:]
