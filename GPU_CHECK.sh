@@ -6,8 +6,8 @@
 set -u
 export PYTHONPATH=src
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-timeout 90 python -m pytest -q -x -p no:cacheprovider tests/test_w4a8.py \
-  -k "accumulator or nonfinite or paths_epilogue or layer_matches or identity or split_k or state_dict or fragment" 2>&1 | tail -8
+timeout 100 python -m pytest -q -x -p no:cacheprovider tests/test_w4a8.py tests/test_w4a8_fp8.py \
+  -k "accumulator or nonfinite or paths_epilogue or layer_matches or identity or split_k or state_dict or fragment or fp8" 2>&1 | tail -8
 cat > /tmp/s3w4a8_sweep.py <<'PY'
 import functools, sys, time, torch
 from sailfish import Config, QuantLinear, QuantLinearW4A8
@@ -62,7 +62,7 @@ def run(shape, ms, tiles, gs_list=(128, -1)):
                               config=Config(1, 64, 256, 1, 8, 4, 1, kernel="dequant") if m > 16 else None)
             table = ls[0](x)  # the tuner's choice (table / heuristic)
             tl_ = graph_time_us([functools.partial(l, x) for l in ls])
-            cfg_t = W4A8_TUNER.lookup(dev, (k, n, m_bucket(m), gs, torch.float16))
+            cfg_t = W4A8_TUNER.lookup(dev, (k, n, m_bucket(m), gs, torch.float16, "int8"))
             out = [f"  g{gs}: layer(table/heur {cfg_t.kernel} {cfg_t.BLOCK_M},{cfg_t.BLOCK_N},{cfg_t.BLOCK_K},s{cfg_t.SPLIT_K},w{cfg_t.num_warps}) {tl_:.1f} ({t16/tl_:.2f}x, vs W4A16 {ta16/tl_:.2f}x)"]
             for t in tiles(m):
                 cfg = tile_cfg(m, n, k, *t)
@@ -75,6 +75,18 @@ def run(shape, ms, tiles, gs_list=(128, -1)):
                 except Exception as e:
                     out.append(f"{t} FAIL {type(e).__name__}: {str(e)[:80]}")
             print(" | ".join(out), flush=True)
+            lf = QuantLinearW4A8.from_quantized(ls[0].quantized_weight(), act_dtype="fp8")
+            lfs = [lf] + [__import__("copy").deepcopy(lf) for _ in range(r - 1)]
+            try:
+                yf = lf(x)
+                yr = x.float() @ lf.dequantize().T
+                e = ((yf.float() - yr).norm() / yr.norm()).item()
+                tf = graph_time_us([functools.partial(l, x) for l in lfs])
+                cf = W4A8_TUNER.lookup(dev, (k, n, m_bucket(m), gs, torch.float16, "fp8"))
+                print(f"  g{gs} fp8 layer (heur {cf.BLOCK_M},{cf.BLOCK_N},{cf.BLOCK_K},s{cf.SPLIT_K},w{cf.num_warps}) "
+                      f"{tf:.1f} ({t16/tf:.2f}x, vs W4A16 {ta16/tf:.2f}x) rel err vs fp16 math {e:.1e}", flush=True)
+            except Exception as ex:
+                print(f"  g{gs} fp8 FAIL {type(ex).__name__}: {str(ex)[:200]}", flush=True)
         if time.time() - T0 > 140:
             print("time budget reached"); sys.exit(0)
 

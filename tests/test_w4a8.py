@@ -688,9 +688,14 @@ def build(fn, sig, consts, warps=4, stages=3, wide=()):
 
 q = {"x_ptr": "*bf16", "xq_ptr": "*i8", "s_ptr": "*fp32", "K": "i32", "stride_xm": "i32", "stride_qm": "i32"}
 qw = ("stride_xm", "stride_qm")
-ptx = build(K._quantize_per_token_kernel, q, {"BLOCK_K": 8192, "ONE_PASS": True}, 8, wide=qw)
+ptx = build(K._quantize_per_token_kernel, q, {"BLOCK_K": 8192, "ONE_PASS": True, "FP8": False}, 8, wide=qw)
 assert "div.rn.f32" in ptx and "div.full" not in ptx and "fma" not in ptx and ".ftz" not in ptx
-build(K._quantize_per_token_kernel, dict(q, x_ptr="*fp16"), {"BLOCK_K": 1024, "ONE_PASS": False}, wide=qw)
+build(K._quantize_per_token_kernel, dict(q, x_ptr="*fp16"), {"BLOCK_K": 1024, "ONE_PASS": False, "FP8": False}, wide=qw)
+if ARCH >= 89:  # Triton has no e4m3 type before sm_89
+    ptx = build(K._quantize_per_token_kernel, dict(q, xq_ptr="*fp8e4nv"),
+                {"BLOCK_K": 4096, "ONE_PASS": True, "FP8": True}, 8, wide=qw)
+    # e4m3 rounding by integer ops (kernels/w4a8._e4m3): the only float op on a value is the scaling
+    assert "div.rn.f32" in ptx and "div.full" not in ptx and "cvt.rn.satfinite" not in ptx and ".ftz" not in ptx
 g = {"xq_ptr": "*i8", "xs_ptr": "*fp32", "qb_ptr": "*i8", "sch_ptr": "*fp32", "sg_ptr": "*fp16",
      "bias_ptr": "*fp32", "y_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
      "stride_ym": "i32", "stride_qn": "i32", "stride_gn": "i32"}
@@ -705,6 +710,13 @@ for gs, (bm, bn, bk, split, warps, stages), out in [(0, (16, 128, 128, 1, 4, 4),
     assert ".s32.s8.s8" in ptx, "the int8 tiles must run on int8 tensor cores"
     if gs:  # the per-group conversion rounds once, in the fma (kernels/w4a8.py)
         assert "fma.rn.f16x2" in ptx and "mul.rn.f16x2" not in ptx
+if ARCH >= 89:  # the fp8 variant: e4m3 tensor cores (sm_89+)
+    for gs, (bm, bn, bk, split, warps, stages) in [(0, (16, 128, 256, 2, 4, 3)), (128, (64, 128, 128, 1, 4, 4))]:
+        ptx = build(K._w4a8_kernel, dict(g, xq_ptr="*fp8e4nv", y_ptr="*fp32" if split > 1 else "*bf16"), dict(
+            GROUP_SIZE=gs, HAS_BIAS=True, EVEN_K=False, SPLIT_K=split, RAW=False, EMU_BF16=False, USE_ASM=True,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8), warps, stages,
+            wide=("M", "N", "stride_xm", "stride_ym", "stride_qn"))
+        assert "e4m3" in ptx and ".s8.s8" not in ptx, "the fp8 tiles must run on fp8 tensor cores"
 v = {k: t for k, t in g.items() if k not in ("M", "stride_xm", "stride_ym")}
 for gs, split, bk in [(0, 2, 512), (128, 1, 512), (128, 1, 64)]:
     build(K._w4a8_gemv_kernel, dict(v, y_ptr="*i32" if split > 1 else "*bf16"), dict(
@@ -745,16 +757,21 @@ _PTX_CHILD = r"""
 import sys
 from sailfish.bench.ptx import W4A8_TILES, compile_w4a8, k_loop_stats
 bad = []
+n = 0
 for tile in W4A8_TILES:
     for gs in (-1, 128):
-        ptx = compile_w4a8(*tile, group_size=gs).asm["ptx"]
-        st = k_loop_stats(ptx)
-        # per-channel: nothing at all through shared memory; g128: at most the scale vector
-        limit = 0 if gs == -1 else 1
-        if (st is None or not st.wgmma_a_in_registers or st.ldmatrix or st.st_shared > limit
-                or ".s32.s8.s8" not in ptx):
-            bad.append((tile, gs, st))
-print("checked", 2 * len(W4A8_TILES))
+        for act, mma in (("int8", ".s32.s8.s8"), ("fp8", ".f32.e4m3.e4m3")):
+            if act == "fp8" and gs != -1 and tile[2] > gs:
+                continue  # fp8 per-group: K tiles within one group
+            ptx = compile_w4a8(*tile, group_size=gs, act_dtype=act).asm["ptx"]
+            st = k_loop_stats(ptx)
+            n += 1
+            # per-channel: nothing at all through shared memory; g128: at most the scale vector
+            limit = 0 if gs == -1 else 1
+            if (st is None or not st.wgmma_a_in_registers or st.ldmatrix or st.st_shared > limit
+                    or mma not in ptx):
+                bad.append((tile, gs, act, st))
+print("checked", n)
 sys.exit(f"int8 weight tile through shared memory: {bad}" if bad else 0)
 """
 
@@ -763,8 +780,9 @@ sys.exit(f"int8 weight tile through shared memory: {bad}" if bad else 0)
 def test_mma_tile_stays_in_registers(tmp_path):
     """The point of the fragment-order layout (formats.qqq.PackedQQQ): compiled for sm_90a, the
     K loop of every tile shape the W4A8 tables use (BM 16-256, BK 64-256, 4-8 warps) feeds the
-    int8 wgmma (s32.s8.s8) from registers, with no ldmatrix and no st.shared of the int8 weight
-    tile (bench/ptx.py). A layout or compiler change that brings a round trip back fails here."""
+    int8 wgmma (s32.s8.s8; fp8 variant: f32.e4m3.e4m3) from registers, with no ldmatrix and no
+    st.shared of the weight tile (bench/ptx.py). A layout or compiler change that brings a
+    round trip back fails here."""
     pytest.importorskip("triton.backends.nvidia")
     env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")

@@ -79,18 +79,20 @@ W4A8_TILES = ((16, 128, 128, 1, 4, 4), (16, 128, 256, 2, 4, 3), (32, 128, 128, 1
 
 
 def compile_w4a8(block_m: int, block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int,
-                 *, group_size: int = 128, capability: int = 90):
+                 *, group_size: int = 128, act_dtype: str = "int8", capability: int = 90):
     """triton.compile of kernels/w4a8._w4a8_kernel (the inline-asm unpack, as on a GPU) for
     cuda:<capability>, with the launcher's GPU specialisation (16-byte aligned pointers, N / K /
-    strides divisible by 16)."""
+    strides divisible by 16). act_dtype "fp8": the e4m3-activation variant."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from ..kernels.w4a8 import _w4a8_kernel
 
-    sig = {"xq_ptr": "*i8", "xs_ptr": "*fp32", "qb_ptr": "*i8", "sch_ptr": "*fp32", "sg_ptr": "*fp16",
-           "bias_ptr": "*fp32", "y_ptr": "*fp16" if split_k == 1 else "*i32",
+    fp8 = act_dtype == "fp8"
+    sig = {"xq_ptr": "*fp8e4nv" if fp8 else "*i8", "xs_ptr": "*fp32", "qb_ptr": "*i8", "sch_ptr": "*fp32",
+           "sg_ptr": "*fp16", "bias_ptr": "*fp32",
+           "y_ptr": "*fp16" if split_k == 1 else "*fp32" if fp8 else "*i32",
            **{k: "i32" for k in ("M", "N", "K", "stride_xm", "stride_ym", "stride_qn", "stride_gn")}}
     consts = dict(GROUP_SIZE=0 if group_size == -1 else group_size, HAS_BIAS=False, EVEN_K=True,
                   SPLIT_K=split_k, RAW=False, EMU_BF16=False, USE_ASM=True,
@@ -147,8 +149,9 @@ def main(argv=None) -> int:
     ap.add_argument("--config", action="append", default=[],
                     help="BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,num_warps,num_stages (repeatable); "
                          "default: every shipped W4A16 mma config (w4a8: W4A8_TILES)")
-    ap.add_argument("--family", choices=("w4a16", "w4a8"), default="w4a16",
-                    help="w4a8: the int8 kernel (--group-size -1 or 128; --dtype, --zeros, --no-asm ignored)")
+    ap.add_argument("--family", choices=("w4a16", "w4a8", "w4a8-fp8"), default="w4a16",
+                    help="w4a8: the int8 kernel, w4a8-fp8 its e4m3-activation variant (--group-size -1 "
+                         "or 128; --dtype, --zeros, --no-asm ignored)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--zeros", action="store_true", help="asymmetric (zero points)")
@@ -165,15 +168,17 @@ def main(argv=None) -> int:
             if len(v) != 6:
                 ap.error(f"--config {c!r}: want BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,num_warps,num_stages")
             cfgs.append(("cli", Config(v[0], v[1], v[2], SPLIT_K=v[3], num_warps=v[4], num_stages=v[5])))
-    elif args.family == "w4a8":
-        cfgs = [("w4a8", Config(*t[:3], SPLIT_K=t[3], num_warps=t[4], num_stages=t[5])) for t in W4A8_TILES]
+    elif args.family.startswith("w4a8"):
+        cfgs = [(args.family, Config(*t[:3], SPLIT_K=t[3], num_warps=t[4], num_stages=t[5])) for t in W4A8_TILES
+                if args.family == "w4a8" or args.group_size == -1 or t[2] <= args.group_size]
     else:
         cfgs = shipped_mma_configs()
     bad = 0
     for gpu, cfg in cfgs:
         tile = (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.SPLIT_K, cfg.num_warps, cfg.num_stages)
-        if args.family == "w4a8":
-            k = compile_w4a8(*tile, group_size=args.group_size, capability=args.capability)
+        if args.family.startswith("w4a8"):
+            k = compile_w4a8(*tile, group_size=args.group_size, capability=args.capability,
+                             act_dtype="fp8" if args.family == "w4a8-fp8" else "int8")
         else:
             k = compile_mma(*tile, dtype=args.dtype, group_size=args.group_size, has_zeros=args.zeros,
                             use_asm=not args.no_asm, capability=args.capability)
@@ -184,7 +189,7 @@ def main(argv=None) -> int:
             print(f"{tag}: no wgmma K loop found")
             bad += 1
             continue
-        kind = "int8" if args.family == "w4a8" else "fp16"
+        kind = {"w4a8": "int8", "w4a8-fp8": "fp8"}.get(args.family, "fp16")
         verdict = f"{kind}-smem-roundtrip" if st.roundtrip else f"no-{kind}-smem"
         bad += st.roundtrip
         print(f"{tag}: st.shared={st.st_shared} ldmatrix={st.ldmatrix} bar.sync={st.bar_sync} "

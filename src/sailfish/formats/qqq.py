@@ -57,14 +57,29 @@ def num_groups_w4a8(in_features: int, group_size: int) -> int:
 # ----------------------------------------------------------------------------------
 # Activations
 # ----------------------------------------------------------------------------------
-def quantize_activations(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per-token symmetric int8 quantization (the exact reference of the Triton kernel).
+ACT_DTYPES_W4A8 = ("int8", "fp8")
+# Largest code of each activation type: int8 uses [-127, 127] (symmetric), e4m3 its largest
+# finite value 448.
+_QMAX = {"int8": 127.0, "fp8": 448.0}
 
-    x: (M, K) float16 / bfloat16 (any float dtype). Returns x_q int8 (M, K) in [-127, 127]
-    and scales float32 (M,), with x ~= scales[:, None] * x_q. Rounding: half to even.
-    All-zero rows give scale 0 and x_q 0. A row holding NaN or +-Inf gives scale NaN and
-    x_q 0, so that row's layer outputs are all NaN (never silently finite).
+
+def check_act_dtype(act_dtype: str) -> None:
+    if act_dtype not in ACT_DTYPES_W4A8:
+        raise ValueError(f"act_dtype={act_dtype!r} is not supported; allowed: {ACT_DTYPES_W4A8}")
+
+
+def quantize_activations(x: torch.Tensor, act_dtype: str = "int8") -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric quantization (the exact reference of the Triton kernel).
+
+    x: (M, K) float16 / bfloat16 (any float dtype). act_dtype "int8": x_q int8 (M, K) in
+    [-127, 127], rounded half to even; "fp8": x_q float8_e4m3fn, x * (448 / amax) clamped to
+    +-448 and rounded to nearest even by the conversion. Returns x_q and scales float32 (M,)
+    (amax / 127 or amax / 448), with x ~= scales[:, None] * x_q. All-zero rows give scale 0 and
+    x_q 0. A row holding NaN or +-Inf gives scale NaN and x_q 0, so that row's layer outputs
+    are all NaN (never silently finite).
     """
+    check_act_dtype(act_dtype)
+    qmax = _QMAX[act_dtype]
     xf = x.float()
     bad = ~torch.isfinite(xf).all(dim=1)
     xf = torch.where(bad[:, None], torch.zeros_like(xf), xf)
@@ -73,11 +88,11 @@ def quantize_activations(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     den = torch.where(amax > 0, amax * c, torch.ones_like(amax))
     # IEEE divisions, tensor by tensor: PyTorch computes `127.0 / t` as reciprocal(t) * 127
     # and, on CUDA, `t / 127.0` as t * (1 / 127), each rounding twice.
-    c127 = torch.full_like(amax, 127.0)
-    inv = torch.where(amax > 0, c127 / den, torch.zeros_like(amax))
-    v = (xf * c[:, None]) * inv[:, None]
-    x_q = v.clamp(-127.0, 127.0).round().to(torch.int8)
-    return x_q, torch.where(bad, torch.full_like(amax, float("nan")), amax / c127)
+    cq = torch.full_like(amax, qmax)
+    inv = torch.where(amax > 0, cq / den, torch.zeros_like(amax))
+    v = ((xf * c[:, None]) * inv[:, None]).clamp(-qmax, qmax)
+    x_q = v.round().to(torch.int8) if act_dtype == "int8" else v.to(torch.float8_e4m3fn)
+    return x_q, torch.where(bad, torch.full_like(amax, float("nan")), amax / cq)
 
 
 # ----------------------------------------------------------------------------------
@@ -91,6 +106,24 @@ def codes_to_int8(q: torch.Tensor, s_g: Optional[torch.Tensor], group_size: int)
     g = torch.arange(k, device=q.device) // group_size
     p = (q.float() - 8.0) * s_g.float()[g].T  # exact in float32
     return p.clamp(-127.0, 127.0).round().to(torch.int8)
+
+
+def fp8_weight(qw: "QQQWeight") -> torch.Tensor:
+    """float32 (N, K): the weight operand of the fp8-activation variant, s_ch excluded.
+
+    per-channel: q - 8, the same integers as the int8 path's w8 (every integer in [-8, 8]
+                 is exact in e4m3, so the kernel's e4m3 weight tile is exact).
+    per-group:   s_g * (q - 8) in float32 (exact: an fp16 times a 4-bit integer), NOT the
+                 int8 path's rne(s_g * (q - 8)): those integers reach 127 and e4m3 holds only
+                 16 significant levels per binade (17, 19, ... 127's odd neighbours are not
+                 representable), so the kernel multiplies the e4m3 tile q - 8 and applies
+                 s_g to each 128-channel group's fp32 partial sum instead. The effective
+                 weight is QQQ's two-level value without the int8 rounding."""
+    w = qw.qweight.float() - 8.0
+    if qw.group_size == -1:
+        return w
+    g = torch.arange(qw.in_features, device=w.device) // qw.group_size
+    return w * qw.s_g.float()[g].T
 
 
 @dataclass
@@ -274,5 +307,5 @@ def unpack_qqq(p: PackedQQQ) -> QQQWeight:
 
 
 __all__ = ["GROUP_SIZES_W4A8", "INT8_LEVEL", "K_CHUNK_W4A8", "K_PAD", "LAYOUT_VERSION_W4A8", "PackedQQQ",
-           "QQQWeight", "codes_to_int8", "natural_to_fragment_order_w4a8", "pack_codes", "pack_qqq",
+           "QQQWeight", "codes_to_int8", "fp8_weight", "ACT_DTYPES_W4A8", "check_act_dtype", "natural_to_fragment_order_w4a8", "pack_codes", "pack_qqq",
            "quantize_activations", "quantize_qqq", "unpack_codes", "unpack_qqq"]

@@ -18,7 +18,7 @@ Math and layouts: formats/qqq.py. Design (why):
 - Fragment order (formats.qqq.PackedQQQ, layout 2): the weight is read as bytes, and the
   4 bytes of a 32-bit load are 4 weights of one int8 A-fragment register (low nibbles)
   and 4 of another (high nibbles). The unpack is elementwise inline asm with pack=4 (one
-  register in, two out: `_ASM_CHAN` 7 instructions per 8 weights, `_ASM_GROUP` 27 with the
+  register in, two out: `_ASM_CHAN` 7 instructions per 8 weights, `_ASM_GROUP` 25 with the
   group scale), then tl.join + reshape/permute that Triton lowers to nothing: the int8
   tile never goes through shared memory (bench/ptx.py --family w4a8 counts it; the natural
   order of layout 1 cost a st.shared + ldmatrix round trip per K tile).
@@ -83,14 +83,47 @@ def _abs_or_inf(x):
 
 
 @triton.jit
+def _e4m3(v):
+    """float32 v, |v| <= 448 -> float8 e4m3 (e4m3fn) nearest, ties to even, with integer ops
+    only: Triton 3.9's interpreter rounds its float -> fp8 casts wrongly near powers of two
+    (7.97 -> 4.0), and one code path keeps the GPU and the interpreter on the same bits.
+    Normal range (|v| >= 2**-6): round the fp32 mantissa to 3 bits at bit 20 (a carry moves
+    into the exponent, as it should), rebias the exponent 127 -> 7. Subnormals (step 2**-9):
+    the integer rne(|v| * 512) in 0..8, 8 being the smallest normal's encoding."""
+    b = v.to(tl.int32, bitcast=True)
+    a = tl.abs(v)
+    ab = a.to(tl.int32, bitcast=True)
+    r = ab + 0x7FFFF + ((ab >> 20) & 1)
+    normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
+    sub = (a * 512.0 + _RND).to(tl.int32, bitcast=True) - _RND_BITS  # a * 512 is exact
+    mag = tl.where(a >= 0.015625, normal, sub)
+    return (((b >> 24) & 0x80) | mag).to(tl.int8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _quantize_value(v, FP8: tl.constexpr):
+    """float32 v (already scaled to the code range) -> the stored activation: int8 (clamp to
+    +-127, round half to even) or, FP8, float8 e4m3 (clamp to +-448, round to nearest even,
+    as torch's .to(float8_e4m3fn))."""
+    if FP8:
+        q = _e4m3(tl.minimum(tl.maximum(v, -448.0), 448.0))
+    else:
+        q = _round_i8(v).to(tl.int8)
+    return q
+
+
+@triton.jit
 def _quantize_per_token_kernel(x_ptr, xq_ptr, s_ptr, K, stride_xm, stride_qm,
-                               BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
-    """x (M, K) fp16/bf16 -> x_q int8 (M, K), s float32 (M,). One program per row.
+                               BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, FP8: tl.constexpr):
+    """x (M, K) fp16/bf16 -> x_q (M, K) int8 (FP8: float8 e4m3), s float32 (M,). One program
+    per row. QMAX = 127 (FP8: 448, e4m3's largest finite value): s = amax / QMAX and
+    x_q = x * (QMAX / amax) stored by _quantize_value.
 
     ONE_PASS: the row fits in one BLOCK_K tile and stays in registers; otherwise a
     max pass and a quantize pass over the row (the second one mostly hits L2).
     A row holding NaN or +-Inf: s = NaN, x_q = 0 (formats.qqq.quantize_activations).
     """
+    QMAX: tl.constexpr = 448.0 if FP8 else 127.0
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     q_row = xq_ptr + row * stride_qm
@@ -105,21 +138,21 @@ def _quantize_per_token_kernel(x_ptr, xq_ptr, s_ptr, K, stride_xm, stride_qm,
             amax = tl.maximum(amax, _abs_or_inf(xk))
         amax = tl.max(amax, axis=0)
     bad = amax == _INF  # a NaN or an Inf in the row; then den = inf, inv = 0 and x is zeroed
-    # tiny rows: scale by 2**64 first (exact) so that 127 / amax cannot overflow
+    # tiny rows: scale by 2**64 first (exact) so that QMAX / amax cannot overflow
     c = tl.where(amax < 8.673617379884035e-19, 1.8446744073709552e19, 1.0)
     den = tl.where(amax > 0.0, amax * c, 1.0)
-    inv = tl.where(amax > 0.0, tl.math.div_rn(tl.full((), 127.0, tl.float32), den), 0.0)
+    inv = tl.where(amax > 0.0, tl.math.div_rn(tl.full((), QMAX, tl.float32), den), 0.0)
     # NaN scale for a bad row as inf - inf: a NaN global constexpr never equals itself, so
     # Triton (3.6) takes it for a changed global and refuses to launch the cached kernel
-    tl.store(s_ptr + row, tl.where(bad, amax - amax, tl.math.div_rn(amax, tl.full((), 127.0, tl.float32))))
+    tl.store(s_ptr + row, tl.where(bad, amax - amax, tl.math.div_rn(amax, tl.full((), QMAX, tl.float32))))
     if ONE_PASS:
         x = tl.where(bad, 0.0, x)  # inf * 0 would be NaN, which no int8 can hold
-        tl.store(q_row + offs, _round_i8((x * c) * inv).to(tl.int8), mask=offs < K)
+        tl.store(q_row + offs, _quantize_value((x * c) * inv, FP8), mask=offs < K)
     else:
         for k0 in range(0, K, BLOCK_K):
             xk = _to_f32(tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0))
             xk = tl.where(bad, 0.0, xk)
-            tl.store(q_row + k0 + offs, _round_i8((xk * c) * inv).to(tl.int8), mask=k0 + offs < K)
+            tl.store(q_row + k0 + offs, _quantize_value((xk * c) * inv, FP8), mask=k0 + offs < K)
 
 
 # ----------------------------------------------------------------------------------
@@ -143,21 +176,65 @@ xor.b32 $1, t, 0x80808080;
 }
 """)
 # Per-group: w8 = clamp(rne(s_g * (q - 8)), -127, 127) two weights per f16x2 instruction.
-# lop3 (b & 0x000f000f) | 0x64006400 is the half2 (1024 + q, 1024 + q') of bytes 0 and 2;
-# minus 1032 gives q - 8 exactly; fma.rn(s, q - 8, 1536) rounds the exact product plus
-# 1536 once, and in [1024, 2048) fp16 has ulp 1, so that is 1536 + rne(s * (q - 8)) (1536
-# is even: ties go the same way). Clamped to [1536 - 127, 1536 + 127] (a product outside
-# the binade rounds coarser but lands outside that range anyway), the low byte of each
-# half is the int8 weight; prmt gathers them. $3..$6: the scale pairs (s, s) of bytes 0..3.
+# Low nibbles: lop3 (b & 0x000f000f) | 0x64006400 is the half2 (1024 + q, 1024 + q') of bytes
+# 0 and 2; minus 1032 gives q - 8 exactly; fma.rn(q - 8, s, 1536) rounds the exact product
+# plus 1536 once, and in [1024, 2048) fp16 has ulp 1, so that is 1536 + rne(s * (q - 8)) (1536
+# is even: ties go the same way). High nibbles without a shift: (b & 0x00f000f0) | 0x64006400
+# is 1024 + 16 q, minus 1152 is 16 (q - 8), and fma(16 (q - 8), s, 24576) lands in [16384,
+# 32768) where the ulp is 16: 16 * (1536 + rne(s * (q - 8))), whose bits are again 0x7600 plus
+# the integer. Clamped to +-127 units around the magic number (a product outside the binade
+# rounds coarser but lands outside that range anyway), the low byte of each half is the int8
+# weight; prmt gathers them. $3..$6: the scale pairs (s, s) of bytes 0..3. 25 instructions
+# per 8 weights.
 _ASM_GROUP = tl.constexpr("""
 {
-.reg .b32 a, b, c, d, s02, s13, u, z, m, lo, hi;
-mov.b32 z, 0x64086408;
-mov.b32 m, 0x66006600;
-mov.b32 lo, 0x65816581;
-mov.b32 hi, 0x667f667f;
+.reg .b32 a, b, c, d, s02, s13, u, z1, z16, m1, m16, l1, h1, l16, h16;
+mov.b32 z1, 0x64086408;
+mov.b32 z16, 0x64806480;
+mov.b32 m1, 0x66006600;
+mov.b32 m16, 0x76007600;
+mov.b32 l1, 0x65816581;
+mov.b32 h1, 0x667f667f;
+mov.b32 l16, 0x75817581;
+mov.b32 h16, 0x767f767f;
 prmt.b32 s02, $3, $5, 0x5410;
 prmt.b32 s13, $4, $6, 0x5410;
+lop3.b32 a, $2, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 c, $2, 0x00f000f0, 0x64006400, 0xea;
+shr.u32 u, $2, 8;
+lop3.b32 b, u, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 d, u, 0x00f000f0, 0x64006400, 0xea;
+sub.rn.f16x2 a, a, z1;
+sub.rn.f16x2 b, b, z1;
+sub.rn.f16x2 c, c, z16;
+sub.rn.f16x2 d, d, z16;
+fma.rn.f16x2 a, a, s02, m1;
+fma.rn.f16x2 b, b, s13, m1;
+fma.rn.f16x2 c, c, s02, m16;
+fma.rn.f16x2 d, d, s13, m16;
+max.f16x2 a, a, l1;
+max.f16x2 b, b, l1;
+max.f16x2 c, c, l16;
+max.f16x2 d, d, l16;
+min.f16x2 a, a, h1;
+min.f16x2 b, b, h1;
+min.f16x2 c, c, h16;
+min.f16x2 d, d, h16;
+prmt.b32 $0, a, b, 0x6240;
+prmt.b32 $1, c, d, 0x6240;
+}
+""")
+
+
+# fp8 activations (e4m3 wgmma): the weight operand is q - 8 in e4m3, exact (every integer
+# in [-8, 8] is an e4m3 value). lop3 + sub give the exact half2 (q - 8, q' - 8) (_ASM_GROUP),
+# cvt.rn.satfinite.e4m3x2.f16x2 turns it into two e4m3 bytes (exact, so no rounding happens),
+# prmt restores the byte order. The group scale is applied to the fp32 partial sums instead.
+_ASM_FP8 = tl.constexpr("""
+{
+.reg .b32 a, b, c, d, u, z;
+.reg .b16 a8, b8, c8, d8;
+mov.b32 z, 0x64086408;
 lop3.b32 a, $2, 0x000f000f, 0x64006400, 0xea;
 shr.u32 u, $2, 8;
 lop3.b32 b, u, 0x000f000f, 0x64006400, 0xea;
@@ -169,22 +246,30 @@ sub.rn.f16x2 a, a, z;
 sub.rn.f16x2 b, b, z;
 sub.rn.f16x2 c, c, z;
 sub.rn.f16x2 d, d, z;
-fma.rn.f16x2 a, a, s02, m;
-fma.rn.f16x2 b, b, s13, m;
-fma.rn.f16x2 c, c, s02, m;
-fma.rn.f16x2 d, d, s13, m;
-max.f16x2 a, a, lo;
-max.f16x2 b, b, lo;
-max.f16x2 c, c, lo;
-max.f16x2 d, d, lo;
-min.f16x2 a, a, hi;
-min.f16x2 b, b, hi;
-min.f16x2 c, c, hi;
-min.f16x2 d, d, hi;
-prmt.b32 $0, a, b, 0x6240;
-prmt.b32 $1, c, d, 0x6240;
+cvt.rn.satfinite.e4m3x2.f16x2 a8, a;
+cvt.rn.satfinite.e4m3x2.f16x2 b8, b;
+cvt.rn.satfinite.e4m3x2.f16x2 c8, c;
+cvt.rn.satfinite.e4m3x2.f16x2 d8, d;
+mov.b32 a, {a8, b8};
+mov.b32 c, {c8, d8};
+prmt.b32 $0, a, 0, 0x3120;
+prmt.b32 $1, c, 0, 0x3120;
 }
 """)
+
+
+@triton.jit
+def _fp8_pair(b, USE_ASM: tl.constexpr):
+    """Packed bytes int8 (BLOCK_N, BLOCK_K // 2) -> (lo, hi) float8 e4m3: q - 8 of every byte's
+    low and high nibble (exact). USE_ASM: _ASM_FP8; else the pure-Triton twin."""
+    if USE_ASM:
+        lo, hi = tl.inline_asm_elementwise(_ASM_FP8, "=r,=r,r", [b], dtype=(tl.float8e4nv, tl.float8e4nv),
+                                           is_pure=True, pack=4)
+    else:
+        bi = b.to(tl.int32)
+        lo = _e4m3(((bi & 0xF) - 8).to(tl.float32))
+        hi = _e4m3((((bi >> 4) & 0xF) - 8).to(tl.float32))
+    return lo, hi
 
 
 @triton.jit
@@ -318,13 +403,15 @@ def _w4a8_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """x_q int8 (M, K) row-major, s_tok float32 (M,); qweight as bytes int8 (N, Kp // 2)
+    """x_q int8 (M, K) row-major (or float8 e4m3: the fp8 variant, fp32 accumulator, the
+    group scale applied to each K tile's partial sum, BLOCK_K <= GROUP_SIZE), s_tok float32
+    (M,); qweight as bytes int8 (N, Kp // 2)
     (formats.qqq.PackedQQQ, stride_qn in bytes); s_ch float32 (N,); s_g float16 (N, Kp // 128)
     (GROUP_SIZE = 128; 0: per-channel).
 
     Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K). y is (M, N) in the output
-    dtype, or int32 when RAW (the accumulator itself). SPLIT_K > 1: y is the int32
-    workspace (SPLIT_K, M, N), slice pid_k gets this program's partial sum.
+    dtype, or int32 (fp8: float32) when RAW (the accumulator itself). SPLIT_K > 1: y is the
+    int32 (fp8: float32) workspace (SPLIT_K, M, N), slice pid_k gets this program's partial sum.
     """
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -342,17 +429,29 @@ def _w4a8_kernel(
     w_rows = qb_ptr + rn.to(tl.int64)[:, None] * stride_qn + _byte_offsets(BLOCK_K)[None, :]
     x_ptrs = xq_ptr + rm.to(tl.int64)[:, None] * stride_xm + (kt0 * BLOCK_K + offs_k)[None, :]
 
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
+    FP8: tl.constexpr = xq_ptr.dtype.element_ty == tl.float8e4nv
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32 if FP8 else tl.int32)
     for kt in range(kt0, kt1):
         k0 = kt * BLOCK_K
         b = tl.load(w_rows + _tile_byte0(k0, BLOCK_K), eviction_policy="evict_first")
         if EVEN_K:
             x = tl.load(x_ptrs, eviction_policy="evict_last")
         else:
-            x = tl.load(x_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0, eviction_policy="evict_last")
-        lo, hi = _int8_tile(b, sg_ptr, rn, k0, stride_gn, BLOCK_N, BLOCK_K, GROUP_SIZE, USE_ASM)
-        w8 = _fragment_tile(lo, hi, BLOCK_N, BLOCK_K)
-        acc = tl.dot(w8, tl.trans(x), acc, out_dtype=tl.int32)  # triton 3.6 needs it spelled out
+            x = tl.load(x_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0.0, eviction_policy="evict_last")
+        if FP8:
+            lo, hi = _fp8_pair(b, USE_ASM)
+            part = tl.dot(_fragment_tile(lo, hi, BLOCK_N, BLOCK_K), tl.trans(x))
+            # each K tile's fp32 partial sum is added on CUDA cores: Hopper's fp8 wgmma keeps
+            # fewer accumulator bits than fp32, and per-group this is where s_g applies
+            # (BLOCK_K <= 128: one group per tile)
+            if GROUP_SIZE == 0:
+                acc += part
+            else:
+                acc += part * tl.load(sg_ptr + rn * stride_gn + k0 // GROUP_SIZE).to(tl.float32)[:, None]
+        else:
+            lo, hi = _int8_tile(b, sg_ptr, rn, k0, stride_gn, BLOCK_N, BLOCK_K, GROUP_SIZE, USE_ASM)
+            w8 = _fragment_tile(lo, hi, BLOCK_N, BLOCK_K)
+            acc = tl.dot(w8, tl.trans(x), acc, out_dtype=tl.int32)  # triton 3.6 needs it spelled out
         x_ptrs += BLOCK_K
 
     out_mask = (offs_m < M)[None, :] & (offs_n < N)[:, None]
@@ -444,7 +543,7 @@ def _w4a8_splitk_reduce_kernel(ws_ptr, xs_ptr, sch_ptr, bias_ptr, y_ptr, M, N, s
     # 64-bit: M * N passes 2**31 at M = 37450 on N = 57344 (the dequant path's large M)
     ws_ptrs = ws_ptr + rm.to(tl.int64)[None, :] * N + rn[:, None]
     mn = tl.cast(M, tl.int64) * N  # one workspace slice
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=ws_ptr.dtype.element_ty)  # int32, or fp8's float32
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(ws_ptrs + s * mn)
     y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
