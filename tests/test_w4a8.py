@@ -718,13 +718,10 @@ if ARCH >= 89:  # the fp8 variant: e4m3 tensor cores (sm_89+)
             wide=("M", "N", "stride_xm", "stride_ym", "stride_qn"))
         assert "e4m3" in ptx and ".s8.s8" not in ptx, "the fp8 tiles must run on fp8 tensor cores"
 v = {k: t for k, t in g.items() if k not in ("M", "stride_xm", "stride_ym")}
-for gs, split, bk, fuse in [(0, 2, 512, False), (128, 1, 512, False), (128, 1, 64, False), (128, 2, 256, True),
-                            (0, 1, 512, True)]:
-    ptx = build(K._w4a8_gemv_kernel, dict(v, xq_ptr="*bf16" if fuse else "*i8", y_ptr="*i32" if split > 1 else "*bf16"),
-                dict(GROUP_SIZE=gs, HAS_BIAS=True, EVEN_K=True, SPLIT_K=split, RAW=False, EMU_BF16=False,
-                     USE_ASM=True, BLOCK_N=16, BLOCK_K=bk, FUSE_QUANT=fuse), 4, 4, wide=("N", "stride_qn"))
-    if fuse:  # the in-kernel quantization rounds as the quantization kernel does
-        assert "div.rn.f32" in ptx and "div.full" not in ptx and ".ftz" not in ptx
+for gs, split, bk in [(0, 2, 512), (128, 1, 512), (128, 1, 64)]:
+    build(K._w4a8_gemv_kernel, dict(v, y_ptr="*i32" if split > 1 else "*bf16"), dict(
+        GROUP_SIZE=gs, HAS_BIAS=True, EVEN_K=True, SPLIT_K=split, RAW=False, EMU_BF16=False, USE_ASM=True,
+        BLOCK_N=16, BLOCK_K=bk), 4, 4, wide=("N", "stride_qn"))
 for gs in (0, 128):
     build(K._w4a8_dequant_kernel, {"qb_ptr": "*i8", "sg_ptr": "*fp16", "w_ptr": "*i8", "N": "i32", "K": "i32",
           "stride_qn": "i32", "stride_gn": "i32", "stride_wn": "i32"},
@@ -793,28 +790,3 @@ def test_mma_tile_stays_in_registers(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [src_dir, env.get("PYTHONPATH")]))
     r = subprocess.run([sys.executable, "-c", _PTX_CHILD], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and "checked" in r.stdout, (r.stdout + r.stderr)[-3000:]
-
-
-@pytest.mark.parametrize("dtype", [F16, BF16], ids=DTYPE_NAMES.get)
-@pytest.mark.parametrize("gs,cfg", [
-    (-1, Config(1, 16, 256, 1, kernel="gemv")),
-    (128, Config(1, 32, 64, 3, kernel="gemv")),    # split-K: the scale is stored for the reduce
-    (128, Config(1, 16, 512, 1, kernel="gemv")),
-], ids=["chan", "g128-split3", "g128-bk512"])
-def test_fused_quantization_gemv(gs, cfg, dtype, device):
-    """M = 1: the GEMV that quantizes x itself (ops/w4a8._gemv_fused) gives the same bits as
-    quantize_per_token + the GEMV, NaN/Inf rows included; the layer takes it from its second
-    call on (the first one settles the config)."""
-    from sailfish.ops.w4a8 import _gemv_fused
-    k, n = 400, 136
-    layer = random_layer(k, n, gs, True, device)
-    for row in (torch.randn(1, k, device=device), nonfinite_rows(k, dtype, device)[0][1:2]):
-        x = row.to(dtype)
-        x_q, x_s = quantize_per_token_launch(x)
-        want = w4a8_launch(x_q, x_s, layer.qweight, layer.s_ch, layer.s_g, layer.bias, k, gs, dtype, config=cfg)
-        got = _gemv_fused(cfg, x, layer.qweight, layer.s_ch, layer.s_g, layer.bias, k, gs)
-        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
-    x = torch.randn(1, k, device=device).to(dtype)
-    first, second = layer(x), layer(x)
-    assert torch.equal(first, second)
-    assert_rounded(second, layer_reference(layer, x), layer.bias)

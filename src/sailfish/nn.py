@@ -489,14 +489,12 @@ class QuantLinearW4A8(nn.Module):
         self._check_input(x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        grad = x.requires_grad and torch.is_grad_enabled()
-        if grad and self.act_dtype == "fp8":
-            raise NotImplementedError("QuantLinearW4A8(act_dtype='fp8') has no backward yet; run it "
-                                      "under torch.no_grad() or use act_dtype='int8' for training")
-        if grad or (x2.shape[0] == 1 and self.act_dtype == "int8"):
+        if x.requires_grad and torch.is_grad_enabled():
+            if self.act_dtype == "fp8":
+                raise NotImplementedError("QuantLinearW4A8(act_dtype='fp8') has no backward yet; run it "
+                                          "under torch.no_grad() or use act_dtype='int8' for training")
             # the same two ops inside one op that has a (straight-through) backward: the
-            # int8 x_q between them cannot carry a gradient (ops/autograd.py); at M = 1 that
-            # op fuses the quantization into the GEMV (ops/w4a8.w4a8_linear): one launch
+            # int8 x_q between them cannot carry a gradient (ops/autograd.py)
             y = torch.ops.sailfish.w4a8_linear(x2, self.qweight, self.s_ch, self.s_g, self.bias,
                                                self.in_features, self.group_size)
         else:

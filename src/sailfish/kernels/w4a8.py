@@ -113,32 +113,6 @@ def _quantize_value(v, FP8: tl.constexpr):
 
 
 @triton.jit
-def _row_amax(x_row, K, BLOCK_K: tl.constexpr):
-    """max |x| of a row of K values (NaN counted as +Inf, _abs_or_inf), BLOCK_K at a time."""
-    offs = tl.arange(0, BLOCK_K)
-    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        amax = tl.maximum(amax, _abs_or_inf(_to_f32(tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0))))
-    return tl.max(amax, axis=0)
-
-
-@triton.jit
-def _row_scale(amax, QMAX: tl.constexpr):
-    """A row's quantization from its amax (formats.qqq.quantize_activations): (bad, c, inv,
-    s_tok) with x_q = quantize((x * c) * inv) and s_tok = amax / QMAX. bad: a NaN or an Inf in
-    the row (amax = inf); then inv = 0 (the caller zeroes x) and s_tok = NaN."""
-    bad = amax == _INF
-    # tiny rows: scale by 2**64 first (exact) so that QMAX / amax cannot overflow
-    c = tl.where(amax < 8.673617379884035e-19, 1.8446744073709552e19, 1.0)
-    den = tl.where(amax > 0.0, amax * c, 1.0)
-    inv = tl.where(amax > 0.0, tl.math.div_rn(tl.full((), QMAX, tl.float32), den), 0.0)
-    # NaN scale for a bad row as inf - inf: a NaN global constexpr never equals itself, so
-    # Triton (3.6) takes it for a changed global and refuses to launch the cached kernel
-    s_tok = tl.where(bad, amax - amax, tl.math.div_rn(amax, tl.full((), QMAX, tl.float32)))
-    return bad, c, inv, s_tok
-
-
-@triton.jit
 def _quantize_per_token_kernel(x_ptr, xq_ptr, s_ptr, K, stride_xm, stride_qm,
                                BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, FP8: tl.constexpr):
     """x (M, K) fp16/bf16 -> x_q (M, K) int8 (FP8: float8 e4m3), s float32 (M,). One program
@@ -158,9 +132,19 @@ def _quantize_per_token_kernel(x_ptr, xq_ptr, s_ptr, K, stride_xm, stride_qm,
         x = _to_f32(tl.load(x_row + offs, mask=offs < K, other=0.0))
         amax = tl.max(_abs_or_inf(x), axis=0)
     else:
-        amax = _row_amax(x_row, K, BLOCK_K)
-    bad, c, inv, s_tok = _row_scale(amax, QMAX)
-    tl.store(s_ptr + row, s_tok)
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xk = _to_f32(tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0))
+            amax = tl.maximum(amax, _abs_or_inf(xk))
+        amax = tl.max(amax, axis=0)
+    bad = amax == _INF  # a NaN or an Inf in the row; then den = inf, inv = 0 and x is zeroed
+    # tiny rows: scale by 2**64 first (exact) so that QMAX / amax cannot overflow
+    c = tl.where(amax < 8.673617379884035e-19, 1.8446744073709552e19, 1.0)
+    den = tl.where(amax > 0.0, amax * c, 1.0)
+    inv = tl.where(amax > 0.0, tl.math.div_rn(tl.full((), QMAX, tl.float32), den), 0.0)
+    # NaN scale for a bad row as inf - inf: a NaN global constexpr never equals itself, so
+    # Triton (3.6) takes it for a changed global and refuses to launch the cached kernel
+    tl.store(s_ptr + row, tl.where(bad, amax - amax, tl.math.div_rn(amax, tl.full((), QMAX, tl.float32))))
     if ONE_PASS:
         x = tl.where(bad, 0.0, x)  # inf * 0 would be NaN, which no int8 can hold
         tl.store(q_row + offs, _quantize_value((x * c) * inv, FP8), mask=offs < K)
@@ -487,25 +471,15 @@ def _w4a8_gemv_kernel(
     N, K, stride_qn, stride_gn,
     GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr, RAW: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSE_QUANT: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """M = 1: acc[n] = sum_k x_q[k] * w8[n, k] with int32 multiply-adds on CUDA cores into a
     (BLOCK_N, BLOCK_K) accumulator reduced once at the end. Same operands, outputs and
     split-K protocol as _w4a8_kernel. The weights stay in byte order (a sum over K does not
     care); x is loaded in channel order (wide loads) and permuted to it in registers, as the
-    W4A16 GEMV does (docs/perf_log.md v10). Grid: (cdiv(N, BLOCK_N), SPLIT_K).
-
-    FUSE_QUANT: xq_ptr is the fp16/bf16 row x itself and each program quantizes it as
-    _quantize_per_token_kernel would (the same exact operations): one pass over the row for
-    its amax (L2-resident after the first program), then x_q tile by tile in the K loop. The
-    scale goes to xs_ptr (program (0, 0); the split-K reduce reads it there). One launch fewer
-    than quantize + GEMV, for rows short enough that N / BLOCK_N re-reads of x are cheap."""
+    W4A16 GEMV does (docs/perf_log.md v10). Grid: (cdiv(N, BLOCK_N), SPLIT_K)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if FUSE_QUANT:
-        bad, c, inv, s_tok = _row_scale(_row_amax(xq_ptr, K, BLOCK_K), 127.0)
-        if (pid_n == 0) & (pid_k == 0):
-            tl.store(xs_ptr, s_tok)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = offs_n % N
     kt0, kt1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
@@ -520,8 +494,6 @@ def _w4a8_gemv_kernel(
             xv = tl.load(x_ptrs, eviction_policy="evict_last")
         else:
             xv = tl.load(x_ptrs, mask=k0 + offs_k < K, other=0, eviction_policy="evict_last")
-        if FUSE_QUANT:  # inf * 0 would be NaN: a bad row is zeroed first
-            xv = _round_i8((tl.where(bad, 0.0, _to_f32(xv)) * c) * inv)
         lo, hi = _int8_tile(b, sg_ptr, rn, k0, stride_gn, BLOCK_N, BLOCK_K, GROUP_SIZE, USE_ASM)
         w8 = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
         acc += w8.to(tl.int32) * _byte_order(xv, BLOCK_K).to(tl.int32)[None, :]
@@ -533,9 +505,7 @@ def _w4a8_gemv_kernel(
     elif RAW:
         tl.store(y_ptr + offs_n, out, mask=mask)
     else:
-        if not FUSE_QUANT:
-            s_tok = tl.load(xs_ptr)
-        y = (out.to(tl.float32) * tl.load(sch_ptr + rn)) * s_tok
+        y = (out.to(tl.float32) * tl.load(sch_ptr + rn)) * tl.load(xs_ptr)
         if HAS_BIAS:
             y = y + _to_f32(tl.load(bias_ptr + rn))
         tl.store(y_ptr + offs_n, cast_out(y, y_ptr.dtype.element_ty, EMU_BF16), mask=mask)

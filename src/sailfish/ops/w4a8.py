@@ -363,48 +363,10 @@ def _(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size, out_dtyp
 def w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, s_ch: torch.Tensor,
                 s_g: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                 in_features: int, group_size: int) -> torch.Tensor:
-    """x (M, K) float16/bfloat16 -> y (M, N) in x's dtype: quantize_per_token + w4a8_gemm.
-    M = 1 on the GEMV path: one launch, the quantization fused into the GEMV (the same
-    numbers), once the problem's config is known (its first call takes the two ops)."""
-    from . import use_triton
-
-    if x.dim() == 2 and x.shape[0] == 1 and x.dtype in HALF_DTYPES and use_triton(x):
-        cfg = W4A8_TUNER.lookup(x.device, (x.shape[1], qweight.shape[0], 1, group_size, x.dtype, "int8"))
-        if cfg is not None and cfg.kernel == "gemv":
-            return _gemv_fused(cfg, x, qweight, s_ch, s_g, bias, in_features, group_size)
+    """x (M, K) float16/bfloat16 -> y (M, N) in x's dtype: quantize_per_token + w4a8_gemm."""
     x_q, x_scales = torch.ops.sailfish.quantize_per_token(x)
     return torch.ops.sailfish.w4a8_gemm(x_q, x_scales, qweight, s_ch, s_g, bias,
                                         in_features, group_size, x.dtype)
-
-
-def _gemv_fused(cfg: Config, x, qweight, s_ch, s_g, bias, in_features: int, group_size: int) -> torch.Tensor:
-    """x (1, K) half -> y (1, N): kernels/w4a8._w4a8_gemv_kernel with FUSE_QUANT (one launch,
-    two with split-K), cfg a 'gemv' config of this problem."""
-    K, N = in_features, qweight.shape[0]
-    if x.shape[1] != K:
-        raise ValueError(f"x must have shape (1, {K}), got {tuple(x.shape)}")
-    _validate_weights(qweight, s_ch, s_g, bias, K, group_size)
-    x = x.contiguous()
-    qb = qweight.contiguous().view(torch.int8)
-    s_ch = s_ch.contiguous()
-    s_g = None if s_g is None else s_g.contiguous()
-    bias = None if bias is None else bias.contiguous()
-    y = torch.empty((1, N), dtype=x.dtype, device=x.device)
-    x_scales = torch.empty((1,), dtype=torch.float32, device=x.device)
-    split = cfg.SPLIT_K
-    target = y if split == 1 else torch.empty((split, 1, N), dtype=torch.int32, device=x.device)
-    emu = x.dtype == torch.bfloat16 and not x.is_cuda
-    with device_of(x):
-        _kernels()._w4a8_gemv_kernel[(_cdiv(N, cfg.BLOCK_N), split)](
-            x, x_scales, qb, s_ch, s_ch if s_g is None else s_g, s_ch if bias is None else bias, target,
-            N, K, qb.stride(0), 0 if s_g is None else s_g.stride(0),
-            GROUP_SIZE=0 if group_size == -1 else group_size, HAS_BIAS=bias is not None,
-            EVEN_K=K % cfg.BLOCK_K == 0, SPLIT_K=split, RAW=False, EMU_BF16=emu, USE_ASM=x.is_cuda,
-            BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, FUSE_QUANT=True,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        if split > 1:
-            _reduce(target, y, split, x_scales, s_ch, bias, 1, N, False, emu)
-    return y
 
 
 def _validate(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size, out_dtype) -> None:
@@ -418,13 +380,6 @@ def _validate(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size, 
     if x_scales.dtype != torch.float32 or x_scales.shape != (x_q.shape[0],):
         raise ValueError(f"x_scales must be float32 of shape ({x_q.shape[0]},), got "
                          f"{x_scales.dtype} {tuple(x_scales.shape)}")
-    _validate_weights(qweight, s_ch, s_g, bias, in_features, group_size)
-    devs = {t.device for t in (x_q, x_scales, qweight, s_ch, s_g, bias) if t is not None}
-    if len(devs) > 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devs))}")
-
-
-def _validate_weights(qweight, s_ch, s_g, bias, in_features, group_size) -> None:
     if group_size not in GROUP_SIZES_W4A8:
         raise ValueError(f"group_size={group_size!r} is not supported for W4A8; allowed: {GROUP_SIZES_W4A8}")
     if (qweight.dtype != torch.int32 or qweight.dim() != 2 or (qweight.shape[1] * 8) % K_PAD
@@ -441,3 +396,6 @@ def _validate_weights(qweight, s_ch, s_g, bias, in_features, group_size) -> None
         raise ValueError(f"s_g must be float16 of shape ({n}, {kp // group_size}), got {got}")
     if bias is not None and (not bias.is_floating_point() or bias.shape != (n,)):
         raise ValueError(f"bias must be a float tensor of shape ({n},), got {bias.dtype} {tuple(bias.shape)}")
+    devs = {t.device for t in (x_q, x_scales, qweight, s_ch, s_g, bias) if t is not None}
+    if len(devs) > 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devs))}")
