@@ -27,7 +27,7 @@ import torch
 from ..formats.int4 import HALF_DTYPES, K_PAD
 from ..formats.qqq import (GROUP_SIZES_W4A8, PackedQQQ, check_act_dtype, fp8_weight, quantize_activations,
                            unpack_qqq)
-from ..tuning import (Config, Tuner, check_config, gemv_candidates, gemv_heuristic, m_bucket,
+from ..tuning import (Config, Tuner, check_config, gemv_candidates, m_bucket,
                       mma_candidates, mma_heuristic, next_pow2, problem_key, scratch_runner, sms_for)
 from . import device_of
 
@@ -141,15 +141,25 @@ def _(x):
 # ----------------------------------------------------------------------------------
 # GEMM configs
 # ----------------------------------------------------------------------------------
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) at M <= 16, M <= 64 (BLOCK_M 32 / 64), M > 64
-_W4A8_TILES = ((16, 128, 128, 4, 4), (32, 128, 128, 4, 4), (128, 128, 128, 8, 3))
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) at M <= 16, M <= 64 (BLOCK_M 32 / 64), M > 64,
+# from the fragment-order kernel on H200 (8192x57344 / 4096x4096, quantization included):
+# M = 1-16 (16, 64, 256) per-channel 86.5 / 73.4 us (gemv 101.3 at M = 1), g128 within 1-5%
+# of the best tile; M = 64 (64, 64, 256) 92.8 / 147.3 us, a middle ground between the large
+# shape's best (64, 128, 256: 82.6 / 136.0) and the small shape's (12.4 us table tile vs 18.9);
+# M = 1024 the fused kernel per-channel (128, 128, 128) 748 us = 1.73x cuBLAS fp16 (int8 cuBLAS
+# 1.14x); g128 there prefers (256, 128, 128) (1155 us vs 1555; the dequant path 1310), left
+# to the tuner: the M > 64 split-K rule is shared with W4A16 (tests/test_tuning.py).
+_W4A8_TILES = ((16, 64, 256, 4, 4), (32, 64, 256, 4, 4), (128, 128, 128, 8, 3))
 
 
 def _w4a8_heuristic(*, device, M, N, K, Kp, group_size, act_dtype="int8") -> Config:
     sms = sms_for(device)
-    if M == 1 and act_dtype == "int8":  # CUDA-core GEMV; tile as W4A16's measured best on H200 (BN 16, BK 512)
-        return gemv_heuristic(N, K, Kp, sms)
-    return mma_heuristic(M, N, K, sms, *_W4A8_TILES)  # BLOCK_K 128: fp8 per-group allows no more
+    small, mid, large = _W4A8_TILES
+    if act_dtype == "fp8":  # per-group fp8 takes K tiles within one group
+        small, mid = (16, 128, 128, 4, 4), (32, 128, 128, 4, 4)
+    # M = 1 too: the tensor-core tile beat the CUDA-core GEMV on 8192x57344 (86.5 vs 101.3 us
+    # per-channel, 136.1 vs 144.4 g128) and lost by 0.6 us on 4096x4096
+    return mma_heuristic(M, N, K, sms, small, mid, large)
 
 
 def _w4a8_candidates(*, device, M, N, K, Kp, group_size, act_dtype="int8"):
