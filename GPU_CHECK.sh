@@ -48,7 +48,7 @@ def run(k, n, ms, extra=()):
             line += f" | int8 cuBLAS {ti:.1f} ({t16/ti:.2f}x)"
         for gs, ls in lay.items():
             cfgs = [_w4a8_heuristic(device=dev, M=m, N=n, K=k, Kp=ls[0].qweight.shape[1] * 8, group_size=gs)]
-            cfgs += [c for c in extra if gs == 128]
+            cfgs += [c for c in extra if gs == 128 or c.BLOCK_M == 16]
             ref = ls[0](x)
             for cfg in cfgs:
                 try:
@@ -68,5 +68,9 @@ for k, n in [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10
     run(k, n, [1, 16, 64])
 for k, n in [(8192, 57344), (28672, 8192), (4096, 28672), (8192, 10240)]:
     run(k, n, [1024], extra=[Config(256, 128, 128, 1, 8, 8, 3)])
+# small shapes (launch-bound): fewer split-K programs (no reduce launch), the CUDA-core GEMV
+for k, n in [(4096, 4096), (4096, 6144)]:
+    run(k, n, [1, 16], extra=[Config(16, 64, 256, 1, 8, 4, 4), Config(16, 64, 256, 2, 8, 4, 4),
+                              Config(16, 128, 128, 1, 8, 4, 4)])
 PY
 timeout 165 python /tmp/s3w4a8_sweep.py 2>&1 | grep -v Warning | tail -60
