@@ -28,12 +28,15 @@ Math and layouts: formats/qqq.py. Design (why):
   (cheaper at decode than int32 atomics into a zeroed buffer, which needs a third).
 - Epilogue y = (float(acc) * s_ch[n]) * s_tok[m] (+ bias) in float32, stored in the
   output dtype through common.cast_out (bf16 under the interpreter: see common.py).
-- Three paths (tuning.Config.kernel), after the W4A16 measurements on H200 (commit
-  0efbcce): "mma" the fused tensor-core tiles above; "gemv" for M = 1, int32
-  multiply-adds on CUDA cores (at M = 1 moving the unpacked tile into the tensor-core
-  operand layout costs more than the arithmetic: W4A16 166 -> 122 us); "dequant" for
-  large M, the int8 weight written once by `_w4a8_dequant_kernel`, then cuBLAS's int8
-  GEMM (torch._int_mm) and the epilogue in `_w4a8_splitk_reduce_kernel`.
+- Three paths (tuning.Config.kernel): "mma" the fused tensor-core tiles above (every M;
+  on H200 it beat the CUDA-core GEMV at M = 1 too once the tile stopped going through
+  shared memory: 8192x57344 per-channel 86.5 vs 101.3 us, quantization included; and the
+  dequant path at M = 1024: 748 vs 1294 us); "gemv" for M = 1, int32 multiply-adds on CUDA
+  cores; "dequant", the int8 weight written once by `_w4a8_dequant_kernel`, then cuBLAS's
+  int8 GEMM (torch._int_mm) and the epilogue in `_w4a8_splitk_reduce_kernel`.
+- fp8 activations (x_q float8 e4m3): the same kernel with an e4m3 weight tile q - 8 (exact),
+  f32.e4m3.e4m3 wgmma, and each K tile's partial sum added (per group: scaled by s_g) on
+  CUDA cores in fp32 (formats.qqq.fp8_weight).
 - 64-bit offsets wherever a product of a row index and a row length can pass 2**31
   elements: activation / output / workspace rows (M * N reaches 2**31 at M = 37450 on
   N = 57344), the weight rows (N * Kp / 2 bytes) and the split-K slices. Offsets within a

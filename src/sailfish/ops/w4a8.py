@@ -1,16 +1,19 @@
 """W4A8 (QQQ) launchers, configs and ops:
 
     sailfish::quantize_per_token(x) -> (x_q, x_scales)
+    sailfish::quantize_per_token_fp8(x) -> (x_q float8_e4m3fn, x_scales)
     sailfish::w4a8_gemm(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size,
                         out_dtype) -> y
 
 Formats: formats/qqq.py. Kernels: kernels/w4a8.py. `w4a8_linear` chains the two ops.
 
-Paths (tuning.Config.kernel), chosen per (K, N, bucketed M, group size, out dtype) by
-W4A8_TUNER: "gemv" (M = 1, CUDA cores), "mma" (int8 tensor-core tiles; BLOCK_M 16 / 32 /
-64 / 128 by M bucket, split-K when there are fewer than 2 tiles per SM), "dequant"
-(int8 weight + torch._int_mm; a tuning candidate for M >= 256, and the tuned H100 / H200
-tables' choice from M = 256-512 up on every Llama shape; the heuristic never picks it).
+Paths (tuning.Config.kernel), chosen per (K, N, bucketed M, group size, out dtype, activation
+dtype) by W4A8_TUNER: "mma" (tensor-core tiles with the weight in registers; the heuristic's
+choice at every M: BLOCK_M 16 / 32 / 64 / 128 by M bucket, split-K when there are fewer than 2
+tiles per SM), "gemv" (M = 1, CUDA cores; a tuning candidate), "dequant" (int8 weight +
+torch._int_mm; a tuning candidate for M >= 256). The shipped H100 / H200 W4A8 entries were
+tuned for the layout-1 kernel (gemv at M = 1, dequant from M = 256-512 up): retune them.
+fp8 activations (x_q float8_e4m3fn) run "mma" only, under their own table keys.
 `w4a8_launch(..., raw_acc=True)` returns the int32 accumulator.
 
 Every launch runs under ops.device_of (the tensors' GPU made current). Host cost per call
