@@ -93,7 +93,6 @@ def compile_w4a8(block_m: int, block_n: int, block_k: int, split_k: int, num_war
     sig = {"xq_ptr": "*fp8e4nv" if fp8 else "*i8", "xs_ptr": "*fp32", "qb_ptr": "*i8", "sch_ptr": "*fp32",
            "sg_ptr": "*fp16", "bias_ptr": "*fp32",
            "y_ptr": "*fp16" if split_k == 1 else "*fp32" if fp8 else "*i32",
-           "clamp_ptr": "*i32",
            **{k: "i32" for k in ("M", "N", "K", "stride_xm", "stride_ym", "stride_qn", "stride_gn")}}
     consts = dict(GROUP_SIZE=0 if group_size == -1 else group_size, HAS_BIAS=False, EVEN_K=True,
                   SPLIT_K=split_k, RAW=False, EMU_BF16=False, USE_ASM=True,
@@ -107,37 +106,27 @@ def compile_w4a8(block_m: int, block_n: int, block_k: int, split_k: int, num_war
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def _loop_at(lines, i) -> Optional[LoopStats]:
-    """Stats of the loop whose label is on line i, if it closes with a branch back there and
-    issues a wgmma; else None."""
-    m = re.match(r"^(\$L__BB\d+_\d+):", lines[i].strip())
-    if not m:
-        return None
-    lab = re.escape(m.group(1))
-    end = next((j for j in range(i + 1, len(lines)) if re.search(r"bra(\.uni)?\s+" + lab + ";", lines[j])), None)
-    if end is None:
-        return None
-    body = lines[i:end + 1]
-    wg = [b for b in body if "wgmma.mma_async" in b]
-    if not wg:
-        return None
-    text = "\n".join(body)
-    # register A: the operand list after the accumulators is a brace list of %r registers
-    a_reg = all(re.search(r"\},\s*\{%r", b) for b in wg)
-    return LoopStats(text.count("st.shared"), text.count("ldmatrix"), text.count("bar.sync"), len(wg), a_reg)
-
-
 def k_loop_stats(ptx: str) -> Optional[LoopStats]:
     """Counts inside the PTX loop that issues the wgmma (the K loop); None if there is none."""
     lines = ptx.splitlines()
-    return next((st for st in (_loop_at(lines, i) for i in range(len(lines))) if st is not None), None)
-
-
-def all_k_loop_stats(ptx: str) -> list:
-    """k_loop_stats of every loop that issues a wgmma (a kernel may hold several copies of its
-    K loop, e.g. W4A8 per-group with and without the unpack's clamp)."""
-    lines = ptx.splitlines()
-    return [st for st in (_loop_at(lines, i) for i in range(len(lines))) if st is not None]
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\$L__BB\d+_\d+):", line.strip())
+        if not m:
+            continue
+        lab = re.escape(m.group(1))
+        end = next((j for j in range(i + 1, len(lines)) if re.search(r"bra(\.uni)?\s+" + lab + ";", lines[j])),
+                   None)
+        if end is None:
+            continue
+        body = lines[i:end + 1]
+        wg = [b for b in body if "wgmma.mma_async" in b]
+        if not wg:
+            continue
+        text = "\n".join(body)
+        # register A: the operand list after the accumulators is a brace list of %r registers
+        a_reg = all(re.search(r"\},\s*\{%r", b) for b in wg)
+        return LoopStats(text.count("st.shared"), text.count("ldmatrix"), text.count("bar.sync"), len(wg), a_reg)
+    return None
 
 
 def shipped_mma_configs():

@@ -188,9 +188,8 @@ xor.b32 $1, t, 0x80808080;
 # the integer. Clamped to +-127 units around the magic number (a product outside the binade
 # rounds coarser but lands outside that range anyway), the low byte of each half is the int8
 # weight; prmt gathers them. $3..$6: the scale pairs (s, s) of bytes 0..3. 25 instructions
-# per 8 weights; 17 without the clamp (_ASM_GROUP_NC), exact whenever |s| <= 127 / 8, the
-# case of every QQQ-quantized weight (formats.qqq: |s_g * (q - 8)| <= 126.94).
-_ASM_GROUP_SRC = """
+# per 8 weights.
+_ASM_GROUP = tl.constexpr("""
 {
 .reg .b32 a, b, c, d, s02, s13, u, z1, z16, m1, m16, l1, h1, l16, h16;
 mov.b32 z1, 0x64086408;
@@ -227,10 +226,7 @@ min.f16x2 d, d, h16;
 prmt.b32 $0, a, b, 0x6240;
 prmt.b32 $1, c, d, 0x6240;
 }
-"""
-_ASM_GROUP = tl.constexpr(_ASM_GROUP_SRC)
-_ASM_GROUP_NC = tl.constexpr("\n".join(line for line in _ASM_GROUP_SRC.splitlines()
-                                       if not line.startswith(("max.", "min.", "mov.b32 l", "mov.b32 h"))))
+""")
 
 
 # fp8 activations (e4m3 wgmma): the weight operand is q - 8 in e4m3, exact (every integer
@@ -296,26 +292,21 @@ def _group_scales(sg_ptr, rn, k0, stride_gn, BLOCK_N: tl.constexpr, BLOCK_K: tl.
 
 
 @triton.jit
-def _int8_pair(b, s, GROUP_SIZE: tl.constexpr, USE_ASM: tl.constexpr, CLAMP: tl.constexpr = True):
+def _int8_pair(b, s, GROUP_SIZE: tl.constexpr, USE_ASM: tl.constexpr):
     """Packed bytes int8 (BLOCK_N, BLOCK_K // 2) (+ their fp16 group scales, same shape) ->
     (lo, hi) int8: w8 of every byte's low and high nibble (formats.qqq.codes_to_int8).
     USE_ASM: the inline asm above (GPU); else the pure-Triton twin computing the same
     exact values (the interpreter cannot run asm): per-channel q - 8; per-group the exact
     float32 product s * (q - 8), rounded half to even by _round_i8 (which clamps first:
-    the same result as rounding first, since +-127 are integers). CLAMP=False: the caller
-    knows every |s| <= 127 / 8, so no product leaves [-127, 127] (the twin clamps anyway)."""
+    the same result as rounding first, since +-127 are integers)."""
     if USE_ASM:
         if GROUP_SIZE == 0:
             lo, hi = tl.inline_asm_elementwise(_ASM_CHAN, "=r,=r,r", [b], dtype=(tl.int8, tl.int8),
                                                is_pure=True, pack=4)
         else:
             sb = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            if CLAMP:
-                lo, hi = tl.inline_asm_elementwise(_ASM_GROUP, "=r,=r,r,r,r,r,r", [b, sb | (sb << 16)],
-                                                   dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
-            else:
-                lo, hi = tl.inline_asm_elementwise(_ASM_GROUP_NC, "=r,=r,r,r,r,r,r", [b, sb | (sb << 16)],
-                                                   dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
+            lo, hi = tl.inline_asm_elementwise(_ASM_GROUP, "=r,=r,r,r,r,r,r", [b, sb | (sb << 16)],
+                                               dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
     else:
         bi = b.to(tl.int32)
         q_lo = bi & 0xF
@@ -335,14 +326,14 @@ def _int8_pair(b, s, GROUP_SIZE: tl.constexpr, USE_ASM: tl.constexpr, CLAMP: tl.
 
 @triton.jit
 def _int8_tile(b, sg_ptr, rn, k0, stride_gn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               GROUP_SIZE: tl.constexpr, USE_ASM: tl.constexpr, CLAMP: tl.constexpr = True):
+               GROUP_SIZE: tl.constexpr, USE_ASM: tl.constexpr):
     """The K tile's packed bytes at k0 -> (lo, hi) int8 weights (_int8_pair), loading the
     group scales it needs."""
     if GROUP_SIZE == 0:
         s = b  # unused
     else:
         s = _group_scales(sg_ptr, rn, k0, stride_gn, BLOCK_N, BLOCK_K, GROUP_SIZE)
-    return _int8_pair(b, s, GROUP_SIZE, USE_ASM, CLAMP)
+    return _int8_pair(b, s, GROUP_SIZE, USE_ASM)
 
 
 @triton.jit
@@ -407,11 +398,42 @@ def _epilogue(acc, xs_ptr, sch_ptr, bias_ptr, rm, rn, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _k_loop(acc, w_rows, x_ptrs, sg_ptr, rn, kt0, kt1, K, stride_gn, FP8: tl.constexpr,
-            GROUP_SIZE: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, CLAMP: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """_w4a8_kernel's K loop over tiles [kt0, kt1): acc (BLOCK_N, BLOCK_M) += w . x_q^T."""
+def _w4a8_kernel(
+    xq_ptr, xs_ptr, qb_ptr, sch_ptr, sg_ptr, bias_ptr, y_ptr,
+    M, N, K, stride_xm, stride_ym, stride_qn, stride_gn,
+    GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, RAW: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """x_q int8 (M, K) row-major (or float8 e4m3: the fp8 variant, fp32 accumulator, the
+    group scale applied to each K tile's partial sum, BLOCK_K <= GROUP_SIZE), s_tok float32
+    (M,); qweight as bytes int8 (N, Kp // 2)
+    (formats.qqq.PackedQQQ, stride_qn in bytes); s_ch float32 (N,); s_g float16 (N, Kp // 128)
+    (GROUP_SIZE = 128; 0: per-channel).
+
+    Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K). y is (M, N) in the output
+    dtype, or int32 (fp8: float32) when RAW (the accumulator itself). SPLIT_K > 1: y is the
+    int32 (fp8: float32) workspace (SPLIT_K, M, N), slice pid_k gets this program's partial sum.
+    """
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # wrap out-of-range rows/channels onto valid ones: unmasked loads, results dropped
+    rm = offs_m % M
+    rn = offs_n % N
+
+    kt0, kt1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
+
     offs_k = tl.arange(0, BLOCK_K)
+    w_rows = qb_ptr + rn.to(tl.int64)[:, None] * stride_qn + _byte_offsets(BLOCK_K)[None, :]
+    x_ptrs = xq_ptr + rm.to(tl.int64)[:, None] * stride_xm + (kt0 * BLOCK_K + offs_k)[None, :]
+
+    FP8: tl.constexpr = xq_ptr.dtype.element_ty == tl.float8e4nv
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32 if FP8 else tl.int32)
     for kt in range(kt0, kt1):
         k0 = kt * BLOCK_K
         b = tl.load(w_rows + _tile_byte0(k0, BLOCK_K), eviction_policy="evict_first")
@@ -430,60 +452,10 @@ def _k_loop(acc, w_rows, x_ptrs, sg_ptr, rn, kt0, kt1, K, stride_gn, FP8: tl.con
             else:
                 acc += part * tl.load(sg_ptr + rn * stride_gn + k0 // GROUP_SIZE).to(tl.float32)[:, None]
         else:
-            lo, hi = _int8_tile(b, sg_ptr, rn, k0, stride_gn, BLOCK_N, BLOCK_K, GROUP_SIZE, USE_ASM, CLAMP)
+            lo, hi = _int8_tile(b, sg_ptr, rn, k0, stride_gn, BLOCK_N, BLOCK_K, GROUP_SIZE, USE_ASM)
             w8 = _fragment_tile(lo, hi, BLOCK_N, BLOCK_K)
             acc = tl.dot(w8, tl.trans(x), acc, out_dtype=tl.int32)  # triton 3.6 needs it spelled out
         x_ptrs += BLOCK_K
-    return acc
-
-
-@triton.jit
-def _w4a8_kernel(
-    xq_ptr, xs_ptr, qb_ptr, sch_ptr, sg_ptr, bias_ptr, y_ptr, clamp_ptr,
-    M, N, K, stride_xm, stride_ym, stride_qn, stride_gn,
-    GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, RAW: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """x_q int8 (M, K) row-major (or float8 e4m3: the fp8 variant, fp32 accumulator, the
-    group scale applied to each K tile's partial sum, BLOCK_K <= GROUP_SIZE), s_tok float32
-    (M,); qweight as bytes int8 (N, Kp // 2)
-    (formats.qqq.PackedQQQ, stride_qn in bytes); s_ch float32 (N,); s_g float16 (N, Kp // 128)
-    (GROUP_SIZE = 128; 0: per-channel). clamp_ptr: int32 scalar, 0 when every |s_g| <= 127 / 8
-    (the int8 per-group loop then runs the clamp-free unpack, 17 instead of 25 instructions
-    per 8 weights); read once, a uniform branch between two copies of the K loop.
-
-    Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K). y is (M, N) in the output
-    dtype, or int32 (fp8: float32) when RAW (the accumulator itself). SPLIT_K > 1: y is the
-    int32 (fp8: float32) workspace (SPLIT_K, M, N), slice pid_k gets this program's partial sum.
-    """
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # wrap out-of-range rows/channels onto valid ones: unmasked loads, results dropped
-    rm = offs_m % M
-    rn = offs_n % N
-
-    kt0, kt1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
-
-    w_rows = qb_ptr + rn.to(tl.int64)[:, None] * stride_qn + _byte_offsets(BLOCK_K)[None, :]
-    x_ptrs = xq_ptr + rm.to(tl.int64)[:, None] * stride_xm + (kt0 * BLOCK_K + tl.arange(0, BLOCK_K))[None, :]
-
-    FP8: tl.constexpr = xq_ptr.dtype.element_ty == tl.float8e4nv
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32 if FP8 else tl.int32)
-    if FP8 or GROUP_SIZE == 0:
-        acc = _k_loop(acc, w_rows, x_ptrs, sg_ptr, rn, kt0, kt1, K, stride_gn, FP8, GROUP_SIZE, EVEN_K,
-                      USE_ASM, True, BLOCK_N, BLOCK_K)
-    elif tl.load(clamp_ptr) != 0:
-        acc = _k_loop(acc, w_rows, x_ptrs, sg_ptr, rn, kt0, kt1, K, stride_gn, FP8, GROUP_SIZE, EVEN_K,
-                      USE_ASM, True, BLOCK_N, BLOCK_K)
-    else:
-        acc = _k_loop(acc, w_rows, x_ptrs, sg_ptr, rn, kt0, kt1, K, stride_gn, FP8, GROUP_SIZE, EVEN_K,
-                      USE_ASM, False, BLOCK_N, BLOCK_K)
 
     out_mask = (offs_m < M)[None, :] & (offs_n < N)[:, None]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]  # M * N may pass 2**31

@@ -23,7 +23,6 @@ the first time a problem is seen.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -245,26 +244,6 @@ def w4a8_reference(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_s
     return y.to(out_dtype)
 
 
-# s_g tensor id -> (its version counter, data pointer, int32 flag tensor): whether a weight's
-# group scales need the unpack's clamp (some |s_g| > 127 / 8, or a non-finite one). Computed on
-# the device once per s_g (no host sync; an in-place change bumps the version and recomputes)
-# and dropped with the tensor.
-_CLAMP_FLAGS: dict = {}
-
-
-def _clamp_flag(s_g: torch.Tensor) -> torch.Tensor:
-    key = id(s_g)
-    hit = _CLAMP_FLAGS.get(key)
-    if hit is not None and hit[0] == s_g._version and hit[1] == s_g.data_ptr():
-        return hit[2]
-    amax = s_g.float().abs().amax() if s_g.numel() else s_g.new_zeros((), dtype=torch.float32)
-    flag = (~(amax <= 127 / 8)).to(torch.int32).reshape(1)
-    if hit is None:
-        weakref.finalize(s_g, _CLAMP_FLAGS.pop, key, None)
-    _CLAMP_FLAGS[key] = (s_g._version, s_g.data_ptr(), flag)
-    return flag
-
-
 def _reduce(ws, out, split, x_scales, s_ch, bias, M, N, raw, emu) -> None:
     """int32 ws (split, M, N) -> out: the exact sum, then the epilogue (raw: the sum)."""
     _kernels()._w4a8_splitk_reduce_kernel[(_cdiv(M, 16), _cdiv(N, 128))](
@@ -307,9 +286,8 @@ def _launch(cfg: Config, out: torch.Tensor, x_q, x_scales, qweight, s_ch, s_g, b
             RAW=raw, EMU_BF16=emu, USE_ASM=asm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
-        flag = s_ch if s_g is None or x_q.dtype != torch.int8 else _clamp_flag(s_g)  # read only per-group int8
         kern._w4a8_kernel[(_cdiv(M, cfg.BLOCK_M) * _cdiv(N, cfg.BLOCK_N), split)](
-            x_q, x_scales, qb, s_ch, s_g_arg, bias_arg, target, flag, M, N, K, x_q.stride(0),
+            x_q, x_scales, qb, s_ch, s_g_arg, bias_arg, target, M, N, K, x_q.stride(0),
             N if split > 1 else out.stride(0), qb.stride(0), sg_stride,
             GROUP_SIZE=gs, HAS_BIAS=bias is not None, EVEN_K=K % cfg.BLOCK_K == 0, SPLIT_K=split,
             RAW=raw, EMU_BF16=emu, USE_ASM=asm, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
