@@ -17,8 +17,10 @@ import sailfish
 
 from helpers import DTYPE_NAMES, TOL, rel_err
 from sailfish import Config, QuantLinear, QuantLinearW4A8, quantize_model
-from sailfish.formats.qqq import (QQQWeight, codes_to_int8, num_groups_w4a8, pack_qqq,
-                                  quantize_activations, quantize_qqq, unpack_qqq)
+from sailfish.formats.nibbles import pack_nibbles
+from sailfish.formats.qqq import (QQQWeight, codes_to_int8, natural_to_fragment_order_w4a8,
+                                  num_groups_w4a8, pack_codes, pack_qqq, quantize_activations,
+                                  quantize_qqq, unpack_codes, unpack_qqq)
 from sailfish.ops import use_triton
 from sailfish.ops.w4a8 import quantize_per_token_launch, w4a8_launch, w4a8_reference
 
@@ -247,8 +249,28 @@ def test_pack_roundtrip(gs, device):
     if gs == 128:
         assert p.s_g.shape == (24, 2) and torch.equal(back.s_g, qw.s_g)
     # padding channels hold code 8, i.e. w8 = 0
-    pad = ((p.qweight[:, 208 // 8:].unsqueeze(-1) >> torch.arange(0, 32, 4, device=device)) & 0xF)
-    assert (pad == 8).all()
+    assert (unpack_codes(p.qweight, 256)[:, 208:] == 8).all()
+
+
+def test_fragment_order_layout(device):
+    """PackedQQQ's fragment order, element by element from its docstring's formula: channel
+    k = 128c + 32s + 16h + 4t + e is nibble h of byte 64c + 16t + 4s + e (bytes little-endian
+    in the int32 words), against a loop over the channels (independent of the vectorised pack)."""
+    n, kp = 3, 256
+    q = torch.randint(0, 16, (n, kp), dtype=torch.uint8, device=device)
+    words = pack_codes(q, kp).cpu()
+    byts = words.view(torch.uint8).long()  # (n, kp // 2), little-endian
+    for k in range(kp):
+        c, r = divmod(k, 128)
+        s, r = divmod(r, 32)
+        h, r = divmod(r, 16)
+        t, e = divmod(r, 4)
+        b = byts[:, 64 * c + 16 * t + 4 * s + e]
+        assert torch.equal((b >> (4 * h)) & 0xF, q[:, k].long().cpu()), k
+    assert torch.equal(unpack_codes(words, kp), q.cpu())
+    # version 1 (natural order, Sailfish <= 0.2) converts to the same words
+    v1 = pack_nibbles(q.reshape(n, kp // 8, 8).int())
+    assert torch.equal(natural_to_fragment_order_w4a8(v1).cpu(), words)
 
 
 def test_int8_conversion_clamps_and_rounds_half_even(device):
@@ -442,12 +464,31 @@ def test_empty_batch(device):
 def test_state_dict_roundtrip(gs, device):
     layer = random_layer(208, 24, gs, True, device)
     sd = layer.state_dict()
-    assert set(sd) == ({"qweight", "s_ch", "bias"} | ({"s_g"} if gs == 128 else set()))
+    assert set(sd) == ({"qweight", "s_ch", "bias", "qweight_layout"} | ({"s_g"} if gs == 128 else set()))
+    assert int(sd["qweight_layout"]) == 2
     fresh = QuantLinearW4A8(208, 24, True, group_size=gs, device=device)
     fresh.load_state_dict(sd)
     assert torch.equal(fresh.dequantize(), layer.dequantize())
     x = torch.randn(3, 208, device=device).half()
     assert torch.equal(fresh(x), layer(x))
+
+
+@pytest.mark.parametrize("gs", [-1, 128], ids=["chan", "g128"])
+def test_state_dict_layout_1_is_repacked(gs, device):
+    """A state dict of Sailfish <= 0.2 (natural nibble order, no qweight_layout) loads into
+    the fragment order: same codes, same outputs."""
+    layer = random_layer(208, 24, gs, True, device)
+    old = {k: v for k, v in layer.state_dict().items() if k != "qweight_layout"}
+    codes = layer.quantized_weight().qweight
+    old["qweight"] = pack_nibbles(torch.nn.functional.pad(codes.int(), (0, 48), value=8).reshape(24, 32, 8))
+    fresh = QuantLinearW4A8(208, 24, True, group_size=gs, device=device)
+    fresh.load_state_dict(old)
+    assert torch.equal(fresh.qweight, layer.qweight) and int(fresh.qweight_layout) == 2
+    x = torch.randn(3, 208, device=device).half()
+    assert torch.equal(fresh(x), layer(x))
+    bad = dict(old, qweight_layout=torch.tensor(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="qweight_layout=3"):
+        fresh.load_state_dict(bad)
 
 
 def test_dtype_conversion_keeps_format(device):
@@ -647,28 +688,44 @@ def build(fn, sig, consts, warps=4, stages=3, wide=()):
 
 q = {"x_ptr": "*bf16", "xq_ptr": "*i8", "s_ptr": "*fp32", "K": "i32", "stride_xm": "i32", "stride_qm": "i32"}
 qw = ("stride_xm", "stride_qm")
-ptx = build(K._quantize_per_token_kernel, q, {"BLOCK_K": 8192, "ONE_PASS": True}, 8, wide=qw)
+ptx = build(K._quantize_per_token_kernel, q, {"BLOCK_K": 8192, "ONE_PASS": True, "FP8": False}, 8, wide=qw)
 assert "div.rn.f32" in ptx and "div.full" not in ptx and "fma" not in ptx and ".ftz" not in ptx
-build(K._quantize_per_token_kernel, dict(q, x_ptr="*fp16"), {"BLOCK_K": 1024, "ONE_PASS": False}, wide=qw)
-g = {"xq_ptr": "*i8", "xs_ptr": "*fp32", "qw_ptr": "*i32", "sch_ptr": "*fp32", "sg_ptr": "*fp16",
+build(K._quantize_per_token_kernel, dict(q, x_ptr="*fp16"), {"BLOCK_K": 1024, "ONE_PASS": False, "FP8": False}, wide=qw)
+if ARCH >= 89:  # Triton has no e4m3 type before sm_89
+    ptx = build(K._quantize_per_token_kernel, dict(q, xq_ptr="*fp8e4nv"),
+                {"BLOCK_K": 4096, "ONE_PASS": True, "FP8": True}, 8, wide=qw)
+    # e4m3 rounding by integer ops (kernels/w4a8._e4m3): the only float op on a value is the scaling
+    assert "div.rn.f32" in ptx and "div.full" not in ptx and "cvt.rn.satfinite" not in ptx and ".ftz" not in ptx
+g = {"xq_ptr": "*i8", "xs_ptr": "*fp32", "qb_ptr": "*i8", "sch_ptr": "*fp32", "sg_ptr": "*fp16",
      "bias_ptr": "*fp32", "y_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
      "stride_ym": "i32", "stride_qn": "i32", "stride_gn": "i32"}
 for gs, (bm, bn, bk, split, warps, stages), out in [(0, (16, 128, 128, 1, 4, 4), "*bf16"),
                                                    (128, (16, 64, 256, 2, 4, 4), "*i32"),
+                                                   (128, (32, 64, 64, 1, 4, 4), "*fp16"),
                                                    (128, (128, 128, 128, 1, 8, 3), "*fp16")]:
     ptx = build(K._w4a8_kernel, dict(g, y_ptr=out), dict(
-        GROUP_SIZE=gs, HAS_BIAS=True, EVEN_K=False, SPLIT_K=split, RAW=False, EMU_BF16=False,
+        GROUP_SIZE=gs, HAS_BIAS=True, EVEN_K=False, SPLIT_K=split, RAW=False, EMU_BF16=False, USE_ASM=True,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8), warps, stages,
         wide=("M", "N", "stride_xm", "stride_ym", "stride_qn"))
     assert ".s32.s8.s8" in ptx, "the int8 tiles must run on int8 tensor cores"
+    if gs:  # the per-group conversion rounds once, in the fma (kernels/w4a8.py)
+        assert "fma.rn.f16x2" in ptx and "mul.rn.f16x2" not in ptx
+if ARCH >= 89:  # the fp8 variant: e4m3 tensor cores (sm_89+)
+    for gs, (bm, bn, bk, split, warps, stages) in [(0, (16, 128, 256, 2, 4, 3)), (128, (64, 128, 128, 1, 4, 4))]:
+        ptx = build(K._w4a8_kernel, dict(g, xq_ptr="*fp8e4nv", y_ptr="*fp32" if split > 1 else "*bf16"), dict(
+            GROUP_SIZE=gs, HAS_BIAS=True, EVEN_K=False, SPLIT_K=split, RAW=False, EMU_BF16=False, USE_ASM=True,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8), warps, stages,
+            wide=("M", "N", "stride_xm", "stride_ym", "stride_qn"))
+        assert "e4m3" in ptx and ".s8.s8" not in ptx, "the fp8 tiles must run on fp8 tensor cores"
 v = {k: t for k, t in g.items() if k not in ("M", "stride_xm", "stride_ym")}
-for gs, split in [(0, 2), (128, 1)]:
+for gs, split, bk in [(0, 2, 512), (128, 1, 512), (128, 1, 64)]:
     build(K._w4a8_gemv_kernel, dict(v, y_ptr="*i32" if split > 1 else "*bf16"), dict(
-        GROUP_SIZE=gs, HAS_BIAS=True, EVEN_K=True, SPLIT_K=split, RAW=False, EMU_BF16=False,
-        BLOCK_N=16, BLOCK_K=512), 4, 4, wide=("N", "stride_qn"))
-build(K._w4a8_dequant_kernel, {"qw_ptr": "*i32", "sg_ptr": "*fp16", "w_ptr": "*i8", "N": "i32", "K": "i32",
-      "stride_qn": "i32", "stride_gn": "i32", "stride_wn": "i32"}, dict(GROUP_SIZE=128, BLOCK_N=64, BLOCK_K=256),
-      4, 1, wide=("stride_qn", "stride_wn"))
+        GROUP_SIZE=gs, HAS_BIAS=True, EVEN_K=True, SPLIT_K=split, RAW=False, EMU_BF16=False, USE_ASM=True,
+        BLOCK_N=16, BLOCK_K=bk), 4, 4, wide=("N", "stride_qn"))
+for gs in (0, 128):
+    build(K._w4a8_dequant_kernel, {"qb_ptr": "*i8", "sg_ptr": "*fp16", "w_ptr": "*i8", "N": "i32", "K": "i32",
+          "stride_qn": "i32", "stride_gn": "i32", "stride_wn": "i32"},
+          dict(GROUP_SIZE=gs, USE_ASM=True, BLOCK_N=64, BLOCK_K=256), 4, 1, wide=("stride_qn", "stride_wn"))
 for raw in (False, True):
     build(K._w4a8_splitk_reduce_kernel, {"ws_ptr": "*i32", "xs_ptr": "*fp32", "sch_ptr": "*fp32",
           "bias_ptr": "*fp32", "y_ptr": "*i32" if raw else "*bf16", "M": "i32", "N": "i32", "stride_ym": "i32"},
@@ -694,3 +751,42 @@ def test_kernels_compile(arch, tmp_path):
     r = subprocess.run([sys.executable, "-c", _COMPILE_CHILD, str(arch)], env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+_PTX_CHILD = r"""
+import sys
+from sailfish.bench.ptx import W4A8_TILES, compile_w4a8, k_loop_stats
+bad = []
+n = 0
+for tile in W4A8_TILES:
+    for gs in (-1, 128):
+        for act, mma in (("int8", ".s32.s8.s8"), ("fp8", ".f32.e4m3.e4m3")):
+            if act == "fp8" and gs != -1 and tile[2] > gs:
+                continue  # fp8 per-group: K tiles within one group
+            ptx = compile_w4a8(*tile, group_size=gs, act_dtype=act).asm["ptx"]
+            st = k_loop_stats(ptx)
+            n += 1
+            # per-channel: nothing at all through shared memory; g128: at most the scale vector
+            limit = 0 if gs == -1 else 1
+            if (st is None or not st.wgmma_a_in_registers or st.ldmatrix or st.st_shared > limit
+                    or mma not in ptx):
+                bad.append((tile, gs, act, st))
+print("checked", n)
+sys.exit(f"int8 weight tile through shared memory: {bad}" if bad else 0)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
+def test_mma_tile_stays_in_registers(tmp_path):
+    """The point of the fragment-order layout (formats.qqq.PackedQQQ): compiled for sm_90a, the
+    K loop of every tile shape the W4A8 tables use (BM 16-256, BK 64-256, 4-8 warps) feeds the
+    int8 wgmma (s32.s8.s8; fp8 variant: f32.e4m3.e4m3) from registers, with no ldmatrix and no
+    st.shared of the weight tile (bench/ptx.py). A layout or compiler change that brings a
+    round trip back fails here."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    src_dir = os.path.dirname(os.path.dirname(sailfish.__file__))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src_dir, env.get("PYTHONPATH")]))
+    r = subprocess.run([sys.executable, "-c", _PTX_CHILD], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "checked" in r.stdout, (r.stdout + r.stderr)[-3000:]

@@ -13,8 +13,8 @@ from .formats.gptq import from_gptq as _read_gptq
 from .formats.int4 import (HALF_DTYPES, LAYOUT_VERSION, PackedW4, QuantizedWeight, _check_bits,
                            _check_group_size, default_g_idx, natural_to_fragment_order, pack, padded_k,
                            quantize, unpack)
-from .formats.qqq import (PackedQQQ, QQQWeight, check_group_size_w4a8, pack_qqq, quantize_qqq,
-                          unpack_qqq)
+from .formats.qqq import (LAYOUT_VERSION_W4A8, PackedQQQ, QQQWeight, check_act_dtype, check_group_size_w4a8,
+                          fp8_weight, natural_to_fragment_order_w4a8, pack_qqq, quantize_qqq, unpack_qqq)
 
 log = logging.getLogger("sailfish")
 
@@ -339,18 +339,29 @@ class QuantLinearW4A8(nn.Module):
 
     Buffers (formats.qqq.PackedQQQ layout): qweight int32 (N, Kp/8), Kp = K rounded up to
     256; s_ch float32 (N,); s_g float16 (N, Kp/128) for group_size=128 (None for -1);
-    bias float32 (N,) or None. Their dtypes are part of the format: .half(), .to(dtype)
+    bias float32 (N,) or None; qweight_layout int32 scalar, the layout version of qweight
+    (formats.qqq.LAYOUT_VERSION_W4A8; state dicts without it, from Sailfish <= 0.2, hold
+    version 1 and are re-packed on load). Their dtypes are part of the format: .half(), .to(dtype)
     and friends move them between devices but never change their dtype.
 
-    Autograd: the weights are frozen buffers. When x requires a gradient, backward gives
-    dx = dy @ dequantize() with a straight-through estimator for the per-token int8
+    act_dtype="fp8": the activations are quantized per token to float8 e4m3 instead
+    (quantize_per_token_fp8, s_tok = max|x[m]| / 448) and run on fp8 tensor cores with the
+    same weights: per-channel the same w = q - 8; per-group s_g is applied to each group's
+    fp32 partial sum, so the effective weight is s_ch * s_g * (q - 8) without the int8
+    path's rounding of s_g * (q - 8) (formats.qqq.fp8_weight). A module setting, not a
+    buffer: the state dict is the same for both.
+
+    Autograd: the weights are frozen buffers. When x requires a gradient (int8 only), backward
+    gives dx = dy @ dequantize() with a straight-through estimator for the per-token int8
     rounding (ops/autograd.py), so adapters can be trained on top of the layer.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 group_size: int = -1, device=None):
+                 group_size: int = -1, act_dtype: str = "int8", device=None):
         super().__init__()
         check_group_size_w4a8(group_size)
+        check_act_dtype(act_dtype)
+        self.act_dtype = act_dtype
         _check_bias_flag(bias, "QuantLinearW4A8")
         err = check_shape(in_features, out_features)
         if err:
@@ -363,14 +374,16 @@ class QuantLinearW4A8(nn.Module):
         self.register_buffer("s_g", None if group_size == -1 else
                              torch.zeros((out_features, kp // group_size), dtype=torch.float16, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float32, device=device) if bias else None)
+        self.register_buffer("qweight_layout", torch.tensor(LAYOUT_VERSION_W4A8, dtype=torch.int32, device=device))
 
     # -- construction ---------------------------------------------------------------
     @classmethod
-    def from_quantized(cls, qw: QQQWeight, bias: Optional[torch.Tensor] = None) -> "QuantLinearW4A8":
+    def from_quantized(cls, qw: QQQWeight, bias: Optional[torch.Tensor] = None, *,
+                       act_dtype: str = "int8") -> "QuantLinearW4A8":
         _check_bias(bias, qw.out_features)
         p = pack_qqq(qw)
         layer = cls(qw.in_features, qw.out_features, bias is not None, group_size=qw.group_size,
-                    device=qw.qweight.device)
+                    act_dtype=act_dtype, device=qw.qweight.device)
         layer.qweight.copy_(p.qweight)
         layer.s_ch.copy_(p.s_ch)
         if p.s_g is not None:
@@ -380,15 +393,16 @@ class QuantLinearW4A8(nn.Module):
         return layer
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, group_size: int = -1) -> "QuantLinearW4A8":
+    def from_linear(cls, linear: nn.Linear, *, group_size: int = -1, act_dtype: str = "int8") -> "QuantLinearW4A8":
         """Quantize an nn.Linear with formats.qqq.quantize_qqq (round to nearest)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
         check_group_size_w4a8(group_size)
+        check_act_dtype(act_dtype)
         err = check_shape(linear.in_features, linear.out_features)
         if err:
             raise ValueError(err)
-        return cls.from_quantized(quantize_qqq(linear.weight, group_size), linear.bias)
+        return cls.from_quantized(quantize_qqq(linear.weight, group_size), linear.bias, act_dtype=act_dtype)
 
     def _apply(self, fn, recurse=True):
         # Keep the format dtypes (float32 s_ch, float16 s_g, float32 bias) through
@@ -400,6 +414,22 @@ class QuantLinearW4A8(nn.Module):
             if new is not None and new.dtype != old.dtype:
                 self._buffers[k] = old.to(new.device)
         return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # as QuantLinear: the layout version travels as a buffer; version 1 (no such buffer)
+        # is re-packed into the fragment order (load_state_dict works on its own copy)
+        key = prefix + "qweight_layout"
+        if prefix + "qweight" in state_dict:
+            version = int(state_dict[key]) if key in state_dict else 1
+            if version == 1:
+                state_dict[prefix + "qweight"] = natural_to_fragment_order_w4a8(state_dict[prefix + "qweight"])
+            elif version != LAYOUT_VERSION_W4A8:
+                raise ValueError(f"{key}={version} is not supported; this Sailfish reads W4A8 layout "
+                                 f"versions 1 and {LAYOUT_VERSION_W4A8} (a newer Sailfish wrote it?)")
+            state_dict[key] = torch.tensor(LAYOUT_VERSION_W4A8, dtype=torch.int32)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
 
     # -- use --------------------------------------------------------------------------
     def packed(self) -> PackedQQQ:
@@ -413,15 +443,21 @@ class QuantLinearW4A8(nn.Module):
         return self.quantized_weight().int8_weight()
 
     def dequantize(self) -> torch.Tensor:
-        """float32 (N, K): the effective weight s_ch[n] * w8[n, k]; layer(x) equals
-        (per-token int8 x) @ dequantize().T + bias up to the output rounding."""
-        return self.quantized_weight().dequantize()
+        """float32 (N, K): the effective weight, s_ch[n] * w8[n, k] (act_dtype "fp8":
+        s_ch[n] * fp8_weight[n, k]); layer(x) equals (per-token quantized x) @ dequantize().T
+        + bias up to the accumulation and output rounding."""
+        qw = self.quantized_weight()
+        if self.act_dtype == "fp8":
+            return qw.s_ch[:, None] * fp8_weight(qw)
+        return qw.dequantize()
 
     def shard(self, rank: int, world_size: int, dim: int) -> "QuantLinearW4A8":
         """Tensor-parallel shard as a new layer: dim=0 output features (column parallel),
         dim=1 input features (row parallel, bias on rank 0 only); see sailfish.parallel."""
         from .parallel import shard_layer
-        return shard_layer(self, rank, world_size, dim)
+        layer = shard_layer(self, rank, world_size, dim)
+        layer.act_dtype = self.act_dtype
+        return layer
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.dtype not in HALF_DTYPES:
@@ -430,13 +466,22 @@ class QuantLinearW4A8(nn.Module):
             raise ValueError(f"input last dim {x.shape[-1]} != in_features={self.in_features}")
 
     def quantize_input(self, x: torch.Tensor):
-        """x (..., K) float16/bfloat16 -> (x_q int8 (M, K), s_tok float32 (M,)), M = x.numel() // K."""
+        """x (..., K) float16/bfloat16 -> (x_q (M, K) int8, or float8_e4m3fn for act_dtype "fp8";
+        s_tok float32 (M,)), M = x.numel() // K."""
         self._check_input(x)
-        return torch.ops.sailfish.quantize_per_token(x.reshape(-1, self.in_features))
+        x2 = x.reshape(-1, self.in_features)
+        if self.act_dtype == "fp8":
+            return torch.ops.sailfish.quantize_per_token_fp8(x2)
+        return torch.ops.sailfish.quantize_per_token(x2)
 
     def forward_quantized(self, x_q: torch.Tensor, x_scales: torch.Tensor,
                           out_dtype: torch.dtype) -> torch.Tensor:
-        """The GEMM alone: x_q int8 (M, K), x_scales float32 (M,) -> (M, N) in out_dtype."""
+        """The GEMM alone: x_q int8 (float8_e4m3fn for act_dtype "fp8") (M, K), x_scales
+        float32 (M,) -> (M, N) in out_dtype."""
+        want = torch.float8_e4m3fn if self.act_dtype == "fp8" else torch.int8
+        if x_q.dtype != want:
+            raise TypeError(f"x_q dtype {x_q.dtype} does not match this layer (act_dtype="
+                            f"{self.act_dtype!r} takes {want}); use layer.quantize_input(x)")
         return torch.ops.sailfish.w4a8_gemm(x_q, x_scales, self.qweight, self.s_ch, self.s_g,
                                             self.bias, self.in_features, self.group_size, out_dtype)
 
@@ -445,18 +490,22 @@ class QuantLinearW4A8(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x.requires_grad and torch.is_grad_enabled():
+            if self.act_dtype == "fp8":
+                raise NotImplementedError("QuantLinearW4A8(act_dtype='fp8') has no backward yet; run it "
+                                          "under torch.no_grad() or use act_dtype='int8' for training")
             # the same two ops inside one op that has a (straight-through) backward: the
             # int8 x_q between them cannot carry a gradient (ops/autograd.py)
             y = torch.ops.sailfish.w4a8_linear(x2, self.qweight, self.s_ch, self.s_g, self.bias,
                                                self.in_features, self.group_size)
         else:
-            x_q, x_scales = torch.ops.sailfish.quantize_per_token(x2)
+            x_q, x_scales = self.quantize_input(x2)
             y = self.forward_quantized(x_q, x_scales, x.dtype)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, bits=4, act_bits=8, group_size={self.group_size}")
+                f"bias={self.bias is not None}, bits=4, act_bits=8, group_size={self.group_size}"
+                + (", act_dtype=fp8" if self.act_dtype == "fp8" else ""))
 
 
 def _skip_match(name: str, skip: Iterable[str]) -> bool:

@@ -1,9 +1,10 @@
-"""Compile the W4A16 tensor-core kernel for a GPU target on any machine (no GPU needed) and
-report what its K loop does: does the dequantized weight tile go through shared memory, and
-does wgmma take it from registers?
+"""Compile the W4A16 (or W4A8) tensor-core kernel for a GPU target on any machine (no GPU
+needed) and report what its K loop does: does the dequantized weight tile go through shared
+memory, and does wgmma take it from registers?
 
     python -m sailfish.bench.ptx                      # the shipped W4A16 'mma' configs, sm_90a
     python -m sailfish.bench.ptx --config 16,128,256,1,4,3 --dtype bf16 --group-size 32
+    python -m sailfish.bench.ptx --family w4a8 --group-size -1   # the W4A8 int8 kernel
 
 Per config it prints the PTX K-loop counts (st.shared / ldmatrix / bar.sync / wgmma) and the
 verdict `no-fp16-smem` or `fp16-smem-roundtrip`. tests/test_w4a16.py runs the same check on
@@ -72,6 +73,39 @@ def compile_mma(block_m: int, block_n: int, block_k: int, split_k: int, num_warp
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
+W4A8_TILES = ((16, 128, 128, 1, 4, 4), (16, 128, 256, 2, 4, 3), (32, 128, 128, 1, 4, 4),
+              (64, 128, 128, 1, 4, 4), (32, 64, 64, 1, 4, 4), (128, 128, 128, 1, 8, 3),
+              (128, 256, 128, 1, 8, 3), (256, 128, 128, 1, 8, 3))
+
+
+def compile_w4a8(block_m: int, block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int,
+                 *, group_size: int = 128, act_dtype: str = "int8", capability: int = 90):
+    """triton.compile of kernels/w4a8._w4a8_kernel (the inline-asm unpack, as on a GPU) for
+    cuda:<capability>, with the launcher's GPU specialisation (16-byte aligned pointers, N / K /
+    strides divisible by 16). act_dtype "fp8": the e4m3-activation variant."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ..kernels.w4a8 import _w4a8_kernel
+
+    fp8 = act_dtype == "fp8"
+    sig = {"xq_ptr": "*fp8e4nv" if fp8 else "*i8", "xs_ptr": "*fp32", "qb_ptr": "*i8", "sch_ptr": "*fp32",
+           "sg_ptr": "*fp16", "bias_ptr": "*fp32",
+           "y_ptr": "*fp16" if split_k == 1 else "*fp32" if fp8 else "*i32",
+           **{k: "i32" for k in ("M", "N", "K", "stride_xm", "stride_ym", "stride_qn", "stride_gn")}}
+    consts = dict(GROUP_SIZE=0 if group_size == -1 else group_size, HAS_BIAS=False, EVEN_K=True,
+                  SPLIT_K=split_k, RAW=False, EMU_BF16=False, USE_ASM=True,
+                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8)
+    names = list(sig)
+    aligned = [n for n in names if n.endswith("_ptr")] + ["N", "K", "stride_xm", "stride_ym", "stride_qn"]
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    src = ASTSource(fn=_w4a8_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
+                    constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
 def k_loop_stats(ptx: str) -> Optional[LoopStats]:
     """Counts inside the PTX loop that issues the wgmma (the K loop); None if there is none."""
     lines = ptx.splitlines()
@@ -114,7 +148,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", action="append", default=[],
                     help="BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,num_warps,num_stages (repeatable); "
-                         "default: every shipped W4A16 mma config")
+                         "default: every shipped W4A16 mma config (w4a8: W4A8_TILES)")
+    ap.add_argument("--family", choices=("w4a16", "w4a8", "w4a8-fp8"), default="w4a16",
+                    help="w4a8: the int8 kernel, w4a8-fp8 its e4m3-activation variant (--group-size -1 "
+                         "or 128; --dtype, --zeros, --no-asm ignored)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--zeros", action="store_true", help="asymmetric (zero points)")
@@ -131,13 +168,20 @@ def main(argv=None) -> int:
             if len(v) != 6:
                 ap.error(f"--config {c!r}: want BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,num_warps,num_stages")
             cfgs.append(("cli", Config(v[0], v[1], v[2], SPLIT_K=v[3], num_warps=v[4], num_stages=v[5])))
+    elif args.family.startswith("w4a8"):
+        cfgs = [(args.family, Config(*t[:3], SPLIT_K=t[3], num_warps=t[4], num_stages=t[5])) for t in W4A8_TILES
+                if args.family == "w4a8" or args.group_size == -1 or t[2] <= args.group_size]
     else:
         cfgs = shipped_mma_configs()
     bad = 0
     for gpu, cfg in cfgs:
-        k = compile_mma(cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.SPLIT_K, cfg.num_warps, cfg.num_stages,
-                        dtype=args.dtype, group_size=args.group_size, has_zeros=args.zeros,
-                        use_asm=not args.no_asm, capability=args.capability)
+        tile = (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.SPLIT_K, cfg.num_warps, cfg.num_stages)
+        if args.family.startswith("w4a8"):
+            k = compile_w4a8(*tile, group_size=args.group_size, capability=args.capability,
+                             act_dtype="fp8" if args.family == "w4a8-fp8" else "int8")
+        else:
+            k = compile_mma(*tile, dtype=args.dtype, group_size=args.group_size, has_zeros=args.zeros,
+                            use_asm=not args.no_asm, capability=args.capability)
         st = k_loop_stats(k.asm["ptx"])
         tag = (f"[{gpu}] BM={cfg.BLOCK_M} BN={cfg.BLOCK_N} BK={cfg.BLOCK_K} split={cfg.SPLIT_K} "
                f"w={cfg.num_warps} st={cfg.num_stages}")
@@ -145,7 +189,8 @@ def main(argv=None) -> int:
             print(f"{tag}: no wgmma K loop found")
             bad += 1
             continue
-        verdict = "fp16-smem-roundtrip" if st.roundtrip else "no-fp16-smem"
+        kind = {"w4a8": "int8", "w4a8-fp8": "fp8"}.get(args.family, "fp16")
+        verdict = f"{kind}-smem-roundtrip" if st.roundtrip else f"no-{kind}-smem"
         bad += st.roundtrip
         print(f"{tag}: st.shared={st.st_shared} ldmatrix={st.ldmatrix} bar.sync={st.bar_sync} "
               f"wgmma={st.wgmma} A-in-registers={st.wgmma_a_in_registers} [{verdict}]")

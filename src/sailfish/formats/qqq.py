@@ -57,14 +57,29 @@ def num_groups_w4a8(in_features: int, group_size: int) -> int:
 # ----------------------------------------------------------------------------------
 # Activations
 # ----------------------------------------------------------------------------------
-def quantize_activations(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per-token symmetric int8 quantization (the exact reference of the Triton kernel).
+ACT_DTYPES_W4A8 = ("int8", "fp8")
+# Largest code of each activation type: int8 uses [-127, 127] (symmetric), e4m3 its largest
+# finite value 448.
+_QMAX = {"int8": 127.0, "fp8": 448.0}
 
-    x: (M, K) float16 / bfloat16 (any float dtype). Returns x_q int8 (M, K) in [-127, 127]
-    and scales float32 (M,), with x ~= scales[:, None] * x_q. Rounding: half to even.
-    All-zero rows give scale 0 and x_q 0. A row holding NaN or +-Inf gives scale NaN and
-    x_q 0, so that row's layer outputs are all NaN (never silently finite).
+
+def check_act_dtype(act_dtype: str) -> None:
+    if act_dtype not in ACT_DTYPES_W4A8:
+        raise ValueError(f"act_dtype={act_dtype!r} is not supported; allowed: {ACT_DTYPES_W4A8}")
+
+
+def quantize_activations(x: torch.Tensor, act_dtype: str = "int8") -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric quantization (the exact reference of the Triton kernel).
+
+    x: (M, K) float16 / bfloat16 (any float dtype). act_dtype "int8": x_q int8 (M, K) in
+    [-127, 127], rounded half to even; "fp8": x_q float8_e4m3fn, x * (448 / amax) clamped to
+    +-448 and rounded to nearest even by the conversion. Returns x_q and scales float32 (M,)
+    (amax / 127 or amax / 448), with x ~= scales[:, None] * x_q. All-zero rows give scale 0 and
+    x_q 0. A row holding NaN or +-Inf gives scale NaN and x_q 0, so that row's layer outputs
+    are all NaN (never silently finite).
     """
+    check_act_dtype(act_dtype)
+    qmax = _QMAX[act_dtype]
     xf = x.float()
     bad = ~torch.isfinite(xf).all(dim=1)
     xf = torch.where(bad[:, None], torch.zeros_like(xf), xf)
@@ -73,11 +88,11 @@ def quantize_activations(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     den = torch.where(amax > 0, amax * c, torch.ones_like(amax))
     # IEEE divisions, tensor by tensor: PyTorch computes `127.0 / t` as reciprocal(t) * 127
     # and, on CUDA, `t / 127.0` as t * (1 / 127), each rounding twice.
-    c127 = torch.full_like(amax, 127.0)
-    inv = torch.where(amax > 0, c127 / den, torch.zeros_like(amax))
-    v = (xf * c[:, None]) * inv[:, None]
-    x_q = v.clamp(-127.0, 127.0).round().to(torch.int8)
-    return x_q, torch.where(bad, torch.full_like(amax, float("nan")), amax / c127)
+    cq = torch.full_like(amax, qmax)
+    inv = torch.where(amax > 0, cq / den, torch.zeros_like(amax))
+    v = ((xf * c[:, None]) * inv[:, None]).clamp(-qmax, qmax)
+    x_q = v.round().to(torch.int8) if act_dtype == "int8" else v.to(torch.float8_e4m3fn)
+    return x_q, torch.where(bad, torch.full_like(amax, float("nan")), amax / cq)
 
 
 # ----------------------------------------------------------------------------------
@@ -91,6 +106,24 @@ def codes_to_int8(q: torch.Tensor, s_g: Optional[torch.Tensor], group_size: int)
     g = torch.arange(k, device=q.device) // group_size
     p = (q.float() - 8.0) * s_g.float()[g].T  # exact in float32
     return p.clamp(-127.0, 127.0).round().to(torch.int8)
+
+
+def fp8_weight(qw: "QQQWeight") -> torch.Tensor:
+    """float32 (N, K): the weight operand of the fp8-activation variant, s_ch excluded.
+
+    per-channel: q - 8, the same integers as the int8 path's w8 (every integer in [-8, 8]
+                 is exact in e4m3, so the kernel's e4m3 weight tile is exact).
+    per-group:   s_g * (q - 8) in float32 (exact: an fp16 times a 4-bit integer), NOT the
+                 int8 path's rne(s_g * (q - 8)): those integers reach 127 and e4m3 holds only
+                 16 significant levels per binade (17, 19, ... 127's odd neighbours are not
+                 representable), so the kernel multiplies the e4m3 tile q - 8 and applies
+                 s_g to each 128-channel group's fp32 partial sum instead. The effective
+                 weight is QQQ's two-level value without the int8 rounding."""
+    w = qw.qweight.float() - 8.0
+    if qw.group_size == -1:
+        return w
+    g = torch.arange(qw.in_features, device=w.device) // qw.group_size
+    return w * qw.s_g.float()[g].T
 
 
 @dataclass
@@ -185,15 +218,35 @@ def quantize_qqq(weight: torch.Tensor, group_size: int = -1) -> QQQWeight:
 # ----------------------------------------------------------------------------------
 # Kernel layout
 # ----------------------------------------------------------------------------------
+# Layout version of PackedQQQ.qweight (QuantLinearW4A8's state_dict carries it, nn.py):
+# 1 = natural order (channel 8i + j in nibble j of word i; Sailfish <= 0.2), 2 = fragment
+# order (below).
+LAYOUT_VERSION_W4A8 = 2
+# Channels per chunk of the fragment order: K tiles of the kernels are whole chunks or
+# whole k32 steps of one.
+K_CHUNK_W4A8 = 128
+
+
 @dataclass
 class PackedQQQ:
     """The layout the W4A8 kernels read.
 
-    qweight: int32 (N, Kp // 8), Kp = K rounded up to K_PAD (256): word [n, i] holds the
-             codes of input channels 8i .. 8i+7, channel 8i + j in bits 4j .. 4j+3
-             (formats.nibbles). Padding channels hold code 8 (w8 = 0).
+    qweight: int32 (N, Kp // 8), Kp = K rounded up to K_PAD (256), in *fragment order*,
+             best read as bytes (N, Kp // 2) (little-endian): within each chunk c of 128
+             channels of one output row, channel
+                 k = 128 c + 32 s + 16 h + 4 t + e      (s, t, e in 0..3; h in 0..1)
+             is nibble h (0: low) of byte 64 c + 16 t + 4 s + e.
+             Why: in Hopper's int8 wgmma (m64nNk32) A fragment, lane t = lane % 4 holds
+             channels 4t + e (register 0) and 16 + 4t + e (register 1) of every k32 step,
+             four int8 per 32-bit register. So a thread's 16 bytes of a chunk are adjacent
+             (one 16-byte load), the 4 bytes of one 32-bit word are the 4 bytes of two of its
+             A registers (low nibbles: h = 0, high nibbles: h = 1), and the unpack is a few
+             register-local instructions per word, with no shared-memory relayout
+             (kernels/w4a8.py). Padding channels hold code 8 (w8 = 0).
+             (`pack_codes` / `unpack_codes` are the exact map; layout version 2.)
     s_ch:    float32 (N,).
     s_g:     float16 (N, Kp // 128) or None; groups covering only padding have scale 0.
+             A group (128 channels) is one chunk: 64 whole bytes.
     """
 
     qweight: torch.Tensor
@@ -204,16 +257,31 @@ class PackedQQQ:
 
 
 def pack_codes(q: torch.Tensor, kp: int, pad_code: int = 8) -> torch.Tensor:
-    """uint8 (N, K) codes -> int32 (N, kp // 8) words, padding channels set to pad_code."""
+    """uint8 (N, K) codes -> int32 (N, kp // 8) words in fragment order (PackedQQQ),
+    padding channels set to pad_code."""
     n, k = q.shape
+    if kp % K_CHUNK_W4A8 or kp < k:
+        raise ValueError(f"kp={kp} must be a multiple of {K_CHUNK_W4A8} and >= K={k}")
     qp = torch.full((n, kp), pad_code, dtype=torch.int32, device=q.device)
     qp[:, :k] = q.to(torch.int32)
+    qp = qp.reshape(n, kp // K_CHUNK_W4A8, 4, 2, 4, 4)   # (n, c, s, h, t, e)
+    qp = qp.permute(0, 1, 4, 2, 5, 3)                    # (n, c, t, s, e, h): byte (c, t, s, e), nibble h
     return pack_nibbles(qp.reshape(n, kp // 8, 8)).contiguous()
 
 
 def unpack_codes(words: torch.Tensor, in_features: int) -> torch.Tensor:
-    """int32 (N, Kp // 8) words -> uint8 (N, in_features) codes (inverse of pack_codes)."""
-    return unpack_nibbles(words).reshape(words.shape[0], -1)[:, :in_features].contiguous()
+    """int32 (N, Kp // 8) fragment-order words -> uint8 (N, in_features) codes (inverse of
+    pack_codes)."""
+    n, kw = words.shape
+    q = unpack_nibbles(words).reshape(n, kw // 16, 4, 4, 4, 2)  # (n, c, t, s, e, h)
+    q = q.permute(0, 1, 3, 5, 2, 4)                               # (n, c, s, h, t, e)
+    return q.reshape(n, kw * 8)[:, :in_features].contiguous()
+
+
+def natural_to_fragment_order_w4a8(words: torch.Tensor) -> torch.Tensor:
+    """Layout version 1 words (channel 8i + j in nibble j of word i) -> version 2."""
+    n, kw = words.shape
+    return pack_codes(unpack_nibbles(words).reshape(n, kw * 8), kw * 8)
 
 
 def pack_qqq(qw: QQQWeight) -> PackedQQQ:
@@ -238,5 +306,6 @@ def unpack_qqq(p: PackedQQQ) -> QQQWeight:
     return QQQWeight(q, p.s_ch, s_g, p.group_size)
 
 
-__all__ = ["GROUP_SIZES_W4A8", "INT8_LEVEL", "K_PAD", "PackedQQQ", "QQQWeight", "codes_to_int8",
-           "pack_codes", "pack_qqq", "quantize_activations", "quantize_qqq", "unpack_codes", "unpack_qqq"]
+__all__ = ["GROUP_SIZES_W4A8", "INT8_LEVEL", "K_CHUNK_W4A8", "K_PAD", "LAYOUT_VERSION_W4A8", "PackedQQQ",
+           "QQQWeight", "codes_to_int8", "fp8_weight", "ACT_DTYPES_W4A8", "check_act_dtype", "natural_to_fragment_order_w4a8", "pack_codes", "pack_qqq",
+           "quantize_activations", "quantize_qqq", "unpack_codes", "unpack_qqq"]

@@ -1,16 +1,19 @@
 """W4A8 (QQQ) launchers, configs and ops:
 
     sailfish::quantize_per_token(x) -> (x_q, x_scales)
+    sailfish::quantize_per_token_fp8(x) -> (x_q float8_e4m3fn, x_scales)
     sailfish::w4a8_gemm(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size,
                         out_dtype) -> y
 
 Formats: formats/qqq.py. Kernels: kernels/w4a8.py. `w4a8_linear` chains the two ops.
 
-Paths (tuning.Config.kernel), chosen per (K, N, bucketed M, group size, out dtype) by
-W4A8_TUNER: "gemv" (M = 1, CUDA cores), "mma" (int8 tensor-core tiles; BLOCK_M 16 / 32 /
-64 / 128 by M bucket, split-K when there are fewer than 2 tiles per SM), "dequant"
-(int8 weight + torch._int_mm; a tuning candidate for M >= 256, and the tuned H100 / H200
-tables' choice from M = 256-512 up on every Llama shape; the heuristic never picks it).
+Paths (tuning.Config.kernel), chosen per (K, N, bucketed M, group size, out dtype, activation
+dtype) by W4A8_TUNER: "mma" (tensor-core tiles with the weight in registers; the heuristic's
+choice at every M: BLOCK_M 16 / 32 / 64 / 128 by M bucket, split-K when there are fewer than 2
+tiles per SM), "gemv" (M = 1, CUDA cores; a tuning candidate), "dequant" (int8 weight +
+torch._int_mm; a tuning candidate for M >= 256). The shipped H100 / H200 W4A8 entries were
+tuned for the layout-1 kernel (gemv at M = 1, dequant from M = 256-512 up): retune them.
+fp8 activations (x_q float8_e4m3fn) run "mma" only, under their own table keys.
 `w4a8_launch(..., raw_acc=True)` returns the int32 accumulator.
 
 Every launch runs under ops.device_of (the tensors' GPU made current). Host cost per call
@@ -25,12 +28,15 @@ from typing import Optional, Tuple
 import torch
 
 from ..formats.int4 import HALF_DTYPES, K_PAD
-from ..formats.qqq import GROUP_SIZES_W4A8, PackedQQQ, quantize_activations, unpack_qqq
-from ..tuning import (Config, Tuner, check_config, gemv_candidates, gemv_heuristic, m_bucket,
+from ..formats.qqq import (GROUP_SIZES_W4A8, PackedQQQ, check_act_dtype, fp8_weight, quantize_activations,
+                           unpack_qqq)
+from ..tuning import (Config, Tuner, check_config, gemv_candidates, m_bucket,
                       mma_candidates, mma_heuristic, next_pow2, problem_key, scratch_runner, sms_for)
 from . import device_of
 
 ACT_DTYPES = HALF_DTYPES + (torch.float32,)
+# the quantized activations' torch dtype per act_dtype (formats.qqq.ACT_DTYPES_W4A8)
+X_Q_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 # Rows up to this many channels are quantized from registers in one pass (32 fp32 values
 # per thread at 8 warps); longer rows take a max pass and a quantize pass.
 QUANT_ONE_PASS_MAX = 8192
@@ -53,13 +59,17 @@ def _cdiv(a: int, b: int) -> int:
 # ----------------------------------------------------------------------------------
 # Activation quantization
 # ----------------------------------------------------------------------------------
-def quantize_per_token_launch(x: torch.Tensor, block_k: Optional[int] = None
+def quantize_per_token_launch(x: torch.Tensor, block_k: Optional[int] = None, act_dtype: str = "int8"
                               ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Run the per-token quantization kernel. x (M, K) fp16/bf16/fp32 ->
-    (x_q int8 (M, K) contiguous, scales float32 (M,)). block_k: tile over K (a power of
-    two); default: the whole row if K <= QUANT_ONE_PASS_MAX, else 4096 (two passes)."""
+    (x_q (M, K) contiguous, int8 or, act_dtype="fp8", float8_e4m3fn; scales float32 (M,)).
+    block_k: tile over K (a power of two); default: the whole row if K <= QUANT_ONE_PASS_MAX,
+    else 4096 (two passes)."""
+    check_act_dtype(act_dtype)
+    if act_dtype == "fp8":
+        _check_fp8_device(x)
     M, K = x.shape
-    x_q = torch.empty((M, K), dtype=torch.int8, device=x.device)
+    x_q = torch.empty((M, K), dtype=X_Q_DTYPES[act_dtype], device=x.device)
     scales = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M == 0:
         return x_q, scales
@@ -72,8 +82,24 @@ def quantize_per_token_launch(x: torch.Tensor, block_k: Optional[int] = None
     with device_of(x):
         _kernels()._quantize_per_token_kernel[(M,)](
             x, x_q, scales, K, x.stride(0), x_q.stride(0),
-            BLOCK_K=block_k, ONE_PASS=K <= block_k, num_warps=4 if block_k <= 2048 else 8)
+            BLOCK_K=block_k, ONE_PASS=K <= block_k, FP8=act_dtype == "fp8",
+            num_warps=4 if block_k <= 2048 else 8)
     return x_q, scales
+
+
+def _check_fp8_device(t: torch.Tensor) -> None:
+    """fp8 (e4m3) activations need sm_89+ (Ada, Hopper): e4m3 tensor cores and conversions."""
+    if t.is_cuda and torch.cuda.get_device_capability(t.device) < (8, 9):
+        cap = torch.cuda.get_device_capability(t.device)
+        raise RuntimeError(f"fp8 (e4m3) activations need a GPU of compute capability >= 8.9, "
+                           f"{t.device} has {cap[0]}.{cap[1]}; use act_dtype='int8'")
+
+
+def _check_activations(x: torch.Tensor) -> None:
+    if x.dtype not in ACT_DTYPES:
+        raise TypeError(f"x dtype {x.dtype} is not supported; allowed: float16, bfloat16, float32")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (M, K), got shape {tuple(x.shape)}")
 
 
 @torch.library.custom_op("sailfish::quantize_per_token", mutates_args=())
@@ -86,10 +112,7 @@ def quantize_per_token(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """
     from . import use_triton
 
-    if x.dtype not in ACT_DTYPES:
-        raise TypeError(f"x dtype {x.dtype} is not supported; allowed: float16, bfloat16, float32")
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D (M, K), got shape {tuple(x.shape)}")
+    _check_activations(x)
     if use_triton(x):
         return quantize_per_token_launch(x)
     return quantize_activations(x)
@@ -100,22 +123,57 @@ def _(x):
     return x.new_empty(x.shape, dtype=torch.int8), x.new_empty((x.shape[0],), dtype=torch.float32)
 
 
+@torch.library.custom_op("sailfish::quantize_per_token_fp8", mutates_args=())
+def quantize_per_token_fp8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-token dynamic float8 (e4m3) quantization (formats.qqq.quantize_activations with
+    act_dtype="fp8"): x_q float8_e4m3fn (M, K) = x * (448 / max|x[m]|) rounded to nearest
+    even, scales float32 (M,) = max|x[m]| / 448; zero rows: 0 and 0; NaN/Inf rows: 0 and NaN."""
+    from . import use_triton
+
+    _check_activations(x)
+    if use_triton(x):
+        return quantize_per_token_launch(x, act_dtype="fp8")
+    return quantize_activations(x, "fp8")
+
+
+@quantize_per_token_fp8.register_fake
+def _(x):
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty((x.shape[0],), dtype=torch.float32)
+
+
 # ----------------------------------------------------------------------------------
 # GEMM configs
 # ----------------------------------------------------------------------------------
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) at M <= 16, M <= 64 (BLOCK_M 32 / 64), M > 64
-_W4A8_TILES = ((16, 128, 128, 4, 4), (32, 128, 128, 4, 4), (128, 128, 128, 8, 3))
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) at M <= 16, M <= 64 (BLOCK_M 32 / 64), M > 64,
+# from the fragment-order kernel on H200 (8192x57344 / 4096x4096, quantization included):
+# M = 1-16 (16, 64, 256) per-channel 86.5 / 73.4 us (gemv 101.3 at M = 1), g128 within 1-5%
+# of the best tile; M = 64 (64, 64, 256) 92.8 / 147.3 us, a middle ground between the large
+# shape's best (64, 128, 256: 82.6 / 136.0) and the small shape's (12.4 us table tile vs 18.9);
+# M = 1024 the fused kernel per-channel (128, 128, 128) 748 us = 1.73x cuBLAS fp16 (int8 cuBLAS
+# 1.14x); g128 there prefers (256, 128, 128) (1155 us vs 1555; the dequant path 1310), left
+# to the tuner: the M > 64 split-K rule is shared with W4A16 (tests/test_tuning.py).
+_W4A8_TILES = ((16, 64, 256, 4, 4), (32, 64, 256, 4, 4), (128, 128, 128, 8, 3))
 
 
-def _w4a8_heuristic(*, device, M, N, K, Kp, group_size) -> Config:
+def _w4a8_heuristic(*, device, M, N, K, Kp, group_size, act_dtype="int8") -> Config:
     sms = sms_for(device)
-    if M == 1:  # CUDA-core GEMV; tile as W4A16's measured best on H200 (BN 16, BK 512)
-        return gemv_heuristic(N, K, Kp, sms)
-    return mma_heuristic(M, N, K, sms, *_W4A8_TILES)
+    small, mid, large = _W4A8_TILES
+    if act_dtype == "fp8":  # per-group fp8 takes K tiles within one group
+        small, mid = (16, 128, 128, 4, 4), (32, 128, 128, 4, 4)
+    # M = 1 too: the tensor-core tile beat the CUDA-core GEMV on 8192x57344 (86.5 vs 101.3 us
+    # per-channel, 136.1 vs 144.4 g128) and lost by 0.6 us on 4096x4096
+    return mma_heuristic(M, N, K, sms, small, mid, large)
 
 
-def _w4a8_candidates(*, device, M, N, K, Kp, group_size):
+def _w4a8_candidates(*, device, M, N, K, Kp, group_size, act_dtype="int8"):
     sms = sms_for(device)
+    if act_dtype == "fp8":  # the tensor-core kernel only, K tiles within one group
+        bk = 128 if group_size != -1 else 256
+        space = [(16, 64, bk, 4, 4), (16, 128, 128, 4, 4)] if M <= 16 else \
+            [(64 if M > 32 else 32, 128, 128, 4, 4), (64 if M > 32 else 32, 64, bk, 4, 4)] if M <= 64 else \
+            [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 128, 64, 8, 4)]
+        yield from mma_candidates(space, M, N, K, Kp, sms)
+        return
     if M == 1:
         yield from gemv_candidates([(1, 16, 512, 4, 4), (1, 32, 256, 4, 4), (1, 16, 256, 4, 6),
                                     (1, 32, 512, 4, 3), (1, 64, 256, 4, 4), (1, 16, 512, 2, 4)],
@@ -136,13 +194,20 @@ def _w4a8_candidates(*, device, M, N, K, Kp, group_size):
     yield from mma_candidates(space, M, N, K, Kp, sms)
 
 
-def w4a8_key(k: int, n: int, m: int, group_size: int, out_dtype: torch.dtype) -> str:
-    return problem_key("w4a8", k, n, m, f"gs={group_size}|{str(out_dtype)[6:]}")
+def w4a8_key(k: int, n: int, m: int, group_size: int, out_dtype: torch.dtype, act_dtype: str = "int8") -> str:
+    fp8 = "|fp8" if act_dtype == "fp8" else ""
+    return problem_key("w4a8", k, n, m, f"gs={group_size}|{str(out_dtype)[6:]}{fp8}")
 
 
-def _check_config(cfg: Config, M: int, N: int, K: int, Kp: int) -> None:
+def _check_config(cfg: Config, M: int, N: int, K: int, Kp: int, group_size: int = -1,
+                  act_dtype: str = "int8") -> None:
     """W4A8's own rules, then tuning.check_config's. M may be the M bucket: the rules hold
-    for every M of a bucket alike (gemv: bucket 1; dequant: buckets >= 32)."""
+    for every M of a bucket alike (gemv: bucket 1; dequant: buckets >= 32). fp8 activations
+    run the tensor-core kernel only, per-group with K tiles inside one group."""
+    if act_dtype == "fp8" and cfg.kernel != "mma":
+        raise ValueError(f"config kernel={cfg.kernel!r}: fp8 activations run kernel='mma' only")
+    if act_dtype == "fp8" and group_size != -1 and cfg.BLOCK_K > group_size:
+        raise ValueError(f"config BLOCK_K={cfg.BLOCK_K} must be <= group_size={group_size} with fp8 activations")
     if cfg.kernel == "gemv" and M != 1:
         raise ValueError(f"config kernel='gemv' needs M=1, got M={M}")
     if cfg.kernel == "dequant" and (M <= 16 or K % 8 or N % 8 or K < 16 or N < 16):
@@ -156,7 +221,8 @@ def _check_config(cfg: Config, M: int, N: int, K: int, Kp: int) -> None:
 
 
 W4A8_TUNER = Tuner("w4a8", _w4a8_heuristic, _w4a8_candidates,
-                   check=lambda cfg, *, M, N, K, Kp, **_: _check_config(cfg, M, N, K, Kp))
+                   check=lambda cfg, *, M, N, K, Kp, group_size=-1, act_dtype="int8", **_:
+                   _check_config(cfg, M, N, K, Kp, group_size, act_dtype))
 
 
 # ----------------------------------------------------------------------------------
@@ -164,11 +230,14 @@ W4A8_TUNER = Tuner("w4a8", _w4a8_heuristic, _w4a8_candidates,
 # ----------------------------------------------------------------------------------
 def w4a8_reference(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size, out_dtype,
                    raw_acc: bool = False) -> torch.Tensor:
-    """PyTorch twin of the kernel: exact integer product (float64), float32 epilogue."""
-    w8 = unpack_qqq(PackedQQQ(qweight, s_ch, s_g, in_features, group_size)).int8_weight()
-    acc = x_q.double() @ w8.double().T.to(x_q.device)  # exact: |acc| <= 127 * 127 * K < 2**53
+    """PyTorch twin of the kernel: the product in float64 (exact for int8: |acc| <= 127 * 127
+    * K < 2**53), float32 epilogue. fp8 x_q: the weight is formats.qqq.fp8_weight."""
+    qw = unpack_qqq(PackedQQQ(qweight, s_ch, s_g, in_features, group_size))
+    fp8 = x_q.dtype == torch.float8_e4m3fn
+    w = fp8_weight(qw) if fp8 else qw.int8_weight()
+    acc = x_q.double() @ w.double().T.to(x_q.device)
     if raw_acc:
-        return acc.to(torch.int32)
+        return acc.float() if fp8 else acc.to(torch.int32)
     y = (acc.float() * s_ch.float()[None, :]) * x_scales.float()[:, None]
     if bias is not None:
         y = y + bias.float()
@@ -186,37 +255,43 @@ def _reduce(ws, out, split, x_scales, s_ch, bias, M, N, raw, emu) -> None:
 def _launch(cfg: Config, out: torch.Tensor, x_q, x_scales, qweight, s_ch, s_g, bias,
             gs: int, raw: bool, emu: bool) -> None:
     """One GEMM with cfg into out (M, N). Operands contiguous; s_g / bias may be None
-    (their pointer arguments then get s_ch, never read)."""
+    (their pointer arguments then get s_ch, never read). The kernels read qweight as its
+    bytes (formats.qqq.PackedQQQ); on the GPU they unpack with inline asm, in the
+    interpreter with its pure-Triton twin."""
     kern = _kernels()
     M, K = x_q.shape
     N = qweight.shape[0]
+    qb = qweight.view(torch.int8)  # (N, Kp // 2), little-endian bytes of the words
+    asm = x_q.is_cuda
     s_g_arg = s_ch if s_g is None else s_g
     sg_stride = 0 if s_g is None else s_g.stride(0)
     if cfg.kernel == "dequant":
         w8 = torch.empty((N, K), dtype=torch.int8, device=x_q.device)
         kern._w4a8_dequant_kernel[(_cdiv(N, cfg.BLOCK_N), _cdiv(K, cfg.BLOCK_K))](
-            qweight, s_g_arg, w8, N, K, qweight.stride(0), sg_stride, w8.stride(0),
-            GROUP_SIZE=gs, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+            qb, s_g_arg, w8, N, K, qb.stride(0), sg_stride, w8.stride(0),
+            GROUP_SIZE=gs, USE_ASM=asm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         _reduce(torch._int_mm(x_q, w8.t()), out, 1, x_scales, s_ch, bias, M, N, raw, emu)
         return
     split = cfg.SPLIT_K
-    # split-K: int32 partial sums in a (split, M, N) workspace, added exactly by the reduce kernel
-    target = out if split == 1 else torch.empty((split, M, N), dtype=torch.int32, device=x_q.device)
+    # split-K: int32 (fp8: float32) partial sums in a (split, M, N) workspace, added in a fixed
+    # order (int32: exactly) by the reduce kernel
+    acc_dtype = torch.float32 if x_q.dtype == torch.float8_e4m3fn else torch.int32
+    target = out if split == 1 else torch.empty((split, M, N), dtype=acc_dtype, device=x_q.device)
     bias_arg = s_ch if bias is None else bias
     if cfg.kernel == "gemv":
         kern._w4a8_gemv_kernel[(_cdiv(N, cfg.BLOCK_N), split)](
-            x_q, x_scales, qweight, s_ch, s_g_arg, bias_arg, target, N, K, qweight.stride(0), sg_stride,
+            x_q, x_scales, qb, s_ch, s_g_arg, bias_arg, target, N, K, qb.stride(0), sg_stride,
             GROUP_SIZE=gs, HAS_BIAS=bias is not None, EVEN_K=K % cfg.BLOCK_K == 0, SPLIT_K=split,
-            RAW=raw, EMU_BF16=emu, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+            RAW=raw, EMU_BF16=emu, USE_ASM=asm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         kern._w4a8_kernel[(_cdiv(M, cfg.BLOCK_M) * _cdiv(N, cfg.BLOCK_N), split)](
-            x_q, x_scales, qweight, s_ch, s_g_arg, bias_arg, target, M, N, K, x_q.stride(0),
-            N if split > 1 else out.stride(0), qweight.stride(0), sg_stride,
+            x_q, x_scales, qb, s_ch, s_g_arg, bias_arg, target, M, N, K, x_q.stride(0),
+            N if split > 1 else out.stride(0), qb.stride(0), sg_stride,
             GROUP_SIZE=gs, HAS_BIAS=bias is not None, EVEN_K=K % cfg.BLOCK_K == 0, SPLIT_K=split,
-            RAW=raw, EMU_BF16=emu, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-            GROUP_M=cfg.GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            RAW=raw, EMU_BF16=emu, USE_ASM=asm, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+            BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         _reduce(target, out, split, x_scales, s_ch, bias, M, N, raw, emu)
 
@@ -225,12 +300,17 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
                 s_ch: torch.Tensor, s_g: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                 in_features: int, group_size: int, out_dtype: torch.dtype,
                 config: Optional[Config] = None, raw_acc: bool = False) -> torch.Tensor:
-    """Run the W4A8 Triton kernel. x_q int8 (M, K), x_scales float32 (M,) -> y (M, N) in
-    out_dtype; raw_acc=True returns the int32 accumulator sum_k x_q[m, k] * w8[n, k]
-    instead (no scales, no bias), for exact tests."""
+    """Run the W4A8 Triton kernel. x_q int8 (or float8_e4m3fn) (M, K), x_scales float32 (M,)
+    -> y (M, N) in out_dtype; raw_acc=True returns the accumulator sum_k x_q[m, k] * w[n, k]
+    instead (no s_tok, s_ch, bias): int32 and exact for int8 (w = w8), float32 for fp8
+    (w = formats.qqq.fp8_weight), for tests."""
     M, K = x_q.shape
     N, Kp = qweight.shape[0], qweight.shape[1] * 8
-    y = torch.empty((M, N), dtype=torch.int32 if raw_acc else out_dtype, device=x_q.device)
+    act = "fp8" if x_q.dtype == torch.float8_e4m3fn else "int8"
+    if act == "fp8":
+        _check_fp8_device(x_q)
+    raw_dtype = torch.float32 if act == "fp8" else torch.int32
+    y = torch.empty((M, N), dtype=raw_dtype if raw_acc else out_dtype, device=x_q.device)
     if M == 0:
         return y
     if x_q.stride(1) != 1:
@@ -245,20 +325,20 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
     with device_of(x_q):
         if config is None:
             mb = m_bucket(M)
-            config = W4A8_TUNER.lookup(x_q.device, (K, N, mb, group_size, out_dtype))
+            config = W4A8_TUNER.lookup(x_q.device, (K, N, mb, group_size, out_dtype, act))
             if config is None:  # first call of this problem on this device
                 # no entry for this group size / output dtype: the same shape's g128 fp16
-                # config (every config runs every format). Per-channel on heuristics alone
-                # chose the fused tiles at large M, 0.63-0.71x cuBLAS fp16 on H200 8192x57344
-                # vs 1.04-1.22x for g128.
+                # config (every int8 config runs every format; fp8 has no fallback: its
+                # kernel set differs). Per-channel on heuristics alone chose the fused tiles
+                # at large M, 0.63-0.71x cuBLAS fp16 on H200 8192x57344 vs 1.04-1.22x for g128.
                 config = W4A8_TUNER.get(
-                    w4a8_key(K, N, M, group_size, out_dtype), x_q.device,
+                    w4a8_key(K, N, M, group_size, out_dtype, act), x_q.device,
                     scratch_runner(lambda cfg, out: _launch(cfg, out, *args), y),
-                    fallback_key=problem_key("w4a8", K, N, M, "any"),
-                    memo_key=(K, N, mb, group_size, out_dtype),
-                    M=mb, N=N, K=K, Kp=Kp, group_size=group_size)
+                    fallback_key=None if act == "fp8" else problem_key("w4a8", K, N, M, "any"),
+                    memo_key=(K, N, mb, group_size, out_dtype, act),
+                    M=mb, N=N, K=K, Kp=Kp, group_size=group_size, act_dtype=act)
         else:
-            _check_config(config, M, N, K, Kp)
+            _check_config(config, M, N, K, Kp, group_size, act)
         _launch(config, y, *args)
     return y
 
@@ -273,7 +353,9 @@ def w4a8_gemm(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor,
     """y = s_tok[m] * s_ch[n] * (x_q @ w8^T)[m, n] (+ bias[n]) for a W4A8 weight in the
     formats.qqq.PackedQQQ layout.
 
-    x_q: int8 (M, K), K = in_features; x_scales: float32 (M,) (from quantize_per_token);
+    x_q: int8 (M, K), K = in_features; x_scales: float32 (M,) (from quantize_per_token).
+    Or x_q float8_e4m3fn (from quantize_per_token_fp8): y = s_tok[m] * s_ch[n] *
+    (x_q @ w^T)[m, n] with w = formats.qqq.fp8_weight (q - 8, times s_g for group_size=128);
     qweight: int32 (N, Kp/8); s_ch: float32 (N,); s_g: float16 (N, Kp/128) when
     group_size=128, None when group_size=-1; bias: (N,) float or None;
     out_dtype: torch.float16 or torch.bfloat16. Returns (M, N) in out_dtype.
@@ -303,8 +385,9 @@ def w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, s_ch: torch.Tensor,
 def _validate(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size, out_dtype) -> None:
     if out_dtype not in HALF_DTYPES:
         raise TypeError(f"out_dtype {out_dtype} is not supported; allowed: float16, bfloat16")
-    if x_q.dtype != torch.int8:
-        raise TypeError(f"x_q must be int8 (from quantize_per_token), got {x_q.dtype}")
+    if x_q.dtype not in (torch.int8, torch.float8_e4m3fn):
+        raise TypeError(f"x_q must be int8 (from quantize_per_token) or float8_e4m3fn (from "
+                        f"quantize_per_token_fp8), got {x_q.dtype}")
     if x_q.dim() != 2 or x_q.shape[1] != in_features or in_features <= 0:
         raise ValueError(f"x_q must have shape (M, {in_features}), got {tuple(x_q.shape)}")
     if x_scales.dtype != torch.float32 or x_scales.shape != (x_q.shape[0],):
