@@ -21,6 +21,8 @@ Design (why, see docs/perf_log.md for the measurements):
   adds them in a fixed order, so results are deterministic run to run.
 - Offsets that scale with M * N or N * K are int64 (57344 x 40960 passes 2^31).
 """
+from functools import lru_cache
+
 import triton
 import triton.language as tl
 
@@ -432,3 +434,394 @@ def _splitk_reduce_kernel(ws_ptr, bias_ptr, y_ptr, M, N, stride_ym,
         acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
     m = offs // N
     tl.store(y_ptr + m * stride_ym + n, cast_out(acc, y_ptr.dtype.element_ty, EMU_BF16), mask=mask)
+
+
+# ----------------------------------------------------------------------------------
+# M <= 8 GEMV on the tensor cores: mma.sync m16n8k16 straight from the packed words
+# ----------------------------------------------------------------------------------
+# Why (issue 9, docs/perf_log.md v7/v10): the CUDA-core GEMV spent ~5.4 instructions per
+# weight (dequantize, convert to fp32, FFMA), issue-bound at a third of HBM speed, while
+# the H200's issue rate allows ~3.9 at the HBM rate. One mma.sync multiplies 8 weights per
+# thread exactly (fp16/bf16 products are exact in the fp32 accumulator), so a weight costs
+# its share of the 13-instruction dequantization of a word (fp16) plus 1/8 of an mma.
+#
+# The fragment-order layout (formats.int4.PackedW4) makes every word a register of the
+# m16n8k16 A fragment: lane (g, t) of a warp holds, for rows g and g + 8 and each 16-channel
+# step, channels 2t + e + 8h; nibble 4e + 2h + r0 of word 16c + 4t + a is channel
+# 128c + 32a + 16r0 + 8h + 2t + e. So one mma takes (nibbles 0/4, 2/6) of a word of row g and
+# of row g + 8 for the step (c, a, r0 = 0), another (1/5, 3/7) for r0 = 1. B is x: b0, b1 of
+# lane (g, t) are the channel pairs 2t and 2t + 8 of the step, in column g. For M = 1 every
+# column gets x (the lanes need no row index), for M <= 8 column m gets row m of x, and
+# lane (g, t) ends with y[2t], y[2t + 1] of rows g and g + 8 (the C fragment).
+#
+# The asm is elementwise over a (C, R, 4) tensor (chunk, row, lane-in-group t): Triton loads
+# the (C, R, 16) words with 16-byte vectors, i.e. lane (lane // 4, lane % 4) holds words
+# 4t .. 4t + 3 of one row, which is exactly the fragment's (g, t). The mma itself is a warp
+# instruction, so this relies on that lane order (4 lanes along the 16 words of a chunk,
+# consecutive rows in lanes // 4): tests/test_w4a16.py checks the outputs on the GPU and
+# bench/ptx.py the compiled layout.
+def _gemv_mma_asm(bf16: bool, zeros: bool, even_k: bool, pairs: int) -> str:
+    """PTX for one (chunk slot, row block, g, t) element: `pairs` row pairs (g, g + 8) of 16
+    rows each, a lane's 4 words per row. Operands (P = pairs, 4P accumulators):
+    $0 .. $4P-1 out: fp32 accumulators (pair p: c0..c3 at 4p)
+    then in: 8P words (pair p, row lo/hi, a = 0..3), the x address (pair 64c + t of the
+    lane's row of x), 2P scale addresses (pair p lo, hi), the zero-point minus scale
+    address difference, the number of x pairs left in the row (masks the K tail unless
+    even_k), the 4P accumulators. Everything a lane reads besides its words is loaded here:
+    operands loaded by Triton would let the compiler pick their layout for this op, and the
+    mma needs the words' lane order (see the block comment)."""
+    na = 4 * pairs
+    iw = na
+    ix = iw + 8 * pairs
+    i_s = ix + 1
+    iz = i_s + 2 * pairs
+    irem = iz + 1
+    iacc = irem + 1
+    ty = "bf16x2" if bf16 else "f16x2"
+    h1 = "bf16" if bf16 else "f16"
+    magic = "0x43004300" if bf16 else "0x64006400"
+    L = ["{", ".reg .b32 p0, p1, p2, p3, ul, uh, k16, t32;", ".reg .b16 q16, c16;", ".reg .pred px;",
+         ".reg .b64 za;",
+         ".reg .b32 " + ", ".join(f"x{i}" for i in range(16)) + ";",
+         ".reg .b32 " + ", ".join(f"s{r}, zl{r}, zh{r}" for r in range(2 * pairs)) + ";",
+         ".reg .f32 " + ", ".join(f"d{i}" for i in range(na)) + ";",
+         "mov.b32 k16, 0x2c002c00;"]  # (1/16, 1/16) in fp16
+    L += [f"mov.f32 d{i}, ${iacc + i};" for i in range(na)]
+    # x: pair 4i past the lane's first one is register i = 4a + 2r0 + h (16 bytes apart)
+    for i in range(16):
+        if even_k:
+            L.append(f"ld.global.nc.b32 x{i}, [${ix} + {16 * i}];")
+        else:
+            L += [f"mov.b32 x{i}, 0;", f"setp.gt.s32 px, ${irem}, {4 * i};",
+                  f"@px ld.global.nc.b32 x{i}, [${ix} + {16 * i}];"]
+    # per row: half2 scale, (1024 + z) and -(64 + z) (bf16: 128 + z); symmetric z = 8
+    for r in range(2 * pairs):
+        L += [f"ld.global.b16 q16, [${i_s + r}];", f"mov.b32 s{r}, {{q16, q16}};"]
+        if zeros:
+            L += [f"add.s64 za, ${i_s + r}, ${iz};", "ld.global.b16 q16, [za];"]
+            L += ["mov.b16 c16, 0x4300;" if bf16 else "mov.b16 c16, 0x6400;",
+                  f"add.rn.{h1} c16, q16, c16;", f"mov.b32 zl{r}, {{c16, c16}};"]
+            if not bf16:
+                L += ["mov.b16 c16, 0xd400;", f"sub.rn.f16 c16, c16, q16;", f"mov.b32 zh{r}, {{c16, c16}};"]
+        else:
+            L.append(f"mov.b32 zl{r}, {'0x43084308' if bf16 else '0x64086408'};")
+            if not bf16:
+                L.append(f"mov.b32 zh{r}, 0xd480d480;")  # (-72, -72)
+    mma = ("mma.sync.aligned.m16n8k16.row.col.f32." + ("bf16.bf16" if bf16 else "f16.f16") + ".f32 "
+           "{d%d, d%d, d%d, d%d}, {p0, p1, p2, p3}, {x%d, x%d}, {d%d, d%d, d%d, d%d};")
+
+    def half(dst, src, hi_nibble, r):
+        if not hi_nibble:  # nibbles j, j + 4 in bits 0-3 / 16-19: (1024 + q) - (1024 + z), exact
+            return [f"lop3.b32 {dst}, {src}, 0x000f000f, {magic}, 0xea;",
+                    f"sub.rn.{ty} {dst}, {dst}, zl{r};", f"mul.rn.{ty} {dst}, {dst}, s{r};"]
+        # fp16, bits 4-7 / 20-23: (1024 + 16q) / 16 - (64 + z), one exact fma
+        return [f"lop3.b32 {dst}, {src}, 0x00f000f0, {magic}, 0xea;",
+                f"fma.rn.{ty} {dst}, {dst}, k16, zh{r};", f"mul.rn.{ty} {dst}, {dst}, s{r};"]
+
+    for a in range(4):
+        for p in range(pairs):
+            wl, wh = f"${iw + 8 * p + a}", f"${iw + 8 * p + 4 + a}"
+            rl, rh = 2 * p, 2 * p + 1
+            d = tuple(4 * p + i for i in range(4))
+            for r0 in range(2):
+                # A fragment: a0 row g, channels 2t + e (h = 0); a1 row g + 8; a2, a3: h = 1
+                if bf16:  # 7 mantissa bits: every nibble is shifted down to bits 0-3 first
+                    for h in range(2):
+                        sh = 4 * (2 * h + r0)  # nibbles 2h + r0 and 2h + r0 + 4
+                        for dst, w, u, r in ((f"p{2 * h}", wl, "ul", rl), (f"p{2 * h + 1}", wh, "uh", rh)):
+                            if sh:
+                                L.append(f"shr.u32 {u}, {w}, {sh};")
+                            L += half(dst, u if sh else w, False, r)
+                else:
+                    if r0 == 0:
+                        L += [f"shr.u32 ul, {wl}, 8;", f"shr.u32 uh, {wh}, 8;"]
+                    L += half("p0", wl, r0, rl) + half("p1", wh, r0, rh)
+                    L += half("p2", "ul", r0, rl) + half("p3", "uh", r0, rh)
+                L.append(mma % (d + (4 * a + 2 * r0, 4 * a + 2 * r0 + 1) + d))
+    L += [f"mov.f32 ${i}, d{i};" for i in range(na)] + ["}"]
+    return "\n".join(L)
+
+
+def _gemv_constraints(pairs: int) -> str:
+    na = 4 * pairs
+    return ",".join(["=f"] * na + ["r"] * (8 * pairs) + ["l"] * (2 + 2 * pairs) + ["r"] + ["f"] * na)
+
+
+@lru_cache(maxsize=None)
+def gemv_asm(bf16: bool, zeros: bool, even_k: bool, pairs: int) -> tuple:
+    """(PTX, constraints) of `_w4a16_gemv_mma_kernel`'s asm, passed as its constexpr ASM."""
+    return _gemv_mma_asm(bf16, zeros, even_k, pairs), _gemv_constraints(pairs)
+
+
+def gemv_pairs(block_n: int) -> int:
+    """Row pairs (16 rows each) per asm element: 2 where BLOCK_N allows (x loaded once for
+    32 rows), else 1."""
+    return 2 if block_n >= 32 else 1
+
+
+def gemv_warps(block_n: int, block_k: int, num_warps: int) -> int:
+    """num_warps, at most the program's warp-sized work units (chunk slots x row blocks): a
+    warp more would only repeat another's work (Triton replicates a tensor smaller than the
+    CTA over the extra warps) and, in the compiled code, add shared-memory round trips."""
+    units = (block_k // 128) * (block_n // (16 * gemv_pairs(block_n)))
+    return max(1, min(num_warps, units))
+
+
+@triton.jit
+def _half_bits(p, SHIFT: tl.constexpr, DTYPE: tl.constexpr):
+    """fp32 value of the fp16/bf16 in bits SHIFT .. SHIFT + 15 of the int32 p (exact)."""
+    b = (p >> SHIFT) & 0xFFFF
+    if DTYPE == tl.float16:
+        return b.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        return (b << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gemv_split_words(w):
+    """(C, RR, 8, 16) words -> 4 tensors (C, RR, 8, 4): word 4t + a of each row, a = 0..3
+    (register-local: a thread's 4 words are one 16-byte vector)."""
+    w = tl.reshape(w, (w.shape[0], w.shape[1], 8, 4, 2, 2))  # (c, rr, g, t, a1, a0)
+    e0, e1 = tl.split(w)
+    w0, w2 = tl.split(e0)
+    w1, w3 = tl.split(e1)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _gemv_twin_weights(w0, w1, w2, w3, s_ptrs, z_ptrs, HAS_ZEROS: tl.constexpr, DTYPE: tl.constexpr,
+                       EMU_BF16: tl.constexpr):
+    """The twin's dequantization: words (C, RR, 8, 4) of a = 0..3 -> fp32 (C, RR, 8, 4, 4, 8)
+    [.., t, a, j], the weight of nibble j: the exact q - z times the scale, rounded once to
+    DTYPE, as the asm's sub/fma + mul do."""
+    w = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (w0.shape[0], w0.shape[1], 8, 4, 4))
+    q = (w[:, :, :, :, :, None] >> (4 * tl.arange(0, 8))[None, None, None, None, None, :]) & 0xF
+    s = tl.load(s_ptrs).to(tl.float32)[:, :, :, :, None, None]
+    if HAS_ZEROS:
+        z = tl.load(z_ptrs).to(tl.float32)[:, :, :, :, None, None]
+    else:
+        z = 8.0
+    v = (q.to(tl.float32) - z) * s  # exact in fp32 (<= 16 significant bits)
+    if EMU_BF16:
+        return round_bf16_emu(v)
+    else:
+        return v.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _gemv_twin_x16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, DTYPE: tl.constexpr):
+    """The 16 x pair tensors (C, 1, G, 4) of register i = 4a + 2r0 + h -> fp32 (C, 1, G, 4, 4, 8)
+    [.., t, a, j]: the channel of nibble j = 4e + 2h + r0 of word a (half e of pair i)."""
+    X = tl.join(join8(x0, x1, x2, x3, x4, x5, x6, x7), join8(x8, x9, x10, x11, x12, x13, x14, x15))
+    X = tl.reshape(tl.permute(X, (0, 1, 2, 3, 7, 4, 5, 6)), (x0.shape[0], 1, x0.shape[2], 4, 4, 2, 2))
+    X = tl.join(_half_bits(X, 0, DTYPE), _half_bits(X, 16, DTYPE))  # (.., t, a, r0, h, e)
+    X = tl.permute(X, (0, 1, 2, 3, 4, 7, 6, 5))  # (.., t, a, e, h, r0)
+    return tl.reshape(X, (x0.shape[0], 1, x0.shape[2], 4, 4, 8))
+
+
+@triton.jit
+def _gemv_twin(wl, wh, X, acc0, acc1, acc2, acc3, g, t, M, BLOCK_M: tl.constexpr):
+    """Pure-Triton twin of the asm's mma for one row pair (what the interpreter runs), on
+    the weights wl / wh and x values X of `_gemv_twin_weights` / `_gemv_twin_x16`: the same
+    exact products, fp32 sums in another order. As in the C fragment, lane t of row g gets
+    y[2t] (acc0 / acc2) and y[2t + 1] (acc1 / acc3), the sum over the group's 4 lanes and
+    their 4 words; the other lanes keep zeros (M = 1: the asm has y[0] in every t, the store
+    reads t = 0 only)."""
+    for m in tl.static_range(BLOCK_M):
+        if m < M:
+            if BLOCK_M == 1:
+                xm = X
+            else:  # column m: the lanes g = m
+                xm = tl.sum(tl.where((g == m)[None, None, :, None, None, None], X, 0.0), axis=2, keep_dims=True)
+            s_lo = tl.sum(tl.sum(tl.sum(wl * xm, axis=5), axis=4), axis=3, keep_dims=True)
+            s_hi = tl.sum(tl.sum(tl.sum(wh * xm, axis=5), axis=4), axis=3, keep_dims=True)
+            sel0 = (2 * t == m)[None, None, None, :]
+            sel1 = (2 * t + 1 == m)[None, None, None, :]
+            acc0 += tl.where(sel0, s_lo, 0.0)
+            acc1 += tl.where(sel1, s_lo, 0.0)
+            acc2 += tl.where(sel0, s_hi, 0.0)
+            acc3 += tl.where(sel1, s_hi, 0.0)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _gemv_twin_x(xq, xo, rem, EVEN_K: tl.constexpr):
+    """The 16 x pairs of the twin (register i = pair 4i past xo), masked past K."""
+    if EVEN_K:
+        return (tl.load(xq + xo), tl.load(xq + xo + 4), tl.load(xq + xo + 8), tl.load(xq + xo + 12),
+                tl.load(xq + xo + 16), tl.load(xq + xo + 20), tl.load(xq + xo + 24), tl.load(xq + xo + 28),
+                tl.load(xq + xo + 32), tl.load(xq + xo + 36), tl.load(xq + xo + 40), tl.load(xq + xo + 44),
+                tl.load(xq + xo + 48), tl.load(xq + xo + 52), tl.load(xq + xo + 56), tl.load(xq + xo + 60))
+    else:
+        return (tl.load(xq + xo, mask=rem > 0, other=0), tl.load(xq + xo + 4, mask=rem > 4, other=0),
+                tl.load(xq + xo + 8, mask=rem > 8, other=0), tl.load(xq + xo + 12, mask=rem > 12, other=0),
+                tl.load(xq + xo + 16, mask=rem > 16, other=0), tl.load(xq + xo + 20, mask=rem > 20, other=0),
+                tl.load(xq + xo + 24, mask=rem > 24, other=0), tl.load(xq + xo + 28, mask=rem > 28, other=0),
+                tl.load(xq + xo + 32, mask=rem > 32, other=0), tl.load(xq + xo + 36, mask=rem > 36, other=0),
+                tl.load(xq + xo + 40, mask=rem > 40, other=0), tl.load(xq + xo + 44, mask=rem > 44, other=0),
+                tl.load(xq + xo + 48, mask=rem > 48, other=0), tl.load(xq + xo + 52, mask=rem > 52, other=0),
+                tl.load(xq + xo + 56, mask=rem > 56, other=0), tl.load(xq + xo + 60, mask=rem > 60, other=0))
+
+
+@triton.jit
+def _gemv_store(acc, n, I: tl.constexpr, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k,
+                HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr, DTYPE: tl.constexpr):
+    """Sum a (C, RR, 8, 4) accumulator over its chunk slots and store y[2t + I, n] (rows n:
+    (RR, 8)); with split-K the fp32 partial goes to ws[pid_k] instead."""
+    out = tl.sum(acc, axis=0)  # (RR, 8, 4)
+    m = (2 * t + I)[None, None, :]
+    on = n.to(tl.int64)[:, :, None]
+    mask = (m < M) & (on < N)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + on % N).to(tl.float32)
+        tl.store(y_ptr + m * stride_ym + on, cast_out(out, DTYPE, EMU_BF16), mask=mask)
+    else:
+        tl.store(ws_ptr + (pid_k * M + m) * N + on, out, mask=mask)
+
+
+@triton.jit
+def _gemv_rows(pid_n, P: tl.constexpr, PAIR: tl.constexpr, HI: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows (RR, 8) of row pair PAIR, half HI (rows g or g + 8) of every 16 P-row block."""
+    RR: tl.constexpr = BLOCK_N // (16 * P)
+    return (pid_n * BLOCK_N + 16 * (P * tl.arange(0, RR) + PAIR) + 8 * HI)[:, None] + tl.arange(0, 8)[None, :]
+
+
+@triton.jit
+def _gemv_words(qw_ptr, n, N, kt0, stride_qn, C: tl.constexpr):
+    """Pointers (C, RR, 8, 16) to the words of rows n (wrapped into [0, N): unmasked loads,
+    results dropped at the store) for the K tile kt0."""
+    rn = (n % N).to(tl.int64)
+    wo = (kt0 * C + tl.arange(0, C))[:, None, None, None] * 16 + tl.arange(0, 16)[None, None, None, :]
+    return qw_ptr + rn[None, :, :, None] * stride_qn + wo
+
+
+@triton.jit
+def _gemv_scales(s_ptr, n, N, kc, stride_sn, GROUP_SIZE: tl.constexpr):
+    """Pointers (C, RR, 8, 1) to the scales of rows n for chunks kc (C,): GROUP_SIZE is 0
+    (one group) or a multiple of 128 (a chunk lies in one group)."""
+    rn = (n % N).to(tl.int64)
+    if GROUP_SIZE == 0:
+        g = kc * 0
+    else:
+        g = kc * 128 // GROUP_SIZE
+    return s_ptr + rn[None, :, :, None] * stride_sn + g[:, None, None, None]
+
+
+@triton.jit
+def _w4a16_gemv_mma_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
+    M, N, K, stride_xm, stride_ym, stride_qn, stride_sn,
+    GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr, ASM: tl.constexpr,
+    ASM_CONSTRAINTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """y (M, N) = x (M, K) @ W^T for M <= BLOCK_M <= 8, on the tensor cores (mma.sync
+    m16n8k16, fp32 accumulators) with the weights read straight into registers: see the
+    block comment above. A program owns BLOCK_N rows in blocks of 16 P (P = gemv_pairs row
+    pairs per asm element) and walks its K range in tiles of C = BLOCK_K // 128 chunks;
+    GROUP_SIZE is 0 (per channel) or a multiple of 128; K is even and x's rows 4-byte
+    aligned (x is read as channel pairs). ASM: gemv_asm(...) for this dtype / zeros /
+    EVEN_K / P (unused without USE_ASM). Split-K as _w4a16_kernel.
+    Accumulators: (C, RR, 8, 4) per C-fragment register and pair: element (c, rr, g, t) of
+    acc_{4p + i} holds y[2t + i % 2] of row 16 (P rr + p) + g + 8 (i // 2), chunk slot c."""
+    DTYPE = x_ptr.dtype.element_ty
+    C: tl.constexpr = BLOCK_K // 128
+    P: tl.constexpr = 2 if BLOCK_N >= 32 else 1
+    RR: tl.constexpr = BLOCK_N // (16 * P)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    kt0, kt1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
+    g = tl.arange(0, 8)
+    t = tl.arange(0, 4)
+    cc = tl.arange(0, C)
+    n0l = _gemv_rows(pid_n, P, 0, 0, BLOCK_N)
+    n0h = _gemv_rows(pid_n, P, 0, 1, BLOCK_N)
+    w0l = _gemv_words(qw_ptr, n0l, N, kt0, stride_qn, C)
+    w0h = _gemv_words(qw_ptr, n0h, N, kt0, stride_qn, C)
+    if P == 2:
+        n1l = _gemv_rows(pid_n, P, 1, 0, BLOCK_N)
+        n1h = _gemv_rows(pid_n, P, 1, 1, BLOCK_N)
+        w1l = _gemv_words(qw_ptr, n1l, N, kt0, stride_qn, C)
+        w1h = _gemv_words(qw_ptr, n1h, N, kt0, stride_qn, C)
+    # x as int32 channel pairs: lane t of chunk c starts at pair 64c + t. M = 1: every B
+    # column is x; else column g is row g % M of x (columns >= M are dropped at the store)
+    xq = x_ptr.to(tl.pointer_type(tl.int32))
+    xo = (kt0 * C + cc)[:, None, None, None] * 64 + t[None, None, None, :]  # (C, 1, 1, 4)
+    if BLOCK_M > 1:
+        xo = xo + ((g % M) * (stride_xm // 2))[None, None, :, None]  # (C, 1, 8, 4)
+    pk = (kt0 * C + cc)[:, None, None, None] * 64 + t[None, None, None, :]
+    # zero points: same (N, Gp) strides as the scales, so one distance (in elements) finds them
+    zdiff = (z_ptr.to(tl.int64, bitcast=True) - s_ptr.to(tl.int64, bitcast=True)) // 2
+    acc0 = tl.zeros((C, RR, 8, 4), tl.float32)
+    acc1 = tl.zeros((C, RR, 8, 4), tl.float32)
+    acc2 = tl.zeros((C, RR, 8, 4), tl.float32)
+    acc3 = tl.zeros((C, RR, 8, 4), tl.float32)
+    if P == 2:
+        acc4 = tl.zeros((C, RR, 8, 4), tl.float32)
+        acc5 = tl.zeros((C, RR, 8, 4), tl.float32)
+        acc6 = tl.zeros((C, RR, 8, 4), tl.float32)
+        acc7 = tl.zeros((C, RR, 8, 4), tl.float32)
+    for kt in range(kt0, kt1):
+        kc = kt * C + cc
+        rem = K // 2 - pk  # x pairs left in the row from each lane's first one
+        a0, a1, a2, a3 = _gemv_split_words(tl.load(w0l, eviction_policy="evict_first"))
+        b0, b1, b2, b3 = _gemv_split_words(tl.load(w0h, eviction_policy="evict_first"))
+        s0l = _gemv_scales(s_ptr, n0l, N, kc, stride_sn, GROUP_SIZE)
+        s0h = _gemv_scales(s_ptr, n0h, N, kc, stride_sn, GROUP_SIZE)
+        if P == 2:
+            e0, e1, e2, e3 = _gemv_split_words(tl.load(w1l, eviction_policy="evict_first"))
+            f0, f1, f2, f3 = _gemv_split_words(tl.load(w1h, eviction_policy="evict_first"))
+            s1l = _gemv_scales(s_ptr, n1l, N, kc, stride_sn, GROUP_SIZE)
+            s1h = _gemv_scales(s_ptr, n1h, N, kc, stride_sn, GROUP_SIZE)
+        if USE_ASM:
+            # only words, addresses and accumulators as operands: see _gemv_mma_asm
+            xa = (xq + xo).to(tl.int64, bitcast=True)
+            za = zdiff * 2
+            if P == 1:
+                acc0, acc1, acc2, acc3 = tl.inline_asm_elementwise(
+                    ASM, ASM_CONSTRAINTS,
+                    [a0, a1, a2, a3, b0, b1, b2, b3, xa, s0l.to(tl.int64, bitcast=True),
+                     s0h.to(tl.int64, bitcast=True), za, rem, acc0, acc1, acc2, acc3],
+                    dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+            else:
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tl.inline_asm_elementwise(
+                    ASM, ASM_CONSTRAINTS,
+                    [a0, a1, a2, a3, b0, b1, b2, b3, e0, e1, e2, e3, f0, f1, f2, f3, xa,
+                     s0l.to(tl.int64, bitcast=True), s0h.to(tl.int64, bitcast=True),
+                     s1l.to(tl.int64, bitcast=True), s1h.to(tl.int64, bitcast=True), za, rem,
+                     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7],
+                    dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+        else:  # the interpreter's twin
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _gemv_twin_x(
+                xq, xo, rem, EVEN_K)
+            X = _gemv_twin_x16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, DTYPE)
+            acc0, acc1, acc2, acc3 = _gemv_twin(
+                _gemv_twin_weights(a0, a1, a2, a3, s0l, s0l + zdiff, HAS_ZEROS, DTYPE, EMU_BF16),
+                _gemv_twin_weights(b0, b1, b2, b3, s0h, s0h + zdiff, HAS_ZEROS, DTYPE, EMU_BF16),
+                X, acc0, acc1, acc2, acc3, g, t, M, BLOCK_M)
+            if P == 2:
+                acc4, acc5, acc6, acc7 = _gemv_twin(
+                    _gemv_twin_weights(e0, e1, e2, e3, s1l, s1l + zdiff, HAS_ZEROS, DTYPE, EMU_BF16),
+                    _gemv_twin_weights(f0, f1, f2, f3, s1h, s1h + zdiff, HAS_ZEROS, DTYPE, EMU_BF16),
+                    X, acc4, acc5, acc6, acc7, g, t, M, BLOCK_M)
+        w0l += 16 * C
+        w0h += 16 * C
+        if P == 2:
+            w1l += 16 * C
+            w1h += 16 * C
+        xo += 64 * C
+        pk += 64 * C
+    _gemv_store(acc0, n0l, 0, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, HAS_BIAS, SPLIT_K, EMU_BF16, DTYPE)
+    _gemv_store(acc1, n0l, 1, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, HAS_BIAS, SPLIT_K, EMU_BF16, DTYPE)
+    _gemv_store(acc2, n0h, 0, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, HAS_BIAS, SPLIT_K, EMU_BF16, DTYPE)
+    _gemv_store(acc3, n0h, 1, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, HAS_BIAS, SPLIT_K, EMU_BF16, DTYPE)
+    if P == 2:
+        _gemv_store(acc4, n1l, 0, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, HAS_BIAS, SPLIT_K, EMU_BF16,
+                    DTYPE)
+        _gemv_store(acc5, n1l, 1, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, HAS_BIAS, SPLIT_K, EMU_BF16,
+                    DTYPE)
+        _gemv_store(acc6, n1h, 0, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, HAS_BIAS, SPLIT_K, EMU_BF16,
+                    DTYPE)
+        _gemv_store(acc7, n1h, 1, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, HAS_BIAS, SPLIT_K, EMU_BF16,
+                    DTYPE)

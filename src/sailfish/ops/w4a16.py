@@ -153,6 +153,29 @@ def _has_bf16x2(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
+# The 'gemv' configs run on the tensor cores (kernels/w4a16._w4a16_gemv_mma_kernel, issue 9)
+# wherever that kernel applies; SAILFISH_GEMV_MMA=0 keeps the CUDA-core GEMV, to compare.
+GEMV_MMA = os.environ.get("SAILFISH_GEMV_MMA", "1") == "1"
+
+
+def gemv_on_tensor_cores(cfg: Config, x: torch.Tensor, gs: int, general_gidx: bool) -> bool:
+    """Whether a 'gemv' config runs the tensor-core GEMV: M <= 8 (the 8 columns of an
+    m16n8k16 B tile), groups of whole 128-channel chunks (per channel, 128, 256, ...), no
+    per-channel group index, x readable as 4-byte channel pairs (even K, aligned rows).
+    Elsewhere (group 32 / 64, a general g_idx, odd K) the CUDA-core GEMV runs."""
+    return (GEMV_MMA and cfg.BLOCK_M <= 8 and cfg.BLOCK_N >= 16 and not general_gidx
+            and gs % K_CHUNK == 0 and x.shape[1] % 2 == 0 and x.data_ptr() % 4 == 0
+            and x.stride(0) % 2 == 0)
+
+
+def _has_mma_asm(x: torch.Tensor) -> bool:
+    """mma.sync m16n8k16 needs sm_80; the bf16 dequantization's sub/mul.bf16x2 sm_90."""
+    if not x.is_cuda:
+        return False
+    cap = torch.cuda.get_device_capability(x.device.index)
+    return cap >= (9, 0) or (cap >= (8, 0) and x.dtype == torch.float16)
+
+
 def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: Optional[torch.Tensor], perm: Optional[torch.Tensor],
                  sorted_g_idx: Optional[torch.Tensor], bias: Optional[torch.Tensor],
@@ -165,7 +188,8 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     import triton  # imported lazily so that TRITON_INTERPRET can be set before it
 
     from ..kernels.w4a16 import (_splitk_reduce_kernel, _w4a16_dequant_kernel, _w4a16_gemv_kernel,
-                                 _w4a16_kernel)
+                                 _w4a16_gemv_mma_kernel, _w4a16_kernel, gemv_asm, gemv_pairs,
+                                 gemv_warps)
 
     M, K = x.shape
     N, kp8 = qweight.shape
@@ -206,7 +230,18 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             ws = torch.empty((cfg.SPLIT_K, M, N), dtype=torch.float32, device=x.device)
         common = dict(HAS_BIAS=bias is not None, EVEN_K=(K % cfg.BLOCK_K == 0), SPLIT_K=cfg.SPLIT_K, **flags)
         ptrs = (x, qweight, scales, z_arg, g_arg, scales if bias is None else bias, out, ws)
-        if cfg.kernel == "gemv":  # (the gemv / dequant kernels take no PREFETCH_S)
+        if cfg.kernel == "gemv" and gemv_on_tensor_cores(cfg, x, gs, sorted_g_idx is not None):
+            mma_asm = use_asm and _has_mma_asm(x)
+            asm_text, asm_constraints = gemv_asm(x.dtype == torch.bfloat16, zeros is not None,
+                                                 K % cfg.BLOCK_K == 0, gemv_pairs(cfg.BLOCK_N)) if mma_asm else ("", "")
+            _w4a16_gemv_mma_kernel[(triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)](
+                x, qweight, scales, z_arg, ptrs[5], out, ws, M, N, K, x.stride(0), out.stride(0),
+                qweight.stride(0), scales.stride(0), GROUP_SIZE=gs, HAS_ZEROS=zeros is not None,
+                HAS_BIAS=bias is not None, EVEN_K=(K % cfg.BLOCK_K == 0), SPLIT_K=cfg.SPLIT_K, EMU_BF16=emu,
+                USE_ASM=mma_asm, ASM=asm_text, ASM_CONSTRAINTS=asm_constraints,
+                BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+                num_warps=gemv_warps(cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_warps), num_stages=cfg.num_stages)
+        elif cfg.kernel == "gemv":  # (the gemv / dequant kernels take no PREFETCH_S)
             _w4a16_gemv_kernel[(triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)](
                 *ptrs, M, N, K, x.stride(0), out.stride(0), qweight.stride(0), scales.stride(0),
                 BLOCK_M=cfg.BLOCK_M, **common)

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Issue 9 (s3-gemv): the M <= 8 tensor-core GEMV. Run from the repository root; <= 3 minutes.
+# 1. its GPU tests; 2. decode-step timings (CUDA graph over >= 3x L2 of weight copies) on the
+# 8 Llama-3 shapes: new GEMV (a few tiles) vs the CUDA-core GEMV vs the 'mma' kernel at M = 1,
+# and M = 2, with the fraction of the HBM limit.
+set -u
+export PYTHONPATH=src
+python -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
+timeout 100 python -m pytest -q -x -p no:cacheprovider tests/test_w4a16_gemv.py \
+    "tests/test_w4a16.py::test_asm_dequant_matches_pure_triton" 2>&1 | tail -15
+timeout 170 python - <<'EOF'
+import time
+import torch
+import triton
+from sailfish import Config
+from sailfish.bench.timing import copies_needed, graph_time_us
+from sailfish.ops import w4a16 as ops
+from sailfish.tuning import split_k_for
+
+t_start = time.time()
+dev = torch.device("cuda")
+name = torch.cuda.get_device_name()
+bw = 4.28e12 if "H200" in name else 3.35e12
+sms = torch.cuda.get_device_properties(0).multi_processor_count
+SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096),
+          (8192, 10240), (8192, 8192), (8192, 57344), (28672, 8192)]
+
+
+def g(bm, bn, bk, w, n, k):
+    return Config(bm, bn, bk, split_k_for(-(-n // bn), k // bk, sms), 8, w, 1, kernel="gemv")
+
+
+def run(cfg, ws, x, mma_gemv=True):
+    ops.GEMV_MMA = mma_gemv
+    qw, s = ws
+    return ops.w4a16_launch(x, qw, s, None, None, None, None, x.shape[1], 128, config=cfg)
+
+
+print(f"{'K x N':>12} {'M':>2} {'kernel':<34} {'us':>8} {'limit':>6}")
+for k, n in SHAPES:
+    if time.time() - t_start > 140:
+        print("time budget reached, stopping"); break
+    wbytes = n * k // 2 + n * (k // 128) * 2
+    r = copies_needed(wbytes)
+    copies = [(torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device=dev),
+               (torch.rand(n, k // 128, device=dev) * 0.01 + 0.001).half()) for _ in range(r)]
+    for m in (1, 2):
+        x = torch.randn(m, k, device=dev).half()
+        lim = (wbytes + 2 * m * k + 2 * m * n) / bw * 1e6
+        if m == 1:
+            cands = [("gemv-mma " + c, g(1, *map(int, c.split("/")), n, k)) for c in
+                     ("16/1024/8", "32/512/4", "64/512/4", "64/1024/8", "128/256/4")]
+            cands += [("gemv-cuda-cores (table cfg)", None), ("mma BM16 BN128 BK256",
+                      Config(16, 128, 256, split_k_for(-(-n // 128), k // 256, sms), 8, 4, 3))]
+        else:
+            cands = [("gemv-mma " + c, g(m, *map(int, c.split("/")), n, k)) for c in
+                     ("32/512/4", "64/512/4")]
+            cands += [("mma BM16 BN128 BK256", Config(16, 128, 256, split_k_for(-(-n // 128), k // 256, sms),
+                                                        8, 4, 3))]
+        ref = None
+        for label, cfg in cands:
+            mma_gemv = not label.startswith("gemv-cuda-cores")
+            if cfg is None:
+                cfg = ops.W4A16_TUNER.get(ops.w4a16_key(k, n, 1, 128, False, False, torch.float16), dev, None,
+                                          M=1, N=n, Kp=k, group_size=128, general_gidx=False)
+                label = f"gemv-cuda-cores {cfg.BLOCK_N}/{cfg.BLOCK_K}/{cfg.num_warps} s{cfg.SPLIT_K}"
+            try:
+                y = run(cfg, copies[0], x, mma_gemv)
+                if ref is None:
+                    ref = y.float()
+                err = float((y.float() - ref).norm() / ref.norm())
+                t = graph_time_us([lambda w=w: run(cfg, w, x, mma_gemv) for w in copies])
+                print(f"{k:>5}x{n:<6} {m:>2} {label + ' s' + str(cfg.SPLIT_K):<34} {t:8.1f} {lim / t:6.2f}"
+                      f"{'' if err < 1e-2 else f'  MISMATCH rel err {err:.2e}'}", flush=True)
+            except Exception as e:  # report and go on
+                print(f"{k:>5}x{n:<6} {m:>2} {label:<34} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+    del copies
+    torch.cuda.empty_cache()
+print(f"total {time.time() - t_start:.0f} s")
+EOF
