@@ -126,8 +126,9 @@ def test_gemv_mma_asm_and_twin_at_k28672(cfg, dtype):
 _PTX_CHILD = r"""
 import sys
 from sailfish.bench.ptx import gemv_loop, shipped_mma_configs
-cfgs = [(c.BLOCK_M, c.BLOCK_N, c.BLOCK_K, c.SPLIT_K, c.num_warps) for _, c in shipped_mma_configs("gemv")]
-cfgs += [(1, 64, 512, 1, 4), (1, 128, 256, 1, 4), (4, 32, 256, 2, 4)]
+cfgs = [(c.BLOCK_M, c.BLOCK_N, c.BLOCK_K, c.SPLIT_K, c.num_warps, c.num_stages)
+        for _, c in shipped_mma_configs("gemv")]
+cfgs += [(1, 64, 512, 1, 4, 1), (1, 128, 256, 1, 4, 2), (4, 32, 256, 2, 4, 2)]
 bad = []
 for c in cfgs:
     for kw in (dict(), dict(dtype="bf16", has_zeros=True), dict(group_size=-1)):

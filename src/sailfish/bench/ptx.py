@@ -73,11 +73,12 @@ def compile_mma(block_m: int, block_n: int, block_k: int, split_k: int, num_warp
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def compile_gemv(block_m: int, block_n: int, block_k: int, split_k: int, num_warps: int, *,
-                 dtype: str = "fp16", group_size: int = 128, has_zeros: bool = False, use_asm: bool = True,
+def compile_gemv(block_m: int, block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int = 1,
+                 *, dtype: str = "fp16", group_size: int = 128, has_zeros: bool = False, use_asm: bool = True,
                  capability: int = 90):
     """triton.compile of kernels/w4a16._w4a16_gemv_mma_kernel (the M <= 8 tensor-core GEMV)
-    for cuda:<capability>, specialised as the launcher is on a GPU."""
+    for cuda:<capability>, specialised as the launcher is on a GPU (num_stages > 1: the
+    words are prefetched one K tile ahead)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -90,7 +91,7 @@ def compile_gemv(block_m: int, block_n: int, block_k: int, split_k: int, num_war
            "ws_ptr": "*fp32", **{k: "i32" for k in _INTS}}
     consts = dict(GROUP_SIZE=0 if group_size == -1 else group_size, HAS_ZEROS=has_zeros, HAS_BIAS=False,
                   EVEN_K=True, SPLIT_K=split_k, EMU_BF16=False, USE_ASM=use_asm,
-                  ASM=asm[0], ASM_CONSTRAINTS=asm[1], BLOCK_M=block_m,
+                  ASM=asm[0], ASM_CONSTRAINTS=asm[1], PREFETCH=num_stages > 1, BLOCK_M=block_m,
                   BLOCK_N=block_n, BLOCK_K=block_k)
     names = list(sig)
     aligned = tuple(n for n in _PTRS if n != "gidx_ptr") + ("N", "K", "stride_xm", "stride_ym", "stride_qn")
@@ -171,9 +172,10 @@ def gemv_lane_order(ttgir: str) -> bool:
     return found
 
 
-def gemv_loop(block_m: int, block_n: int, block_k: int, split_k: int, num_warps: int, **kw) -> SassLoop:
+def gemv_loop(block_m: int, block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int = 1,
+              **kw) -> SassLoop:
     """SASS K-loop counts of the tensor-core GEMV for one config (raises if none is found)."""
-    k = compile_gemv(block_m, block_n, block_k, split_k, num_warps, **kw)
+    k = compile_gemv(block_m, block_n, block_k, split_k, num_warps, num_stages, **kw)
     from ..kernels.w4a16 import gemv_warps
 
     warps = gemv_warps(block_n, block_k, num_warps)
@@ -228,12 +230,14 @@ def _main_gemv(cfgs, args) -> int:
     """--gemv: SASS instructions per weight of the tensor-core GEMV's K loop, and its lane order."""
     bad = 0
     for gpu, cfg in cfgs:
-        loop = gemv_loop(cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.SPLIT_K, cfg.num_warps, dtype=args.dtype,
+        loop = gemv_loop(cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.SPLIT_K, cfg.num_warps, cfg.num_stages,
+                         dtype=args.dtype,
                          group_size=args.group_size, has_zeros=args.zeros, use_asm=not args.no_asm,
                          capability=args.capability)
         top = ", ".join(f"{op} {n}" for op, n in sorted(loop.ops.items(), key=lambda kv: -kv[1])[:8])
         bad += not loop.lane_order
-        print(f"[{gpu}] BM={cfg.BLOCK_M} BN={cfg.BLOCK_N} BK={cfg.BLOCK_K} split={cfg.SPLIT_K} w={cfg.num_warps}: "
+        print(f"[{gpu}] BM={cfg.BLOCK_M} BN={cfg.BLOCK_N} BK={cfg.BLOCK_K} split={cfg.SPLIT_K} w={cfg.num_warps} "
+              f"st={cfg.num_stages}: "
               f"{loop.instructions} instructions / {loop.weights} weights per thread and K tile = "
               f"{loop.per_weight:.2f} per weight; lane order {'ok' if loop.lane_order else 'WRONG'} ({top})")
     return 1 if bad else 0

@@ -714,7 +714,7 @@ def _w4a16_gemv_mma_kernel(
     M, N, K, stride_xm, stride_ym, stride_qn, stride_sn,
     GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr, ASM: tl.constexpr,
-    ASM_CONSTRAINTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ASM_CONSTRAINTS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """y (M, N) = x (M, K) @ W^T for M <= BLOCK_M <= 8, on the tensor cores (mma.sync
     m16n8k16, fp32 accumulators) with the weights read straight into registers: see the
@@ -762,16 +762,38 @@ def _w4a16_gemv_mma_kernel(
         acc5 = tl.zeros((C, RR, 8, 4), tl.float32)
         acc6 = tl.zeros((C, RR, 8, 4), tl.float32)
         acc7 = tl.zeros((C, RR, 8, 4), tl.float32)
+    if PREFETCH:  # the first tile's words
+        # Tile min(kt, kt1 - 1): always a real tile, so no mask (a masked load costs a zeroing
+        # move per register); the last iteration reloads its own tile from L2.
+        dt = 16 * C * (tl.minimum(kt0, kt1 - 1) - kt0)
+        q0l = tl.load(w0l + dt, eviction_policy="evict_first")
+        q0h = tl.load(w0h + dt, eviction_policy="evict_first")
+        if P == 2:
+            q1l = tl.load(w1l + dt, eviction_policy="evict_first")
+            q1h = tl.load(w1h + dt, eviction_policy="evict_first")
     for kt in range(kt0, kt1):
         kc = kt * C + cc
         rem = K // 2 - pk  # x pairs left in the row from each lane's first one
-        a0, a1, a2, a3 = _gemv_split_words(tl.load(w0l, eviction_policy="evict_first"))
-        b0, b1, b2, b3 = _gemv_split_words(tl.load(w0h, eviction_policy="evict_first"))
+        if PREFETCH:  # this tile's words were loaded one iteration ago; load the next tile's
+            dt = 16 * C * (kt + 1 < kt1).to(tl.int32)
+            a0, a1, a2, a3 = _gemv_split_words(q0l)
+            b0, b1, b2, b3 = _gemv_split_words(q0h)
+            q0l = tl.load(w0l + dt, eviction_policy="evict_first")
+            q0h = tl.load(w0h + dt, eviction_policy="evict_first")
+        else:
+            a0, a1, a2, a3 = _gemv_split_words(tl.load(w0l, eviction_policy="evict_first"))
+            b0, b1, b2, b3 = _gemv_split_words(tl.load(w0h, eviction_policy="evict_first"))
         s0l = _gemv_scales(s_ptr, n0l, N, kc, stride_sn, GROUP_SIZE)
         s0h = _gemv_scales(s_ptr, n0h, N, kc, stride_sn, GROUP_SIZE)
         if P == 2:
-            e0, e1, e2, e3 = _gemv_split_words(tl.load(w1l, eviction_policy="evict_first"))
-            f0, f1, f2, f3 = _gemv_split_words(tl.load(w1h, eviction_policy="evict_first"))
+            if PREFETCH:
+                e0, e1, e2, e3 = _gemv_split_words(q1l)
+                f0, f1, f2, f3 = _gemv_split_words(q1h)
+                q1l = tl.load(w1l + dt, eviction_policy="evict_first")
+                q1h = tl.load(w1h + dt, eviction_policy="evict_first")
+            else:
+                e0, e1, e2, e3 = _gemv_split_words(tl.load(w1l, eviction_policy="evict_first"))
+                f0, f1, f2, f3 = _gemv_split_words(tl.load(w1h, eviction_policy="evict_first"))
             s1l = _gemv_scales(s_ptr, n1l, N, kc, stride_sn, GROUP_SIZE)
             s1h = _gemv_scales(s_ptr, n1h, N, kc, stride_sn, GROUP_SIZE)
         if USE_ASM:

@@ -238,7 +238,7 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 x, qweight, scales, z_arg, ptrs[5], out, ws, M, N, K, x.stride(0), out.stride(0),
                 qweight.stride(0), scales.stride(0), GROUP_SIZE=gs, HAS_ZEROS=zeros is not None,
                 HAS_BIAS=bias is not None, EVEN_K=(K % cfg.BLOCK_K == 0), SPLIT_K=cfg.SPLIT_K, EMU_BF16=emu,
-                USE_ASM=mma_asm, ASM=asm_text, ASM_CONSTRAINTS=asm_constraints,
+                USE_ASM=mma_asm, ASM=asm_text, ASM_CONSTRAINTS=asm_constraints, PREFETCH=cfg.num_stages > 1,
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
                 num_warps=gemv_warps(cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_warps), num_stages=cfg.num_stages)
         elif cfg.kernel == "gemv":  # (the gemv / dequant kernels take no PREFETCH_S)
