@@ -697,6 +697,24 @@ def _gemv_words(qw_ptr, n, N, kt0, stride_qn, C: tl.constexpr):
 
 
 @triton.jit
+def _gemv_pair_words(wl, wh, ql, qh, dt, PREFETCH: tl.constexpr):
+    """This K tile's words of a row pair (rows g at wl, g + 8 at wh), split by a. PREFETCH:
+    they are ql, qh (loaded one iteration ago), and the next tile's (at + dt) are returned
+    in their place; else they are loaded now and ql, qh pass through."""
+    if PREFETCH:
+        cl = ql
+        ch = qh
+        ql = tl.load(wl + dt, eviction_policy="evict_first")
+        qh = tl.load(wh + dt, eviction_policy="evict_first")
+    else:
+        cl = tl.load(wl, eviction_policy="evict_first")
+        ch = tl.load(wh, eviction_policy="evict_first")
+    a0, a1, a2, a3 = _gemv_split_words(cl)
+    b0, b1, b2, b3 = _gemv_split_words(ch)
+    return a0, a1, a2, a3, b0, b1, b2, b3, ql, qh
+
+
+@triton.jit
 def _gemv_scales(s_ptr, n, N, kc, stride_sn, GROUP_SIZE: tl.constexpr):
     """Pointers (C, RR, 8, 1) to the scales of rows n for chunks kc (C,): GROUP_SIZE is 0
     (one group) or a multiple of 128 (a chunk lies in one group)."""
@@ -771,29 +789,17 @@ def _w4a16_gemv_mma_kernel(
         if P == 2:
             q1l = tl.load(w1l + dt, eviction_policy="evict_first")
             q1h = tl.load(w1h + dt, eviction_policy="evict_first")
+    else:  # placeholders, passed through unchanged
+        q0l, q0h, q1l, q1h = w0l, w0h, w0l, w0h
     for kt in range(kt0, kt1):
         kc = kt * C + cc
         rem = K // 2 - pk  # x pairs left in the row from each lane's first one
-        if PREFETCH:  # this tile's words were loaded one iteration ago; load the next tile's
-            dt = 16 * C * (kt + 1 < kt1).to(tl.int32)
-            a0, a1, a2, a3 = _gemv_split_words(q0l)
-            b0, b1, b2, b3 = _gemv_split_words(q0h)
-            q0l = tl.load(w0l + dt, eviction_policy="evict_first")
-            q0h = tl.load(w0h + dt, eviction_policy="evict_first")
-        else:
-            a0, a1, a2, a3 = _gemv_split_words(tl.load(w0l, eviction_policy="evict_first"))
-            b0, b1, b2, b3 = _gemv_split_words(tl.load(w0h, eviction_policy="evict_first"))
+        dt = 16 * C * (kt + 1 < kt1).to(tl.int32)  # to the next tile (PREFETCH), if any
+        a0, a1, a2, a3, b0, b1, b2, b3, q0l, q0h = _gemv_pair_words(w0l, w0h, q0l, q0h, dt, PREFETCH)
         s0l = _gemv_scales(s_ptr, n0l, N, kc, stride_sn, GROUP_SIZE)
         s0h = _gemv_scales(s_ptr, n0h, N, kc, stride_sn, GROUP_SIZE)
         if P == 2:
-            if PREFETCH:
-                e0, e1, e2, e3 = _gemv_split_words(q1l)
-                f0, f1, f2, f3 = _gemv_split_words(q1h)
-                q1l = tl.load(w1l + dt, eviction_policy="evict_first")
-                q1h = tl.load(w1h + dt, eviction_policy="evict_first")
-            else:
-                e0, e1, e2, e3 = _gemv_split_words(tl.load(w1l, eviction_policy="evict_first"))
-                f0, f1, f2, f3 = _gemv_split_words(tl.load(w1h, eviction_policy="evict_first"))
+            e0, e1, e2, e3, f0, f1, f2, f3, q1l, q1h = _gemv_pair_words(w1l, w1h, q1l, q1h, dt, PREFETCH)
             s1l = _gemv_scales(s_ptr, n1l, N, kc, stride_sn, GROUP_SIZE)
             s1h = _gemv_scales(s_ptr, n1h, N, kc, stride_sn, GROUP_SIZE)
         if USE_ASM:
