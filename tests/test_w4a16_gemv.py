@@ -149,3 +149,17 @@ def test_gemv_mma_compiles_to_the_lane_order_it_needs(tmp_path):
     instructions + 1 mma per word of 8 weights = 1.75, plus loads and addressing; bf16 has no
     high-nibble trick: 15 + 1). A compiler or layout change that breaks either fails here."""
     run_compile_child(_PTX_CHILD, tmp_path)
+
+
+@pytest.mark.parametrize("m", [1, 2, 8])
+@pytest.mark.parametrize("gs,general", [(128, False), (-1, False), (64, False), (128, True)],
+                         ids=["g128", "g-1", "g64", "gidx"])
+def test_gemv_candidates_are_valid(m, gs, general, monkeypatch):
+    """Every 'gemv' candidate the autotuner may try is a valid config for the problem."""
+    monkeypatch.setattr(ops16, "sm_count", lambda index: 132)  # H200's, without a GPU
+    kp = 4096
+    cands = [c for c in ops16._w4a16_candidates(device=torch.device("cpu"), M=m, N=4096, Kp=kp, group_size=gs,
+                                                general_gidx=general) if c.kernel == "gemv"]
+    assert cands
+    for c in cands:
+        ops16._check_config(c, kp, m)

@@ -47,7 +47,14 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx) -> Config:
 
 def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx):
     sms = sm_count(device.index or 0)
-    if M == 1:
+    if M <= 8 and (group_size == -1 or group_size % K_CHUNK == 0) and not general_gidx:
+        # the tensor-core GEMV (gemv_on_tensor_cores): BLOCK_N 16 runs one 16-row mma block
+        # per asm element, >= 32 two (x loaded once for both); num_stages 1 / 2: without /
+        # with the one-tile word prefetch. Warps beyond the program's (chunk, row block) work
+        # units are dropped by the launcher (kernels/w4a16.gemv_warps).
+        space = [(M, 16, 512, 4, 2), (M, 16, 1024, 8, 2), (M, 32, 512, 4, 2), (M, 64, 512, 4, 1),
+                 (M, 64, 512, 4, 2), (M, 64, 256, 2, 2), (M, 128, 256, 4, 2), (M, 64, 1024, 8, 2)]
+    elif M == 1:  # CUDA-core GEMV (group 32 / 64, a general g_idx)
         # BK 1024: 4096x4096 7.9 -> 7.2 us on H200 (a sweep of 43 tiles was otherwise flat)
         space = [(1, 16, 512, 4, 4), (1, 32, 256, 4, 4), (1, 16, 256, 4, 6), (1, 32, 512, 4, 3),
                  (1, 64, 256, 4, 4), (1, 16, 512, 2, 4), (1, 16, 1024, 4, 4), (1, 16, 1024, 8, 4)]
