@@ -163,3 +163,24 @@ def test_gemv_candidates_are_valid(m, gs, general, monkeypatch):
     assert cands
     for c in cands:
         ops16._check_config(c, kp, m)
+
+
+def test_lane_order_check_can_fail():
+    """bench/ptx.gemv_lane_order accepts exactly the lane = 4 g + t order: the blocked layout
+    Triton 3.9 gives, its linear form, and not the layout Triton 3.6 gave a (C, RR, 8, 16)
+    tile (lanes along the chunk slots), which produced wrong results on an H200."""
+    from sailfish.bench.ptx import gemv_lane_order
+
+    def ir(layout):
+        return (f"#l = {layout}\n%1:4 = tt.elementwise_inline_asm \"mma.sync ...\" -> "
+                "(tensor<64x4xf32, #l>, tensor<64x4xf32, #l>)")
+
+    good_blocked = "#ttg.blocked<{sizePerThread = [1, 1], threadsPerWarp = [8, 4], warpsPerCTA = [4, 1], order = [1, 0]}>"
+    good_linear = ("#ttg.linear<{register = [[8, 0]], lane = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], "
+                   "warp = [[16, 0], [32, 0]], block = []}>")
+    bad_linear = ("#ttg.linear<{register = [], lane = [[0, 1], [0, 2], [8, 0], [1, 0], [2, 0]], "
+                  "warp = [[4, 0]], block = []}>")
+    bad_blocked = "#ttg.blocked<{sizePerThread = [1, 1], threadsPerWarp = [2, 16], warpsPerCTA = [4, 1], order = [1, 0]}>"
+    assert gemv_lane_order(ir(good_blocked)) and gemv_lane_order(ir(good_linear))
+    assert not gemv_lane_order(ir(bad_linear)) and not gemv_lane_order(ir(bad_blocked))
+    assert not gemv_lane_order("no asm here")

@@ -154,10 +154,35 @@ def sass_loop(sass_text: str, marker: str, weights: int) -> Optional[SassLoop]:
     return SassLoop(len(best), ops, weights)
 
 
+# lane bit -> (virtual row, lane-in-group) step of the GEMV asm's (V, 4) tensors: lane = 4 g + t
+GEMV_LANES = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
+
+
+def _lane_bases(layout: str) -> Optional[list]:
+    """The lane bases of a 2-D TTGIR layout (#ttg.blocked or #ttg.linear), or None."""
+    m = re.search(r"lane = (\[\[.*?\]\])", layout)
+    if layout.startswith("#ttg.linear") and m:
+        return json.loads(m.group(1))
+    if not layout.startswith("#ttg.blocked"):
+        return None
+    spt, tpw, order = (json.loads(re.search(name + r" = (\[[^\]]*\])", layout).group(1))
+                       for name in ("sizePerThread", "threadsPerWarp", "order"))
+    if len(spt) != 2:
+        return None
+    bases = []
+    for dim in order:  # lanes fill the dims fastest first, above the per-thread elements
+        for bit in range(tpw[dim].bit_length() - 1):
+            step = [0, 0]
+            step[dim] = spt[dim] << bit
+            bases.append(step)
+    return bases
+
+
 def gemv_lane_order(ttgir: str) -> bool:
-    """Whether the GEMV's mma asm runs in the lane order it assumes: a blocked layout with one
-    element per thread, 8 x 4 lanes over the (g, t) dims (lane = 4 g + t). Any other layout
-    gives wrong results (the words of a lane would not be its m16n8k16 A fragment)."""
+    """Whether the GEMV's mma asm runs in the lane order it assumes: every lane's element is
+    (virtual row 8 w + g, t) with lane = 4 g + t, i.e. the (V, 4) operands' lanes are
+    GEMV_LANES. Any other layout gives wrong results (a lane's words would not be its
+    m16n8k16 A fragment)."""
     layouts = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<\{.*\}>)", ttgir, re.M))
     found = False
     for line in ttgir.splitlines():
@@ -165,9 +190,7 @@ def gemv_lane_order(ttgir: str) -> bool:
             continue
         found = True
         res = re.search(r"->\s*\(?tensor<[^,]*,\s*(#\w+)>", line)
-        lay = layouts.get(res.group(1), "") if res else ""
-        if not ("sizePerThread = [1, 1, 1, 1]" in lay and "threadsPerWarp = [1, 1, 8, 4]" in lay
-                and "order = [3, 2, 1, 0]" in lay):
+        if not res or _lane_bases(layouts.get(res.group(1), "")) != GEMV_LANES:
             return False
     return found
 

@@ -579,9 +579,9 @@ def _half_bits(p, SHIFT: tl.constexpr, DTYPE: tl.constexpr):
 
 @triton.jit
 def _gemv_split_words(w):
-    """(C, RR, 8, 16) words -> 4 tensors (C, RR, 8, 4): word 4t + a of each row, a = 0..3
+    """(V, 16) words -> 4 tensors (V, 4): word 4t + a of each virtual row, a = 0..3
     (register-local: a thread's 4 words are one 16-byte vector)."""
-    w = tl.reshape(w, (w.shape[0], w.shape[1], 8, 4, 2, 2))  # (c, rr, g, t, a1, a0)
+    w = tl.reshape(w, (w.shape[0], 4, 2, 2))  # (v, t, a1, a0)
     e0, e1 = tl.split(w)
     w0, w2 = tl.split(e0)
     w1, w3 = tl.split(e1)
@@ -591,14 +591,14 @@ def _gemv_split_words(w):
 @triton.jit
 def _gemv_twin_weights(w0, w1, w2, w3, s_ptrs, z_ptrs, HAS_ZEROS: tl.constexpr, DTYPE: tl.constexpr,
                        EMU_BF16: tl.constexpr):
-    """The twin's dequantization: words (C, RR, 8, 4) of a = 0..3 -> fp32 (C, RR, 8, 4, 4, 8)
-    [.., t, a, j], the weight of nibble j: the exact q - z times the scale, rounded once to
-    DTYPE, as the asm's sub/fma + mul do."""
-    w = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (w0.shape[0], w0.shape[1], 8, 4, 4))
-    q = (w[:, :, :, :, :, None] >> (4 * tl.arange(0, 8))[None, None, None, None, None, :]) & 0xF
-    s = tl.load(s_ptrs).to(tl.float32)[:, :, :, :, None, None]
+    """The twin's dequantization: words (V, 4) of a = 0..3 -> fp32 (V, 4, 4, 8) [v, t, a, j],
+    the weight of nibble j: the exact q - z times the scale, rounded once to DTYPE, as the
+    asm's sub/fma + mul do."""
+    w = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (w0.shape[0], 4, 4))
+    q = (w[:, :, :, None] >> (4 * tl.arange(0, 8))[None, None, None, :]) & 0xF
+    s = tl.load(s_ptrs).to(tl.float32)[:, :, None, None]
     if HAS_ZEROS:
-        z = tl.load(z_ptrs).to(tl.float32)[:, :, :, :, None, None]
+        z = tl.load(z_ptrs).to(tl.float32)[:, :, None, None]
     else:
         z = 8.0
     v = (q.to(tl.float32) - z) * s  # exact in fp32 (<= 16 significant bits)
@@ -609,34 +609,40 @@ def _gemv_twin_weights(w0, w1, w2, w3, s_ptrs, z_ptrs, HAS_ZEROS: tl.constexpr, 
 
 
 @triton.jit
-def _gemv_twin_x16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, DTYPE: tl.constexpr):
-    """The 16 x pair tensors (C, 1, G, 4) of register i = 4a + 2r0 + h -> fp32 (C, 1, G, 4, 4, 8)
-    [.., t, a, j]: the channel of nibble j = 4e + 2h + r0 of word a (half e of pair i)."""
-    X = tl.join(join8(x0, x1, x2, x3, x4, x5, x6, x7), join8(x8, x9, x10, x11, x12, x13, x14, x15))
-    X = tl.reshape(tl.permute(X, (0, 1, 2, 3, 7, 4, 5, 6)), (x0.shape[0], 1, x0.shape[2], 4, 4, 2, 2))
-    X = tl.join(_half_bits(X, 0, DTYPE), _half_bits(X, 16, DTYPE))  # (.., t, a, r0, h, e)
-    X = tl.permute(X, (0, 1, 2, 3, 4, 7, 6, 5))  # (.., t, a, e, h, r0)
-    return tl.reshape(X, (x0.shape[0], 1, x0.shape[2], 4, 4, 8))
+def _gemv_twin_x(xq, xo, rem, EVEN_K: tl.constexpr, DTYPE: tl.constexpr):
+    """The twin's x: the 16 pairs of each lane (register i = pair 4i past xo, masked past K)
+    -> fp32 (V, 4, 4, 8) [v, t, a, j]: the channel of nibble j = 4e + 2h + r0 of word a
+    (half e of pair 4a + 2r0 + h)."""
+    if EVEN_K:
+        rem = rem * 0 + 64
+    X = tl.join(join8(tl.load(xq + xo, mask=rem > 0, other=0), tl.load(xq + xo + 4, mask=rem > 4, other=0),
+                      tl.load(xq + xo + 8, mask=rem > 8, other=0), tl.load(xq + xo + 12, mask=rem > 12, other=0),
+                      tl.load(xq + xo + 16, mask=rem > 16, other=0), tl.load(xq + xo + 20, mask=rem > 20, other=0),
+                      tl.load(xq + xo + 24, mask=rem > 24, other=0), tl.load(xq + xo + 28, mask=rem > 28, other=0)),
+                join8(tl.load(xq + xo + 32, mask=rem > 32, other=0), tl.load(xq + xo + 36, mask=rem > 36, other=0),
+                      tl.load(xq + xo + 40, mask=rem > 40, other=0), tl.load(xq + xo + 44, mask=rem > 44, other=0),
+                      tl.load(xq + xo + 48, mask=rem > 48, other=0), tl.load(xq + xo + 52, mask=rem > 52, other=0),
+                      tl.load(xq + xo + 56, mask=rem > 56, other=0), tl.load(xq + xo + 60, mask=rem > 60, other=0)))
+    X = tl.reshape(tl.permute(X, (0, 1, 5, 2, 3, 4)), (xo.shape[0], 4, 4, 2, 2))  # (v, t, a, r0, h)
+    X = tl.join(_half_bits(X, 0, DTYPE), _half_bits(X, 16, DTYPE))  # (v, t, a, r0, h, e)
+    return tl.reshape(tl.permute(X, (0, 1, 2, 5, 4, 3)), (xo.shape[0], 4, 4, 8))  # (v, t, a, [e, h, r0])
 
 
 @triton.jit
-def _gemv_twin(wl, wh, X, acc0, acc1, acc2, acc3, g, t, M, BLOCK_M: tl.constexpr):
-    """Pure-Triton twin of the asm's mma for one row pair (what the interpreter runs), on
-    the weights wl / wh and x values X of `_gemv_twin_weights` / `_gemv_twin_x16`: the same
-    exact products, fp32 sums in another order. As in the C fragment, lane t of row g gets
-    y[2t] (acc0 / acc2) and y[2t + 1] (acc1 / acc3), the sum over the group's 4 lanes and
-    their 4 words; the other lanes keep zeros (M = 1: the asm has y[0] in every t, the store
-    reads t = 0 only)."""
+def _gemv_twin(wl, wh, xq, xo, rem, stride_xm, acc0, acc1, acc2, acc3, t, M, BLOCK_M: tl.constexpr,
+               EVEN_K: tl.constexpr, DTYPE: tl.constexpr):
+    """Pure-Triton twin of the asm's mma for one row pair (what the interpreter runs), on the
+    weights wl / wh of `_gemv_twin_weights`: the same exact products, fp32 sums in another
+    order. As in the C fragment, lane t of a virtual row gets y[2t] (acc0 / acc2) and
+    y[2t + 1] (acc1 / acc3): the sum over the 4 lanes of its row and their 4 words; the
+    other lanes keep zeros (M = 1: the asm has y[0] in every t, the store reads t = 0)."""
     for m in tl.static_range(BLOCK_M):
         if m < M:
-            if BLOCK_M == 1:
-                xm = X
-            else:  # column m: the lanes g = m
-                xm = tl.sum(tl.where((g == m)[None, None, :, None, None, None], X, 0.0), axis=2, keep_dims=True)
-            s_lo = tl.sum(tl.sum(tl.sum(wl * xm, axis=5), axis=4), axis=3, keep_dims=True)
-            s_hi = tl.sum(tl.sum(tl.sum(wh * xm, axis=5), axis=4), axis=3, keep_dims=True)
-            sel0 = (2 * t == m)[None, None, None, :]
-            sel1 = (2 * t + 1 == m)[None, None, None, :]
+            X = _gemv_twin_x(xq, xo + m * (stride_xm // 2), rem, EVEN_K, DTYPE)
+            s_lo = tl.sum(tl.sum(tl.sum(wl * X, axis=3), axis=2), axis=1, keep_dims=True)
+            s_hi = tl.sum(tl.sum(tl.sum(wh * X, axis=3), axis=2), axis=1, keep_dims=True)
+            sel0 = (2 * t == m)[None, :]
+            sel1 = (2 * t + 1 == m)[None, :]
             acc0 += tl.where(sel0, s_lo, 0.0)
             acc1 += tl.where(sel1, s_lo, 0.0)
             acc2 += tl.where(sel0, s_hi, 0.0)
@@ -645,32 +651,22 @@ def _gemv_twin(wl, wh, X, acc0, acc1, acc2, acc3, g, t, M, BLOCK_M: tl.constexpr
 
 
 @triton.jit
-def _gemv_twin_x(xq, xo, rem, EVEN_K: tl.constexpr):
-    """The 16 x pairs of the twin (register i = pair 4i past xo), masked past K."""
-    if EVEN_K:
-        return (tl.load(xq + xo), tl.load(xq + xo + 4), tl.load(xq + xo + 8), tl.load(xq + xo + 12),
-                tl.load(xq + xo + 16), tl.load(xq + xo + 20), tl.load(xq + xo + 24), tl.load(xq + xo + 28),
-                tl.load(xq + xo + 32), tl.load(xq + xo + 36), tl.load(xq + xo + 40), tl.load(xq + xo + 44),
-                tl.load(xq + xo + 48), tl.load(xq + xo + 52), tl.load(xq + xo + 56), tl.load(xq + xo + 60))
-    else:
-        return (tl.load(xq + xo, mask=rem > 0, other=0), tl.load(xq + xo + 4, mask=rem > 4, other=0),
-                tl.load(xq + xo + 8, mask=rem > 8, other=0), tl.load(xq + xo + 12, mask=rem > 12, other=0),
-                tl.load(xq + xo + 16, mask=rem > 16, other=0), tl.load(xq + xo + 20, mask=rem > 20, other=0),
-                tl.load(xq + xo + 24, mask=rem > 24, other=0), tl.load(xq + xo + 28, mask=rem > 28, other=0),
-                tl.load(xq + xo + 32, mask=rem > 32, other=0), tl.load(xq + xo + 36, mask=rem > 36, other=0),
-                tl.load(xq + xo + 40, mask=rem > 40, other=0), tl.load(xq + xo + 44, mask=rem > 44, other=0),
-                tl.load(xq + xo + 48, mask=rem > 48, other=0), tl.load(xq + xo + 52, mask=rem > 52, other=0),
-                tl.load(xq + xo + 56, mask=rem > 56, other=0), tl.load(xq + xo + 60, mask=rem > 60, other=0))
+def _gemv_rows(pid_n, P: tl.constexpr, PAIR: tl.constexpr, HI: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The (RB * 8,) rows of row pair PAIR, half HI (rows g or g + 8), in each of the RB
+    blocks of 16 P rows of this program: entry 8 rb + g."""
+    RB: tl.constexpr = BLOCK_N // (16 * P)
+    r = tl.arange(0, RB * 8)
+    return pid_n * BLOCK_N + 16 * (P * (r // 8) + PAIR) + 8 * HI + r % 8
 
 
 @triton.jit
-def _gemv_store(acc, n, I: tl.constexpr, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k,
+def _gemv_store(acc, n, I: tl.constexpr, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, C: tl.constexpr,
                 HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr, DTYPE: tl.constexpr):
-    """Sum a (C, RR, 8, 4) accumulator over its chunk slots and store y[2t + I, n] (rows n:
-    (RR, 8)); with split-K the fp32 partial goes to ws[pid_k] instead."""
-    out = tl.sum(acc, axis=0)  # (RR, 8, 4)
-    m = (2 * t + I)[None, None, :]
-    on = n.to(tl.int64)[:, :, None]
+    """Sum a (V, 4) accumulator over its C chunk slots and store y[2t + I, n] (rows n:
+    (RB * 8,)); with split-K the fp32 partial goes to ws[pid_k] instead."""
+    out = tl.sum(tl.reshape(acc, (C, n.shape[0], 4)), axis=0)  # (RB * 8, 4)
+    m = (2 * t + I)[None, :]
+    on = n.to(tl.int64)[:, None]
     mask = (m < M) & (on < N)
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -678,22 +674,6 @@ def _gemv_store(acc, n, I: tl.constexpr, t, M, N, y_ptr, ws_ptr, bias_ptr, strid
         tl.store(y_ptr + m * stride_ym + on, cast_out(out, DTYPE, EMU_BF16), mask=mask)
     else:
         tl.store(ws_ptr + (pid_k * M + m) * N + on, out, mask=mask)
-
-
-@triton.jit
-def _gemv_rows(pid_n, P: tl.constexpr, PAIR: tl.constexpr, HI: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Rows (RR, 8) of row pair PAIR, half HI (rows g or g + 8) of every 16 P-row block."""
-    RR: tl.constexpr = BLOCK_N // (16 * P)
-    return (pid_n * BLOCK_N + 16 * (P * tl.arange(0, RR) + PAIR) + 8 * HI)[:, None] + tl.arange(0, 8)[None, :]
-
-
-@triton.jit
-def _gemv_words(qw_ptr, n, N, kt0, stride_qn, C: tl.constexpr):
-    """Pointers (C, RR, 8, 16) to the words of rows n (wrapped into [0, N): unmasked loads,
-    results dropped at the store) for the K tile kt0."""
-    rn = (n % N).to(tl.int64)
-    wo = (kt0 * C + tl.arange(0, C))[:, None, None, None] * 16 + tl.arange(0, 16)[None, None, None, :]
-    return qw_ptr + rn[None, :, :, None] * stride_qn + wo
 
 
 @triton.jit
@@ -715,71 +695,74 @@ def _gemv_pair_words(wl, wh, ql, qh, dt, PREFETCH: tl.constexpr):
 
 
 @triton.jit
-def _gemv_scales(s_ptr, n, N, kc, stride_sn, GROUP_SIZE: tl.constexpr):
-    """Pointers (C, RR, 8, 1) to the scales of rows n for chunks kc (C,): GROUP_SIZE is 0
-    (one group) or a multiple of 128 (a chunk lies in one group)."""
-    rn = (n % N).to(tl.int64)
-    if GROUP_SIZE == 0:
-        g = kc * 0
-    else:
-        g = kc * 128 // GROUP_SIZE
-    return s_ptr + rn[None, :, :, None] * stride_sn + g[:, None, None, None]
-
-
-@triton.jit
 def _w4a16_gemv_mma_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
     M, N, K, stride_xm, stride_ym, stride_qn, stride_sn,
     GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr, ASM: tl.constexpr,
-    ASM_CONSTRAINTS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ASM_CONSTRAINTS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """y (M, N) = x (M, K) @ W^T for M <= BLOCK_M <= 8, on the tensor cores (mma.sync
     m16n8k16, fp32 accumulators) with the weights read straight into registers: see the
-    block comment above. A program owns BLOCK_N rows in blocks of 16 P (P = gemv_pairs row
-    pairs per asm element) and walks its K range in tiles of C = BLOCK_K // 128 chunks;
-    GROUP_SIZE is 0 (per channel) or a multiple of 128; K is even and x's rows 4-byte
-    aligned (x is read as channel pairs). ASM: gemv_asm(...) for this dtype / zeros /
-    EVEN_K / P (unused without USE_ASM). Split-K as _w4a16_kernel.
-    Accumulators: (C, RR, 8, 4) per C-fragment register and pair: element (c, rr, g, t) of
-    acc_{4p + i} holds y[2t + i % 2] of row 16 (P rr + p) + g + 8 (i // 2), chunk slot c."""
+    block comment above. A program owns BLOCK_N rows, in RB blocks of 16 P rows (P =
+    gemv_pairs(BLOCK_N) row pairs per asm element), and walks its K range in tiles of
+    C = BLOCK_K // 128 chunks. Every tensor is 2-D, (V, 16) words or (V, 4) lanes, over
+    V = C * RB * 8 "virtual rows" v = (chunk slot, row block, g): with only two dims the
+    16-byte word loads can only be laid out as 4 lanes along a row's 16 words and 8 along g
+    (lane = 4 g + t, the mma fragment order); 3-D tiles got lanes along the chunk slots from
+    Triton 3.6. GROUP_SIZE is 0 (per channel) or a multiple of 128; K is even and x's rows
+    4-byte aligned (x is read as channel pairs). ASM, ASM_CONSTRAINTS: gemv_asm(...) for
+    this dtype / zeros / EVEN_K / P (unused without USE_ASM). PREFETCH: load the next K
+    tile's words one iteration ahead (registers; Triton does not pipeline a loop without a
+    dot). Split-K as _w4a16_kernel. Accumulator acc_{4p + i} (V, 4): lane (v, t) holds
+    y[2t + i % 2] of row 16 (P rb + p) + g + 8 (i // 2) over chunk slot c."""
     DTYPE = x_ptr.dtype.element_ty
     C: tl.constexpr = BLOCK_K // 128
     P: tl.constexpr = 2 if BLOCK_N >= 32 else 1
-    RR: tl.constexpr = BLOCK_N // (16 * P)
+    RB: tl.constexpr = BLOCK_N // (16 * P)
+    V: tl.constexpr = C * RB * 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     kt0, kt1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
-    g = tl.arange(0, 8)
+    v = tl.arange(0, V)
     t = tl.arange(0, 4)
-    cc = tl.arange(0, C)
+    cw = v // (RB * 8)  # chunk slot of each virtual row
+    g = v % 8
+    w16 = tl.arange(0, 16)
     n0l = _gemv_rows(pid_n, P, 0, 0, BLOCK_N)
     n0h = _gemv_rows(pid_n, P, 0, 1, BLOCK_N)
-    w0l = _gemv_words(qw_ptr, n0l, N, kt0, stride_qn, C)
-    w0h = _gemv_words(qw_ptr, n0h, N, kt0, stride_qn, C)
-    if P == 2:
-        n1l = _gemv_rows(pid_n, P, 1, 0, BLOCK_N)
-        n1h = _gemv_rows(pid_n, P, 1, 1, BLOCK_N)
-        w1l = _gemv_words(qw_ptr, n1l, N, kt0, stride_qn, C)
-        w1h = _gemv_words(qw_ptr, n1h, N, kt0, stride_qn, C)
+    n1l = _gemv_rows(pid_n, P, P - 1, 0, BLOCK_N)  # (pair 1 if P == 2)
+    n1h = _gemv_rows(pid_n, P, P - 1, 1, BLOCK_N)
+    # per virtual row: its row (wrapped into [0, N): unmasked loads, results dropped at the
+    # store) and word offset in the K tile kt0
+    r0l = (tl.reshape(tl.broadcast_to(n0l[None, :], (C, RB * 8)), (V,)) % N).to(tl.int64)
+    r0h = (tl.reshape(tl.broadcast_to(n0h[None, :], (C, RB * 8)), (V,)) % N).to(tl.int64)
+    r1l = (tl.reshape(tl.broadcast_to(n1l[None, :], (C, RB * 8)), (V,)) % N).to(tl.int64)
+    r1h = (tl.reshape(tl.broadcast_to(n1h[None, :], (C, RB * 8)), (V,)) % N).to(tl.int64)
+    wo = ((kt0 * C + cw) * 16)[:, None] + w16[None, :]
+    w0l = qw_ptr + r0l[:, None] * stride_qn + wo
+    w0h = qw_ptr + r0h[:, None] * stride_qn + wo
+    w1l = qw_ptr + r1l[:, None] * stride_qn + wo
+    w1h = qw_ptr + r1h[:, None] * stride_qn + wo
     # x as int32 channel pairs: lane t of chunk c starts at pair 64c + t. M = 1: every B
     # column is x; else column g is row g % M of x (columns >= M are dropped at the store)
     xq = x_ptr.to(tl.pointer_type(tl.int32))
-    xo = (kt0 * C + cc)[:, None, None, None] * 64 + t[None, None, None, :]  # (C, 1, 1, 4)
+    pk = ((kt0 * C + cw) * 64)[:, None] + t[None, :]  # (V, 4)
     if BLOCK_M > 1:
-        xo = xo + ((g % M) * (stride_xm // 2))[None, None, :, None]  # (C, 1, 8, 4)
-    pk = (kt0 * C + cc)[:, None, None, None] * 64 + t[None, None, None, :]
+        xo = pk + ((g % M) * (stride_xm // 2))[:, None]
+    else:
+        xo = pk
     # zero points: same (N, Gp) strides as the scales, so one distance (in elements) finds them
     zdiff = (z_ptr.to(tl.int64, bitcast=True) - s_ptr.to(tl.int64, bitcast=True)) // 2
-    acc0 = tl.zeros((C, RR, 8, 4), tl.float32)
-    acc1 = tl.zeros((C, RR, 8, 4), tl.float32)
-    acc2 = tl.zeros((C, RR, 8, 4), tl.float32)
-    acc3 = tl.zeros((C, RR, 8, 4), tl.float32)
-    if P == 2:
-        acc4 = tl.zeros((C, RR, 8, 4), tl.float32)
-        acc5 = tl.zeros((C, RR, 8, 4), tl.float32)
-        acc6 = tl.zeros((C, RR, 8, 4), tl.float32)
-        acc7 = tl.zeros((C, RR, 8, 4), tl.float32)
+    acc0 = tl.zeros((V, 4), tl.float32)
+    acc1 = tl.zeros((V, 4), tl.float32)
+    acc2 = tl.zeros((V, 4), tl.float32)
+    acc3 = tl.zeros((V, 4), tl.float32)
+    acc4 = tl.zeros((V, 4), tl.float32)
+    acc5 = tl.zeros((V, 4), tl.float32)
+    acc6 = tl.zeros((V, 4), tl.float32)
+    acc7 = tl.zeros((V, 4), tl.float32)
     if PREFETCH:  # the first tile's words
         # Tile min(kt, kt1 - 1): always a real tile, so no mask (a masked load costs a zeroing
         # move per register); the last iteration reloads its own tile from L2.
@@ -789,19 +772,25 @@ def _w4a16_gemv_mma_kernel(
         if P == 2:
             q1l = tl.load(w1l + dt, eviction_policy="evict_first")
             q1h = tl.load(w1h + dt, eviction_policy="evict_first")
+        else:
+            q1l, q1h = q0l, q0h
     else:  # placeholders, passed through unchanged
-        q0l, q0h, q1l, q1h = w0l, w0h, w0l, w0h
+        q0l, q0h, q1l, q1h = w0l, w0h, w1l, w1h
     for kt in range(kt0, kt1):
-        kc = kt * C + cc
+        kg = (kt * C + cw) * 128  # first channel of each virtual row's chunk
+        if GROUP_SIZE == 0:
+            grp = kg * 0
+        else:
+            grp = kg // GROUP_SIZE
         rem = K // 2 - pk  # x pairs left in the row from each lane's first one
         dt = 16 * C * (kt + 1 < kt1).to(tl.int32)  # to the next tile (PREFETCH), if any
         a0, a1, a2, a3, b0, b1, b2, b3, q0l, q0h = _gemv_pair_words(w0l, w0h, q0l, q0h, dt, PREFETCH)
-        s0l = _gemv_scales(s_ptr, n0l, N, kc, stride_sn, GROUP_SIZE)
-        s0h = _gemv_scales(s_ptr, n0h, N, kc, stride_sn, GROUP_SIZE)
+        s0l = s_ptr + (r0l * stride_sn + grp)[:, None]  # (V, 1)
+        s0h = s_ptr + (r0h * stride_sn + grp)[:, None]
         if P == 2:
             e0, e1, e2, e3, f0, f1, f2, f3, q1l, q1h = _gemv_pair_words(w1l, w1h, q1l, q1h, dt, PREFETCH)
-            s1l = _gemv_scales(s_ptr, n1l, N, kc, stride_sn, GROUP_SIZE)
-            s1h = _gemv_scales(s_ptr, n1h, N, kc, stride_sn, GROUP_SIZE)
+            s1l = s_ptr + (r1l * stride_sn + grp)[:, None]
+            s1h = s_ptr + (r1h * stride_sn + grp)[:, None]
         if USE_ASM:
             # only words, addresses and accumulators as operands: see _gemv_mma_asm
             xa = (xq + xo).to(tl.int64, bitcast=True)
@@ -821,35 +810,35 @@ def _w4a16_gemv_mma_kernel(
                      acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7],
                     dtype=(tl.float32,) * 8, is_pure=True, pack=1)
         else:  # the interpreter's twin
-            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _gemv_twin_x(
-                xq, xo, rem, EVEN_K)
-            X = _gemv_twin_x16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, DTYPE)
             acc0, acc1, acc2, acc3 = _gemv_twin(
                 _gemv_twin_weights(a0, a1, a2, a3, s0l, s0l + zdiff, HAS_ZEROS, DTYPE, EMU_BF16),
                 _gemv_twin_weights(b0, b1, b2, b3, s0h, s0h + zdiff, HAS_ZEROS, DTYPE, EMU_BF16),
-                X, acc0, acc1, acc2, acc3, g, t, M, BLOCK_M)
+                xq, pk, rem, stride_xm, acc0, acc1, acc2, acc3, t, M, BLOCK_M, EVEN_K, DTYPE)
             if P == 2:
                 acc4, acc5, acc6, acc7 = _gemv_twin(
                     _gemv_twin_weights(e0, e1, e2, e3, s1l, s1l + zdiff, HAS_ZEROS, DTYPE, EMU_BF16),
                     _gemv_twin_weights(f0, f1, f2, f3, s1h, s1h + zdiff, HAS_ZEROS, DTYPE, EMU_BF16),
-                    X, acc4, acc5, acc6, acc7, g, t, M, BLOCK_M)
+                    xq, pk, rem, stride_xm, acc4, acc5, acc6, acc7, t, M, BLOCK_M, EVEN_K, DTYPE)
         w0l += 16 * C
         w0h += 16 * C
-        if P == 2:
-            w1l += 16 * C
-            w1h += 16 * C
+        w1l += 16 * C
+        w1h += 16 * C
         xo += 64 * C
         pk += 64 * C
-    _gemv_store(acc0, n0l, 0, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, HAS_BIAS, SPLIT_K, EMU_BF16, DTYPE)
-    _gemv_store(acc1, n0l, 1, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, HAS_BIAS, SPLIT_K, EMU_BF16, DTYPE)
-    _gemv_store(acc2, n0h, 0, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, HAS_BIAS, SPLIT_K, EMU_BF16, DTYPE)
-    _gemv_store(acc3, n0h, 1, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, HAS_BIAS, SPLIT_K, EMU_BF16, DTYPE)
+    _gemv_store(acc0, n0l, 0, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, C, HAS_BIAS, SPLIT_K, EMU_BF16,
+                DTYPE)
+    _gemv_store(acc1, n0l, 1, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, C, HAS_BIAS, SPLIT_K, EMU_BF16,
+                DTYPE)
+    _gemv_store(acc2, n0h, 0, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, C, HAS_BIAS, SPLIT_K, EMU_BF16,
+                DTYPE)
+    _gemv_store(acc3, n0h, 1, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, C, HAS_BIAS, SPLIT_K, EMU_BF16,
+                DTYPE)
     if P == 2:
-        _gemv_store(acc4, n1l, 0, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, HAS_BIAS, SPLIT_K, EMU_BF16,
-                    DTYPE)
-        _gemv_store(acc5, n1l, 1, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, HAS_BIAS, SPLIT_K, EMU_BF16,
-                    DTYPE)
-        _gemv_store(acc6, n1h, 0, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, HAS_BIAS, SPLIT_K, EMU_BF16,
-                    DTYPE)
-        _gemv_store(acc7, n1h, 1, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, HAS_BIAS, SPLIT_K, EMU_BF16,
-                    DTYPE)
+        _gemv_store(acc4, n1l, 0, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, C, HAS_BIAS, SPLIT_K,
+                    EMU_BF16, DTYPE)
+        _gemv_store(acc5, n1l, 1, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, C, HAS_BIAS, SPLIT_K,
+                    EMU_BF16, DTYPE)
+        _gemv_store(acc6, n1h, 0, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, C, HAS_BIAS, SPLIT_K,
+                    EMU_BF16, DTYPE)
+        _gemv_store(acc7, n1h, 1, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, C, HAS_BIAS, SPLIT_K,
+                    EMU_BF16, DTYPE)
