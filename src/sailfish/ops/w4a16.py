@@ -52,8 +52,11 @@ def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx):
         # per asm element, >= 32 two (x loaded once for both); num_stages 1 / 2: without /
         # with the one-tile word prefetch. Warps beyond the program's (chunk, row block) work
         # units are dropped by the launcher (kernels/w4a16.gemv_warps).
+        # Few warps with many chunk slots each keep more 16-byte loads in flight per thread
+        # (small layers without split-K).
         space = [(M, 16, 512, 4, 2), (M, 16, 1024, 8, 2), (M, 32, 512, 4, 2), (M, 64, 512, 4, 1),
-                 (M, 64, 512, 4, 2), (M, 64, 256, 2, 2), (M, 128, 256, 4, 2), (M, 64, 1024, 8, 2)]
+                 (M, 64, 512, 4, 2), (M, 64, 256, 2, 2), (M, 128, 256, 4, 2), (M, 64, 1024, 8, 2),
+                 (M, 16, 1024, 2, 2), (M, 32, 1024, 2, 2)]
     elif M == 1:  # CUDA-core GEMV (group 32 / 64, a general g_idx)
         # BK 1024: 4096x4096 7.9 -> 7.2 us on H200 (a sweep of 43 tiles was otherwise flat)
         space = [(1, 16, 512, 4, 4), (1, 32, 256, 4, 4), (1, 16, 256, 4, 6), (1, 32, 512, 4, 3),
