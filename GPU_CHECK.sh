@@ -6,9 +6,12 @@
 set -u
 export PYTHONPATH=src
 python -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
-timeout 70 python -m pytest -q -p no:cacheprovider tests/test_w4a16_gemv.py \
+timeout 60 python -m pytest -q -p no:cacheprovider tests/test_w4a16_gemv.py \
     "tests/test_w4a16.py::test_asm_dequant_matches_pure_triton" 2>&1 | tail -15
-timeout 120 python - <<'EOF'
+# the heuristic / table path (M <= 8 'gemv' through the layers) and K = 28672 per element
+timeout 45 python -m pytest -q -p no:cacheprovider tests/test_w4a16_elementwise.py \
+    tests/test_w4a16.py -k "matches_reference or gemv_and_dequant or per_element" 2>&1 | tail -8
+timeout 80 python - <<'EOF'
 import time
 import torch
 import triton
@@ -38,7 +41,7 @@ def run(cfg, ws, x, mma_gemv=True):
 
 print(f"{'K x N':>12} {'M':>2} {'kernel':<34} {'us':>8} {'limit':>6}")
 for k, n in SHAPES:
-    if time.time() - t_start > 90:
+    if time.time() - t_start > 50:
         print("time budget reached, stopping"); break
     wbytes = n * k // 2 + n * (k // 128) * 2
     r = copies_needed(wbytes)

@@ -75,7 +75,7 @@ def compile_mma(block_m: int, block_n: int, block_k: int, split_k: int, num_warp
 
 def compile_gemv(block_m: int, block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int = 1,
                  *, dtype: str = "fp16", group_size: int = 128, has_zeros: bool = False, use_asm: bool = True,
-                 capability: int = 90):
+                 capability: int = 90, even_k: bool = True):
     """triton.compile of kernels/w4a16._w4a16_gemv_mma_kernel (the M <= 8 tensor-core GEMV)
     for cuda:<capability>, specialised as the launcher is on a GPU (num_stages > 1: the
     words are prefetched one K tile ahead)."""
@@ -86,11 +86,11 @@ def compile_gemv(block_m: int, block_n: int, block_k: int, split_k: int, num_war
     from ..kernels.w4a16 import _w4a16_gemv_mma_kernel, gemv_asm, gemv_pairs, gemv_warps
 
     ty = DTYPES[dtype]
-    asm = gemv_asm(dtype == "bf16", has_zeros, True, gemv_pairs(block_n)) if use_asm else ("", "")
+    asm = gemv_asm(dtype == "bf16", has_zeros, even_k, gemv_pairs(block_n)) if use_asm else ("", "")
     sig = {"x_ptr": ty, "qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "bias_ptr": ty, "y_ptr": ty,
            "ws_ptr": "*fp32", **{k: "i32" for k in _INTS}}
     consts = dict(GROUP_SIZE=0 if group_size == -1 else group_size, HAS_ZEROS=has_zeros, HAS_BIAS=False,
-                  EVEN_K=True, SPLIT_K=split_k, EMU_BF16=False, USE_ASM=use_asm,
+                  EVEN_K=even_k, SPLIT_K=split_k, EMU_BF16=False, USE_ASM=use_asm,
                   ASM=asm[0], ASM_CONSTRAINTS=asm[1], PREFETCH=num_stages > 1, BLOCK_M=block_m,
                   BLOCK_N=block_n, BLOCK_K=block_k)
     names = list(sig)

@@ -22,6 +22,11 @@ from . import device_of
 # ----------------------------------------------------------------------------------
 def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx) -> Config:
     sms = sm_count(device.index or 0) if device.type == "cuda" else 132
+    if M <= 8 and (group_size == -1 or group_size % K_CHUNK == 0) and not general_gidx:
+        # tensor-core GEMV: 32 rows (two 16-row mma blocks per asm element, x loaded once),
+        # 4 chunk slots, the words prefetched one tile ahead (GPU_CHECK.sh of issue 9, H200)
+        bk = 512 if Kp % 512 == 0 else 256
+        return Config(M, 32, bk, split_k_for(-(-N // 32), Kp // bk, sms), 8, 4, 2, kernel="gemv")
     if M == 1:  # CUDA-core GEMV; BN=16, BK=512 measured best on H200 (docs/perf_log.md)
         bk = 512 if Kp % 512 == 0 else 256
         tiles = -(-N // 16)
