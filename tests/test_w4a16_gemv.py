@@ -5,6 +5,9 @@ exact and its sums fp32, so the existing bound applies unchanged). On CPU the ke
 pure-Triton twin in the interpreter; on a GPU the mma.sync asm, whose lane order the one-hot
 test pins down (a wrong lane order gives wrong channels, not rounding noise).
 """
+import re
+
+import numpy as np
 import pytest
 import torch
 
@@ -184,3 +187,177 @@ def test_lane_order_check_can_fail():
     assert gemv_lane_order(ir(good_blocked)) and gemv_lane_order(ir(good_linear))
     assert not gemv_lane_order(ir(bad_linear)) and not gemv_lane_order(ir(bad_blocked))
     assert not gemv_lane_order("no asm here")
+
+
+# ----------------------------------------------------------------------------------
+# The asm itself, on the CPU: a lock-step emulation of one warp
+# ----------------------------------------------------------------------------------
+class _Warp:
+    """Runs the GEMV's PTX (the handful of instructions it uses) for 32 lanes in lock step,
+    with mma.sync m16n8k16 assembled from the lanes' fragments as the PTX ISA defines them
+    (A: a0 row g cols 2t, 2t+1; a1 row g + 8; a2, a3 cols + 8; B: b0 rows 2t, 2t+1 col g,
+    b1 rows + 8; C: c0, c1 row g cols 2t, 2t+1, c2, c3 row g + 8). Half-precision ops round
+    to nearest even once, fp32 is what numpy's float32 gives; registers hold int64 bits."""
+
+    def __init__(self, operands, mem: bytearray, bf16: bool):
+        self.ops, self.mem, self.bf16, self.regs = dict(operands), mem, bf16, {}
+
+    def half(self, bits):  # 16-bit patterns -> float64 values
+        bits = np.asarray(bits, np.int64) & 0xFFFF
+        if self.bf16:
+            return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return bits.astype(np.uint16).view(np.float16).astype(np.float64)
+
+    def bits(self, v):  # float64 values -> 16-bit patterns, rounded once
+        if self.bf16:
+            return _bf16_bits(v)
+        return np.asarray(v, np.float16).view(np.uint16).astype(np.int64)
+
+    def val(self, tok):
+        if tok.startswith("$"):
+            return np.asarray(self.ops[int(tok[1:])], np.int64)
+        if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)", tok):
+            return np.full(32, int(tok, 0), np.int64)
+        return self.regs[tok]
+
+    def pair_op(self, fn, *srcs):
+        out = 0
+        for sh in (0, 16):
+            out = out | (self.bits(fn(*(self.half(s >> sh) for s in srcs))) << sh)
+        return out
+
+    def mma(self, rest):
+        d, a, b, c = (part.split(", ") for part in re.findall(r"\{([^}]*)\}", rest))
+        a, b, c = [self.val(x) for x in a], [self.val(x) for x in b], [self.val(x) for x in c]
+        g, t = np.arange(32) // 4, np.arange(32) % 4
+        A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
+        for e in range(2):
+            for reg, (dr, dc) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+                A[g + dr, 2 * t + dc + e] = self.half(a[reg] >> (16 * e))
+            B[2 * t + e, g] = self.half(b[0] >> (16 * e))
+            B[2 * t + 8 + e, g] = self.half(b[1] >> (16 * e))
+        f32 = [np.asarray(x & 0xFFFFFFFF, np.uint32).view(np.float32) for x in c]
+        for i, (dr, dc) in enumerate(((0, 0), (0, 1), (8, 0), (8, 1))):
+            C[g + dr, 2 * t + dc] = f32[i]
+        D = (A @ B + C).astype(np.float32)  # fp32 sums of exact products
+        for i, (dr, dc) in enumerate(((0, 0), (0, 1), (8, 0), (8, 1))):
+            self.regs[d[i]] = D[g + dr, 2 * t + dc].view(np.uint32).astype(np.int64)
+
+    def run(self, ptx: str):
+        for line in ptx.splitlines():
+            line = line.strip().rstrip(";")
+            if line in ("{", "}") or line.startswith(".reg"):
+                continue
+            pred = None
+            if line.startswith("@"):
+                p, line = line.split(None, 1)
+                pred = self.regs[p[1:]]
+            op, rest = line.split(None, 1)
+            if op.startswith("mma.sync"):
+                self.mma(rest)
+                continue
+            args = [x.strip() for x in re.split(r",(?![^{]*\})", rest)]
+            dst, src = args[0], args[1:]
+            if op.startswith("mov") and src[0].startswith("{"):
+                lo, hi = (self.val(x.strip()) for x in src[0].strip("{}").split(","))
+                r = (lo & 0xFFFF) | ((hi & 0xFFFF) << 16)
+            elif op.startswith("mov"):
+                r = self.val(src[0])
+            elif op == "setp.gt.s32":
+                r = self.val(src[0]) > self.val(src[1])
+            elif op.startswith("ld.global"):
+                base, off = re.fullmatch(r"\[(\S+?)(?: \+ (\d+))?\]", src[0]).groups()
+                n = 4 if op.endswith("b32") else 2
+                addr = self.val(base) + int(off or 0)
+                r = np.array([int.from_bytes(self.mem[int(x):int(x) + n], "little") for x in addr], np.int64)
+                if pred is not None:
+                    r = np.where(pred, r, self.regs[dst])
+            elif op == "add.s64":
+                r = self.val(src[0]) + self.val(src[1])
+            elif op == "shr.u32":
+                r = (self.val(src[0]) & 0xFFFFFFFF) >> int(src[1])
+            elif op == "lop3.b32" and src[3] == "0xea":  # (a & b) | c
+                r = (self.val(src[0]) & self.val(src[1])) | self.val(src[2])
+            elif op in ("add.rn.f16", "add.rn.bf16", "sub.rn.f16"):
+                a, b = self.half(self.val(src[0])), self.half(self.val(src[1]))
+                r = self.bits(a + b if op.startswith("add") else a - b)
+            elif op.startswith(("sub.rn.", "mul.rn.", "fma.rn.")):
+                fn = {"sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+                      "fma": lambda a, b, c: a * b + c}[op[:3]]  # float64 is exact here
+                r = self.pair_op(fn, *(self.val(x) for x in src))
+            else:
+                raise NotImplementedError(op)
+            if dst.startswith("$"):
+                self.ops[int(dst[1:])] = r
+            else:
+                self.regs[dst] = np.asarray(r, np.int64)
+
+
+def _bf16_bits(v):
+    b = np.asarray(v, np.float32).view(np.uint32).astype(np.int64)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def _emulate_gemv_asm(dtype, sym, even_k, pairs, edit=lambda ptx: ptx):
+    """Worst relative error of the asm's outputs (see test_gemv_asm_emulated) against
+    x . W_eff, with `edit` applied to the PTX first."""
+    from sailfish.formats.int4 import pack_words
+    from sailfish.kernels.w4a16 import _gemv_mma_asm
+
+    bf16, k, rows = dtype == BF16, 128, 16 * pairs
+    qw = random_quantized(k, rows, 128, sym, dtype)
+    w_eff = qw.dequantize().double().numpy()
+    x = torch.randn(k).to(dtype)
+    q = qw.qweight.to(torch.int64)
+    words = (pack_words(q).to(torch.int64) & 0xFFFFFFFF).numpy()  # (rows, 16)
+    scales, zeros = qw.scales[0], (torch.full((rows,), 8.0) if sym else qw.zeros[0].float()).to(dtype)
+    mem = bytearray(0x3000)
+    for base, v in ((0x1000, x), (0x2000, scales), (0x2800, zeros)):
+        raw = v.view(torch.int16).numpy().tobytes()
+        mem[base:base + len(raw)] = raw
+    g, t = np.arange(32) // 4, np.arange(32) % 4
+    ops = {}
+    for p in range(pairs):
+        for a in range(4):
+            ops[4 * pairs + 8 * p + a] = words[16 * p + g, 4 * t + a]
+            ops[4 * pairs + 8 * p + 4 + a] = words[16 * p + 8 + g, 4 * t + a]
+    ix = 12 * pairs
+    ops[ix] = 0x1000 + 4 * t
+    for r in range(2 * pairs):
+        ops[ix + 1 + r] = 0x2000 + 2 * (8 * r + g)
+    ops[ix + 1 + 2 * pairs] = np.full(32, 0x800)  # zero points past the scales
+    ops[ix + 2 + 2 * pairs] = np.full(32, 64) if even_k else k // 2 - t
+    for i in range(4 * pairs):
+        ops[ix + 3 + 2 * pairs + i] = np.zeros(32, np.int64)
+    warp = _Warp(ops, mem, bf16)
+    warp.run(edit(_gemv_mma_asm(bf16, not sym, even_k, pairs)))
+    ref = w_eff @ x.double().numpy()
+    worst = 0.0
+    for p in range(pairs):
+        for i in range(4):
+            got = np.asarray(warp.ops[4 * p + i] & 0xFFFFFFFF, np.uint32).view(np.float32)
+            want = ref[16 * p + 8 * (i // 2) + g]
+            worst = max(worst, float(np.max(np.abs(got - want) / (np.abs(want) + 1e-3))))
+    return worst
+
+
+@pytest.mark.parametrize("pairs", [1, 2])
+@pytest.mark.parametrize("even_k", [True, False], ids=["evenK", "Ktail"])
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=DTYPE_NAMES.get)
+def test_gemv_asm_emulated(dtype, sym, even_k, pairs):
+    """The GPU-only asm (kernels/w4a16._gemv_mma_asm), run by a warp emulator on one
+    128-channel chunk with each lane holding the operands the kernel gives it (lane 4g + t:
+    words 4t + a of rows g and g + 8 of each 16-row block, x pair t, its rows' scale
+    addresses): every output must be the row's x . W_eff (fp32 sums of exact products, so
+    within a few fp32 ulps). The lane order itself is the compiler's: bench/ptx checks it."""
+    assert _emulate_gemv_asm(dtype, sym, even_k, pairs) < 1e-5
+
+
+@pytest.mark.parametrize("edit", [lambda p: p.replace("{x0, x1}", "{x1, x0}"),
+                                  lambda p: p.replace("0x00f000f0", "0x000f000f", 1),
+                                  lambda p: p.replace("{p0, p1, p2, p3}", "{p0, p2, p1, p3}", 1)],
+                         ids=["x-pair", "nibble", "fragment"])
+def test_gemv_asm_emulation_can_fail(edit):
+    """The emulation notices a swapped x pair, a wrong nibble mask or fragment registers."""
+    assert _emulate_gemv_asm(F16, False, True, 1, edit) > 1e-2
