@@ -20,9 +20,15 @@ from . import device_of
 # ----------------------------------------------------------------------------------
 # W4A16 configs
 # ----------------------------------------------------------------------------------
+def _tensor_core_gemv(M: int, group_size: int, general_gidx: bool) -> bool:
+    """Whether a 'gemv' config for this problem runs the tensor-core GEMV (the format side of
+    gemv_on_tensor_cores; x's alignment is checked at launch)."""
+    return GEMV_MMA and M <= 8 and (group_size == -1 or group_size % K_CHUNK == 0) and not general_gidx
+
+
 def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx) -> Config:
     sms = sm_count(device.index or 0) if device.type == "cuda" else 132
-    if M <= 8 and (group_size == -1 or group_size % K_CHUNK == 0) and not general_gidx:
+    if _tensor_core_gemv(M, group_size, general_gidx):
         # tensor-core GEMV: 32 rows (two 16-row mma blocks per asm element, x loaded once),
         # 4 chunk slots, the words prefetched one tile ahead (GPU_CHECK.sh of issue 9, H200)
         bk = 512 if Kp % 512 == 0 else 256
@@ -52,7 +58,7 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx) -> Config:
 
 def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx):
     sms = sm_count(device.index or 0)
-    if M <= 8 and (group_size == -1 or group_size % K_CHUNK == 0) and not general_gidx:
+    if _tensor_core_gemv(M, group_size, general_gidx):
         # the tensor-core GEMV (gemv_on_tensor_cores): BLOCK_N 16 runs one 16-row mma block
         # per asm element, >= 32 two (x loaded once for both); num_stages 1 / 2: without /
         # with the one-tile word prefetch. Warps beyond the program's (chunk, row block) work
