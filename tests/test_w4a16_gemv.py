@@ -368,3 +368,12 @@ def test_gemv_asm_emulated(dtype, sym, even_k, pairs):
 def test_gemv_asm_emulation_can_fail(edit):
     """The emulation notices a swapped x pair, a wrong nibble mask or fragment registers."""
     assert _emulate_gemv_asm(F16, False, True, 1, edit) > 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 2, 8])
+@pytest.mark.parametrize("kp", [256, 768, 1536, 4096])
+def test_gemv_heuristic_is_valid(m, kp):
+    """The heuristic's tensor-core GEMV config divides every padded K (a multiple of 256)."""
+    cfg = ops16._w4a16_heuristic(device=torch.device("cpu"), M=m, N=4096, Kp=kp, group_size=-1, general_gidx=False)
+    assert cfg.kernel == "gemv" and gemv_on_tensor_cores(cfg, torch.empty(m, 64), 0, False)
+    ops16._check_config(cfg, kp, m)

@@ -29,10 +29,15 @@ def _tensor_core_gemv(M: int, group_size: int, general_gidx: bool) -> bool:
 def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx) -> Config:
     sms = sm_count(device.index or 0) if device.type == "cuda" else 132
     if _tensor_core_gemv(M, group_size, general_gidx):
-        # tensor-core GEMV: 32 rows (two 16-row mma blocks per asm element, x loaded once),
-        # 4 chunk slots, the words prefetched one tile ahead (GPU_CHECK.sh of issue 9, H200)
-        bk = 512 if Kp % 512 == 0 else 256
-        return Config(M, 32, bk, split_k_for(-(-N // 32), Kp // bk, sms), 8, 4, 2, kernel="gemv")
+        # tensor-core GEMV, H200 (GPU_CHECK.sh of issue 9, 8 Llama shapes): at M = 1, 16 rows x
+        # 8 chunk slots / 8 warps without prefetch was best or within ~10% of the best tile on
+        # 6 of 8 shapes (8192x57344 78.8 us vs 128.8 CUDA-core GEMV, 155 mma kernel); at
+        # M = 2..8, 32 rows x 4 slots with prefetch beat the mma kernel on every shape measured
+        # (8192x57344 M = 2 / 4 / 8: 79 / 87 / 114 us vs 161 / 139 / 138)
+        rows, stages = (16, 1) if M == 1 else (32, 2)
+        bk = next(b for b in ((1024, 512, 256) if M == 1 else (512, 256)) if Kp % b == 0)  # Kp % 256 == 0
+        warps = 8 if bk == 1024 else 4  # (the launcher drops warps beyond the work units)
+        return Config(M, rows, bk, split_k_for(-(-N // rows), Kp // bk, sms), 8, warps, stages, kernel="gemv")
     if M == 1:  # CUDA-core GEMV; BN=16, BK=512 measured best on H200 (docs/perf_log.md)
         bk = 512 if Kp % 512 == 0 else 256
         tiles = -(-N // 16)
@@ -61,13 +66,13 @@ def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx):
     if _tensor_core_gemv(M, group_size, general_gidx):
         # the tensor-core GEMV (gemv_on_tensor_cores): BLOCK_N 16 runs one 16-row mma block
         # per asm element, >= 32 two (x loaded once for both); num_stages 1 / 2: without /
-        # with the one-tile word prefetch. Warps beyond the program's (chunk, row block) work
-        # units are dropped by the launcher (kernels/w4a16.gemv_warps).
-        # Few warps with many chunk slots each keep more 16-byte loads in flight per thread
-        # (small layers without split-K).
-        space = [(M, 16, 512, 4, 2), (M, 16, 1024, 8, 2), (M, 32, 512, 4, 2), (M, 64, 512, 4, 1),
-                 (M, 64, 512, 4, 2), (M, 64, 256, 2, 2), (M, 128, 256, 4, 2), (M, 64, 1024, 8, 2),
-                 (M, 16, 1024, 2, 2), (M, 32, 1024, 2, 2)]
+        # with the one-tile word prefetch. The tiles that were best on some Llama shape on
+        # an H200 (prefetch cost 5-10% on most; few-warp tiles with 4-8 chunk slots per warp
+        # were slower everywhere). Warps beyond the program's (chunk, row block) work units
+        # are dropped by the launcher (kernels/w4a16.gemv_warps).
+        space = [(M, 16, 1024, 8, 1), (M, 16, 1024, 8, 2), (M, 16, 512, 4, 1), (M, 32, 512, 4, 1),
+                 (M, 32, 512, 4, 2), (M, 64, 512, 4, 1), (M, 64, 512, 4, 2), (M, 128, 256, 4, 1),
+                 (M, 128, 256, 4, 2)]
     elif M == 1:  # CUDA-core GEMV (group 32 / 64, a general g_idx)
         # BK 1024: 4096x4096 7.9 -> 7.2 us on H200 (a sweep of 43 tiles was otherwise flat)
         space = [(1, 16, 512, 4, 4), (1, 32, 256, 4, 4), (1, 16, 256, 4, 6), (1, 32, 512, 4, 3),
