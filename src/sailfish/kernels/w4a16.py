@@ -454,12 +454,15 @@ def _splitk_reduce_kernel(ws_ptr, bias_ptr, y_ptr, M, N, stride_ym,
 # column gets x (the lanes need no row index), for M <= 8 column m gets row m of x, and
 # lane (g, t) ends with y[2t], y[2t + 1] of rows g and g + 8 (the C fragment).
 #
-# The asm is elementwise over a (C, R, 4) tensor (chunk, row, lane-in-group t): Triton loads
-# the (C, R, 16) words with 16-byte vectors, i.e. lane (lane // 4, lane % 4) holds words
-# 4t .. 4t + 3 of one row, which is exactly the fragment's (g, t). The mma itself is a warp
-# instruction, so this relies on that lane order (4 lanes along the 16 words of a chunk,
-# consecutive rows in lanes // 4): tests/test_w4a16.py checks the outputs on the GPU and
-# bench/ptx.py the compiled layout.
+# The asm is elementwise over 2-D (V, 4) tensors (virtual row = chunk slot, row block, g;
+# lane-in-group t), fed from (V, 16) word tiles that Triton loads with 16-byte vectors: a
+# 2-D tile can only get 4 lanes along its 16 words and 8 along the rows, so lane 4g + t
+# holds words 4t .. 4t + 3 of row g, exactly the fragment's (g, t). (A 3-D (chunk, row, word)
+# tile got lanes along the chunks from Triton 3.6: wrong results on an H200.) The mma is a
+# warp instruction, so correctness rests on that lane order: bench/ptx.gemv_lane_order checks
+# the compiled layout, tests/test_w4a16_gemv.py emulates the asm on the CPU and checks the
+# outputs on the GPU. x, scales and zero points are loaded inside the asm, so that the words
+# are the only loaded operands whose layout Triton chooses for it.
 def _gemv_mma_asm(bf16: bool, zeros: bool, even_k: bool, pairs: int) -> str:
     """PTX for one (chunk slot, row block, g, t) element: `pairs` row pairs (g, g + 8) of 16
     rows each, a lane's 4 words per row. Operands (P = pairs, 4P accumulators):
