@@ -5,6 +5,7 @@ memory, and does wgmma take it from registers?
     python -m sailfish.bench.ptx                      # the shipped W4A16 'mma' configs, sm_90a
     python -m sailfish.bench.ptx --config 16,128,256,1,4,3 --dtype bf16 --group-size 32
     python -m sailfish.bench.ptx --family w4a8 --group-size -1   # the W4A8 int8 kernel
+    python -m sailfish.bench.ptx --gemv               # the tensor-core GEMV: SASS instructions per weight
 
 Per config it prints the PTX K-loop counts (st.shared / ldmatrix / bar.sync / wgmma) and the
 verdict `no-fp16-smem` or `fp16-smem-roundtrip`. tests/test_w4a16.py runs the same check on
@@ -106,6 +107,142 @@ def compile_w4a8(block_m: int, block_n: int, block_k: int, split_k: int, num_war
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
+def compile_gemv(block_m: int, block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int = 1,
+                 *, dtype: str = "fp16", group_size: int = 128, has_zeros: bool = False, use_asm: bool = True,
+                 capability: int = 90, even_k: bool = True):
+    """triton.compile of kernels/w4a16._w4a16_gemv_mma_kernel (the M <= 8 tensor-core GEMV)
+    for cuda:<capability>, specialised as the launcher is on a GPU (num_stages > 1: the
+    words are prefetched one K tile ahead)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ..kernels.w4a16 import _w4a16_gemv_mma_kernel, gemv_asm, gemv_pairs, gemv_warps
+
+    ty = DTYPES[dtype]
+    asm = gemv_asm(dtype == "bf16", has_zeros, even_k, gemv_pairs(block_n)) if use_asm else ("", "")
+    sig = {"x_ptr": ty, "qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "bias_ptr": ty, "y_ptr": ty,
+           "ws_ptr": "*fp32", **{k: "i32" for k in _INTS}}
+    consts = dict(GROUP_SIZE=0 if group_size == -1 else group_size, HAS_ZEROS=has_zeros, HAS_BIAS=False,
+                  EVEN_K=even_k, SPLIT_K=split_k, EMU_BF16=False, USE_ASM=use_asm,
+                  ASM=asm[0], ASM_CONSTRAINTS=asm[1], PREFETCH=num_stages > 1, BLOCK_M=block_m,
+                  BLOCK_N=block_n, BLOCK_K=block_k)
+    names = list(sig)
+    aligned = tuple(n for n in _PTRS if n != "gidx_ptr") + ("N", "K", "stride_xm", "stride_ym", "stride_qn")
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    src = ASTSource(fn=_w4a16_gemv_mma_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
+                    constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": gemv_warps(block_n, block_k, num_warps), "num_stages": 1})
+
+
+@dataclass
+class SassLoop:
+    """The K loop of a compiled kernel in SASS: per-thread instruction counts per iteration."""
+    instructions: int
+    ops: dict  # opcode (predicate and modifiers dropped after the first dot) -> count
+    weights: int  # weights one thread handles per iteration
+    lane_order: Optional[bool] = None  # GEMV: the asm's layout is the one it needs
+
+    @property
+    def per_weight(self) -> float:
+        return self.instructions / self.weights
+
+
+def sass(cubin: bytes) -> str:
+    """cuobjdump -sass of a cubin (the cuobjdump that ships with Triton's NVIDIA backend)."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nv
+
+    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-sass", f.name], check=True, capture_output=True, text=True).stdout
+
+
+def sass_loop(sass_text: str, marker: str, weights: int) -> Optional[SassLoop]:
+    """The innermost backward branch's body that contains `marker` (e.g. "HMMA")."""
+    ins = []  # (address, text)
+    for line in sass_text.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2).strip()))
+    best = None
+    for i, (addr, text) in enumerate(ins):
+        b = re.search(r"\bBRA\s+(?:`?\(?)0x([0-9a-f]+)", text)
+        if not b or int(b.group(1), 16) >= addr:
+            continue
+        body = [t for a, t in ins if int(b.group(1), 16) <= a <= addr]
+        if any(marker in t for t in body) and (best is None or len(body) < len(best)):
+            best = body
+    if best is None:
+        return None
+    ops: dict = {}
+    for t in best:
+        op = re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+        ops[op] = ops.get(op, 0) + 1
+    return SassLoop(len(best), ops, weights)
+
+
+# lane bit -> (virtual row, lane-in-group) step of the GEMV asm's (V, 4) tensors: lane = 4 g + t
+GEMV_LANES = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
+
+
+def _lane_bases(layout: str) -> Optional[list]:
+    """The lane bases of a 2-D TTGIR layout (#ttg.blocked or #ttg.linear), or None."""
+    m = re.search(r"lane = (\[\[.*?\]\])", layout)
+    if layout.startswith("#ttg.linear") and m:
+        return json.loads(m.group(1))
+    if not layout.startswith("#ttg.blocked"):
+        return None
+    spt, tpw, order = (json.loads(re.search(name + r" = (\[[^\]]*\])", layout).group(1))
+                       for name in ("sizePerThread", "threadsPerWarp", "order"))
+    if len(spt) != 2:
+        return None
+    bases = []
+    for dim in order:  # lanes fill the dims fastest first, above the per-thread elements
+        for bit in range(tpw[dim].bit_length() - 1):
+            step = [0, 0]
+            step[dim] = spt[dim] << bit
+            bases.append(step)
+    return bases
+
+
+def gemv_lane_order(ttgir: str) -> bool:
+    """Whether the GEMV's mma asm runs in the lane order it assumes: every lane's element is
+    (virtual row 8 w + g, t) with lane = 4 g + t, i.e. the (V, 4) operands' lanes are
+    GEMV_LANES. Any other layout gives wrong results (a lane's words would not be its
+    m16n8k16 A fragment)."""
+    layouts = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<\{.*\}>)", ttgir, re.M))
+    found = False
+    for line in ttgir.splitlines():
+        if "tt.elementwise_inline_asm" not in line or "mma.sync" not in line:
+            continue
+        found = True
+        res = re.search(r"->\s*\(?tensor<[^,]*,\s*(#\w+)>", line)
+        if not res or _lane_bases(layouts.get(res.group(1), "")) != GEMV_LANES:
+            return False
+    return found
+
+
+def gemv_loop(block_m: int, block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int = 1,
+              **kw) -> SassLoop:
+    """SASS K-loop counts of the tensor-core GEMV for one config (raises if none is found)."""
+    k = compile_gemv(block_m, block_n, block_k, split_k, num_warps, num_stages, **kw)
+    from ..kernels.w4a16 import gemv_warps
+
+    warps = gemv_warps(block_n, block_k, num_warps)
+    loop = sass_loop(sass(k.asm["cubin"]), "HMMA", block_n * block_k // (32 * warps))
+    if loop is None:
+        raise RuntimeError("no K loop with an HMMA in the compiled GEMV")
+    loop.lane_order = gemv_lane_order(k.asm["ttgir"])
+    return loop
+
+
 def k_loop_stats(ptx: str) -> Optional[LoopStats]:
     """Counts inside the PTX loop that issues the wgmma (the K loop); None if there is none."""
     lines = ptx.splitlines()
@@ -129,8 +266,9 @@ def k_loop_stats(ptx: str) -> Optional[LoopStats]:
     return None
 
 
-def shipped_mma_configs():
-    """(gpu, config) for every distinct W4A16 'mma' config in the shipped tables."""
+def shipped_mma_configs(kernel: str = "mma"):
+    """(gpu, config) for every distinct W4A16 config of this kernel in the shipped tables
+    ('gemv': those the tensor-core GEMV runs, BLOCK_M <= 8, BLOCK_N >= 16)."""
     from ..tuning import CONFIG_DIR, Config
 
     seen = {}
@@ -139,9 +277,27 @@ def shipped_mma_configs():
             table = json.load(f).get("configs", {})
         for key, entry in table.items():
             cfg = Config(**entry)
-            if key.startswith("w4a16|") and cfg.kernel == "mma":
+            if key.startswith("w4a16|") and cfg.kernel == kernel and (
+                    kernel != "gemv" or (cfg.BLOCK_M <= 8 and cfg.BLOCK_N >= 16)):
                 seen.setdefault(cfg, path.stem)
     return [(gpu, cfg) for cfg, gpu in seen.items()]
+
+
+def _main_gemv(cfgs, args) -> int:
+    """--gemv: SASS instructions per weight of the tensor-core GEMV's K loop, and its lane order."""
+    bad = 0
+    for gpu, cfg in cfgs:
+        loop = gemv_loop(cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.SPLIT_K, cfg.num_warps, cfg.num_stages,
+                         dtype=args.dtype,
+                         group_size=args.group_size, has_zeros=args.zeros, use_asm=not args.no_asm,
+                         capability=args.capability)
+        top = ", ".join(f"{op} {n}" for op, n in sorted(loop.ops.items(), key=lambda kv: -kv[1])[:8])
+        bad += not loop.lane_order
+        print(f"[{gpu}] BM={cfg.BLOCK_M} BN={cfg.BLOCK_N} BK={cfg.BLOCK_K} split={cfg.SPLIT_K} w={cfg.num_warps} "
+              f"st={cfg.num_stages}: "
+              f"{loop.instructions} instructions / {loop.weights} weights per thread and K tile = "
+              f"{loop.per_weight:.2f} per weight; lane order {'ok' if loop.lane_order else 'WRONG'} ({top})")
+    return 1 if bad else 0
 
 
 def main(argv=None) -> int:
@@ -158,6 +314,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-asm", action="store_true", help="the pure-Triton dequantization")
     ap.add_argument("--capability", type=int, default=90, help="compute capability, e.g. 90 (sm_90a), 80")
     ap.add_argument("--dump", default=None, help="write the PTX of the last config here")
+    ap.add_argument("--gemv", action="store_true",
+                    help="the M <= 8 tensor-core GEMV instead (default configs: the shipped 'gemv' ones): "
+                         "SASS instructions per weight in its K loop and its lane-order check")
     args = ap.parse_args(argv)
     from ..tuning import Config
 
@@ -172,7 +331,9 @@ def main(argv=None) -> int:
         cfgs = [(args.family, Config(*t[:3], SPLIT_K=t[3], num_warps=t[4], num_stages=t[5])) for t in W4A8_TILES
                 if args.family == "w4a8" or args.group_size == -1 or t[2] <= args.group_size]
     else:
-        cfgs = shipped_mma_configs()
+        cfgs = shipped_mma_configs("gemv" if args.gemv else "mma")
+    if args.gemv:
+        return _main_gemv(cfgs, args)
     bad = 0
     for gpu, cfg in cfgs:
         tile = (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.SPLIT_K, cfg.num_warps, cfg.num_stages)

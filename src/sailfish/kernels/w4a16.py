@@ -21,6 +21,8 @@ Design (why, see docs/perf_log.md for the measurements):
   adds them in a fixed order, so results are deterministic run to run.
 - Offsets that scale with M * N or N * K are int64 (57344 x 40960 passes 2^31).
 """
+from functools import lru_cache
+
 import triton
 import triton.language as tl
 
@@ -484,3 +486,414 @@ def _splitk_reduce_kernel(ws_ptr, bias_ptr, y_ptr, M, N, stride_ym,
         acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
     m = offs // N
     tl.store(y_ptr + m * stride_ym + n, cast_out(acc, y_ptr.dtype.element_ty, EMU_BF16), mask=mask)
+
+
+# ----------------------------------------------------------------------------------
+# M <= 8 GEMV on the tensor cores: mma.sync m16n8k16 straight from the packed words
+# ----------------------------------------------------------------------------------
+# Why (issue 9, docs/perf_log.md v7/v10): the CUDA-core GEMV spent ~5.4 instructions per
+# weight (dequantize, convert to fp32, FFMA), issue-bound at a third of HBM speed, while
+# the H200's issue rate allows ~3.9 at the HBM rate. One mma.sync multiplies 8 weights per
+# thread exactly (fp16/bf16 products are exact in the fp32 accumulator), so a weight costs
+# its share of the 13-instruction dequantization of a word (fp16) plus 1/8 of an mma.
+#
+# The fragment-order layout (formats.int4.PackedW4) makes every word a register of the
+# m16n8k16 A fragment: lane (g, t) of a warp holds, for rows g and g + 8 and each 16-channel
+# step, channels 2t + e + 8h; nibble 4e + 2h + r0 of word 16c + 4t + a is channel
+# 128c + 32a + 16r0 + 8h + 2t + e. So one mma takes (nibbles 0/4, 2/6) of a word of row g and
+# of row g + 8 for the step (c, a, r0 = 0), another (1/5, 3/7) for r0 = 1. B is x: b0, b1 of
+# lane (g, t) are the channel pairs 2t and 2t + 8 of the step, in column g. For M = 1 every
+# column gets x (the lanes need no row index), for M <= 8 column m gets row m of x, and
+# lane (g, t) ends with y[2t], y[2t + 1] of rows g and g + 8 (the C fragment).
+#
+# The asm is elementwise over 2-D (V, 4) tensors (virtual row = chunk slot, row block, g;
+# lane-in-group t), fed from (V, 16) word tiles that Triton loads with 16-byte vectors: a
+# 2-D tile can only get 4 lanes along its 16 words and 8 along the rows, so lane 4g + t
+# holds words 4t .. 4t + 3 of row g, exactly the fragment's (g, t). (A 3-D (chunk, row, word)
+# tile got lanes along the chunks from Triton 3.6: wrong results on an H200.) The mma is a
+# warp instruction, so correctness rests on that lane order: bench/ptx.gemv_lane_order checks
+# the compiled layout, tests/test_w4a16_gemv.py emulates the asm on the CPU and checks the
+# outputs on the GPU. x, scales and zero points are loaded inside the asm, so that the words
+# are the only loaded operands whose layout Triton chooses for it.
+def _gemv_mma_asm(bf16: bool, zeros: bool, even_k: bool, pairs: int) -> str:
+    """PTX for one (chunk slot, row block, g, t) element: `pairs` row pairs (g, g + 8) of 16
+    rows each, a lane's 4 words per row. Operands (P = pairs, 4P accumulators):
+    $0 .. $4P-1 out: fp32 accumulators (pair p: c0..c3 at 4p)
+    then in: 8P words (pair p, row lo/hi, a = 0..3), the x address (pair 64c + t of the
+    lane's row of x), 2P scale addresses (pair p lo, hi), the zero-point minus scale
+    address difference, the number of x pairs left in the row (masks the K tail unless
+    even_k), the 4P accumulators. Everything a lane reads besides its words is loaded here:
+    operands loaded by Triton would let the compiler pick their layout for this op, and the
+    mma needs the words' lane order (see the block comment)."""
+    na = 4 * pairs
+    iw = na
+    ix = iw + 8 * pairs
+    i_s = ix + 1
+    iz = i_s + 2 * pairs
+    irem = iz + 1
+    iacc = irem + 1
+    ty = "bf16x2" if bf16 else "f16x2"
+    h1 = "bf16" if bf16 else "f16"
+    magic = "0x43004300" if bf16 else "0x64006400"
+    L = ["{", ".reg .b32 p0, p1, p2, p3, ul, uh, k16, t32;", ".reg .b16 q16, c16;", ".reg .pred px;",
+         ".reg .b64 za;",
+         ".reg .b32 " + ", ".join(f"x{i}" for i in range(16)) + ";",
+         ".reg .b32 " + ", ".join(f"s{r}, zl{r}, zh{r}" for r in range(2 * pairs)) + ";",
+         ".reg .f32 " + ", ".join(f"d{i}" for i in range(na)) + ";",
+         "mov.b32 k16, 0x2c002c00;"]  # (1/16, 1/16) in fp16
+    L += [f"mov.f32 d{i}, ${iacc + i};" for i in range(na)]
+    # x: pair 4i past the lane's first one is register i = 4a + 2r0 + h (16 bytes apart)
+    for i in range(16):
+        if even_k:
+            L.append(f"ld.global.nc.b32 x{i}, [${ix} + {16 * i}];")
+        else:
+            L += [f"mov.b32 x{i}, 0;", f"setp.gt.s32 px, ${irem}, {4 * i};",
+                  f"@px ld.global.nc.b32 x{i}, [${ix} + {16 * i}];"]
+    # per row: half2 scale, (1024 + z) and -(64 + z) (bf16: 128 + z); symmetric z = 8
+    for r in range(2 * pairs):
+        L += [f"ld.global.b16 q16, [${i_s + r}];", f"mov.b32 s{r}, {{q16, q16}};"]
+        if zeros:
+            L += [f"add.s64 za, ${i_s + r}, ${iz};", "ld.global.b16 q16, [za];"]
+            L += ["mov.b16 c16, 0x4300;" if bf16 else "mov.b16 c16, 0x6400;",
+                  f"add.rn.{h1} c16, q16, c16;", f"mov.b32 zl{r}, {{c16, c16}};"]
+            if not bf16:
+                L += ["mov.b16 c16, 0xd400;", f"sub.rn.f16 c16, c16, q16;", f"mov.b32 zh{r}, {{c16, c16}};"]
+        else:
+            L.append(f"mov.b32 zl{r}, {'0x43084308' if bf16 else '0x64086408'};")
+            if not bf16:
+                L.append(f"mov.b32 zh{r}, 0xd480d480;")  # (-72, -72)
+    mma = ("mma.sync.aligned.m16n8k16.row.col.f32." + ("bf16.bf16" if bf16 else "f16.f16") + ".f32 "
+           "{d%d, d%d, d%d, d%d}, {p0, p1, p2, p3}, {x%d, x%d}, {d%d, d%d, d%d, d%d};")
+
+    def half(dst, src, hi_nibble, r):
+        if not hi_nibble:  # nibbles j, j + 4 in bits 0-3 / 16-19: (1024 + q) - (1024 + z), exact
+            return [f"lop3.b32 {dst}, {src}, 0x000f000f, {magic}, 0xea;",
+                    f"sub.rn.{ty} {dst}, {dst}, zl{r};", f"mul.rn.{ty} {dst}, {dst}, s{r};"]
+        # fp16, bits 4-7 / 20-23: (1024 + 16q) / 16 - (64 + z), one exact fma
+        return [f"lop3.b32 {dst}, {src}, 0x00f000f0, {magic}, 0xea;",
+                f"fma.rn.{ty} {dst}, {dst}, k16, zh{r};", f"mul.rn.{ty} {dst}, {dst}, s{r};"]
+
+    for a in range(4):
+        for p in range(pairs):
+            wl, wh = f"${iw + 8 * p + a}", f"${iw + 8 * p + 4 + a}"
+            rl, rh = 2 * p, 2 * p + 1
+            d = tuple(4 * p + i for i in range(4))
+            for r0 in range(2):
+                # A fragment: a0 row g, channels 2t + e (h = 0); a1 row g + 8; a2, a3: h = 1
+                if bf16:  # 7 mantissa bits: every nibble is shifted down to bits 0-3 first
+                    for h in range(2):
+                        sh = 4 * (2 * h + r0)  # nibbles 2h + r0 and 2h + r0 + 4
+                        for dst, w, u, r in ((f"p{2 * h}", wl, "ul", rl), (f"p{2 * h + 1}", wh, "uh", rh)):
+                            if sh:
+                                L.append(f"shr.u32 {u}, {w}, {sh};")
+                            L += half(dst, u if sh else w, False, r)
+                else:
+                    if r0 == 0:
+                        L += [f"shr.u32 ul, {wl}, 8;", f"shr.u32 uh, {wh}, 8;"]
+                    L += half("p0", wl, r0, rl) + half("p1", wh, r0, rh)
+                    L += half("p2", "ul", r0, rl) + half("p3", "uh", r0, rh)
+                L.append(mma % (d + (4 * a + 2 * r0, 4 * a + 2 * r0 + 1) + d))
+    L += [f"mov.f32 ${i}, d{i};" for i in range(na)] + ["}"]
+    return "\n".join(L)
+
+
+def _gemv_constraints(pairs: int) -> str:
+    na = 4 * pairs
+    return ",".join(["=f"] * na + ["r"] * (8 * pairs) + ["l"] * (2 + 2 * pairs) + ["r"] + ["f"] * na)
+
+
+@lru_cache(maxsize=None)
+def gemv_asm(bf16: bool, zeros: bool, even_k: bool, pairs: int) -> tuple:
+    """(PTX, constraints) of `_w4a16_gemv_mma_kernel`'s asm, passed as its constexpr ASM."""
+    return _gemv_mma_asm(bf16, zeros, even_k, pairs), _gemv_constraints(pairs)
+
+
+def gemv_pairs(block_n: int) -> int:
+    """Row pairs (16 rows each) per asm element: 2 where BLOCK_N allows (x loaded once for
+    32 rows), else 1."""
+    return 2 if block_n >= 32 else 1
+
+
+def gemv_warps(block_n: int, block_k: int, num_warps: int) -> int:
+    """num_warps, at most the program's warp-sized work units (chunk slots x row blocks): a
+    warp more would only repeat another's work (Triton replicates a tensor smaller than the
+    CTA over the extra warps) and, in the compiled code, add shared-memory round trips."""
+    units = (block_k // 128) * (block_n // (16 * gemv_pairs(block_n)))
+    return max(1, min(num_warps, units))
+
+
+@triton.jit
+def _half_bits(p, SHIFT: tl.constexpr, DTYPE: tl.constexpr):
+    """fp32 value of the fp16/bf16 in bits SHIFT .. SHIFT + 15 of the int32 p (exact)."""
+    b = (p >> SHIFT) & 0xFFFF
+    if DTYPE == tl.float16:
+        return b.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        return (b << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gemv_split_words(w):
+    """(V, 16) words -> 4 tensors (V, 4): word 4t + a of each virtual row, a = 0..3
+    (register-local: a thread's 4 words are one 16-byte vector)."""
+    w = tl.reshape(w, (w.shape[0], 4, 2, 2))  # (v, t, a1, a0)
+    e0, e1 = tl.split(w)
+    w0, w2 = tl.split(e0)
+    w1, w3 = tl.split(e1)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _gemv_twin_weights(w0, w1, w2, w3, s_ptrs, z_ptrs, HAS_ZEROS: tl.constexpr, DTYPE: tl.constexpr,
+                       EMU_BF16: tl.constexpr):
+    """The twin's dequantization: words (V, 4) of a = 0..3 -> fp32 (V, 4, 4, 8) [v, t, a, j],
+    the weight of nibble j: the exact q - z times the scale, rounded once to DTYPE, as the
+    asm's sub/fma + mul do."""
+    w = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (w0.shape[0], 4, 4))
+    q = (w[:, :, :, None] >> (4 * tl.arange(0, 8))[None, None, None, :]) & 0xF
+    s = tl.load(s_ptrs).to(tl.float32)[:, :, None, None]
+    if HAS_ZEROS:
+        z = tl.load(z_ptrs).to(tl.float32)[:, :, None, None]
+    else:
+        z = 8.0
+    v = (q.to(tl.float32) - z) * s  # exact in fp32 (<= 16 significant bits)
+    if EMU_BF16:
+        return round_bf16_emu(v)
+    else:
+        return v.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _gemv_twin_x(xq, xo, rem, EVEN_K: tl.constexpr, DTYPE: tl.constexpr):
+    """The twin's x: the 16 pairs of each lane (register i = pair 4i past xo, masked past K)
+    -> fp32 (V, 4, 4, 8) [v, t, a, j]: the channel of nibble j = 4e + 2h + r0 of word a
+    (half e of pair 4a + 2r0 + h)."""
+    if EVEN_K:
+        rem = rem * 0 + 64
+    X = tl.join(join8(tl.load(xq + xo, mask=rem > 0, other=0), tl.load(xq + xo + 4, mask=rem > 4, other=0),
+                      tl.load(xq + xo + 8, mask=rem > 8, other=0), tl.load(xq + xo + 12, mask=rem > 12, other=0),
+                      tl.load(xq + xo + 16, mask=rem > 16, other=0), tl.load(xq + xo + 20, mask=rem > 20, other=0),
+                      tl.load(xq + xo + 24, mask=rem > 24, other=0), tl.load(xq + xo + 28, mask=rem > 28, other=0)),
+                join8(tl.load(xq + xo + 32, mask=rem > 32, other=0), tl.load(xq + xo + 36, mask=rem > 36, other=0),
+                      tl.load(xq + xo + 40, mask=rem > 40, other=0), tl.load(xq + xo + 44, mask=rem > 44, other=0),
+                      tl.load(xq + xo + 48, mask=rem > 48, other=0), tl.load(xq + xo + 52, mask=rem > 52, other=0),
+                      tl.load(xq + xo + 56, mask=rem > 56, other=0), tl.load(xq + xo + 60, mask=rem > 60, other=0)))
+    X = tl.reshape(tl.permute(X, (0, 1, 5, 2, 3, 4)), (xo.shape[0], 4, 4, 2, 2))  # (v, t, a, r0, h)
+    X = tl.join(_half_bits(X, 0, DTYPE), _half_bits(X, 16, DTYPE))  # (v, t, a, r0, h, e)
+    return tl.reshape(tl.permute(X, (0, 1, 2, 5, 4, 3)), (xo.shape[0], 4, 4, 8))  # (v, t, a, [e, h, r0])
+
+
+@triton.jit
+def _gemv_twin(wl, wh, xq, xo, rem, stride_xm, acc0, acc1, acc2, acc3, t, M, BLOCK_M: tl.constexpr,
+               EVEN_K: tl.constexpr, DTYPE: tl.constexpr):
+    """Pure-Triton twin of the asm's mma for one row pair (what the interpreter runs), on the
+    weights wl / wh of `_gemv_twin_weights`: the same exact products, fp32 sums in another
+    order. As in the C fragment, lane t of a virtual row gets y[2t] (acc0 / acc2) and
+    y[2t + 1] (acc1 / acc3): the sum over the 4 lanes of its row and their 4 words; the
+    other lanes keep zeros (M = 1: the asm has y[0] in every t, the store reads t = 0)."""
+    for m in tl.static_range(BLOCK_M):
+        if m < M:
+            X = _gemv_twin_x(xq, xo + m * (stride_xm // 2), rem, EVEN_K, DTYPE)
+            s_lo = tl.sum(tl.sum(tl.sum(wl * X, axis=3), axis=2), axis=1, keep_dims=True)
+            s_hi = tl.sum(tl.sum(tl.sum(wh * X, axis=3), axis=2), axis=1, keep_dims=True)
+            sel0 = (2 * t == m)[None, :]
+            sel1 = (2 * t + 1 == m)[None, :]
+            acc0 += tl.where(sel0, s_lo, 0.0)
+            acc1 += tl.where(sel1, s_lo, 0.0)
+            acc2 += tl.where(sel0, s_hi, 0.0)
+            acc3 += tl.where(sel1, s_hi, 0.0)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _gemv_rows(pid_n, P: tl.constexpr, PAIR: tl.constexpr, HI: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The (RB * 8,) rows of row pair PAIR, half HI (rows g or g + 8), in each of the RB
+    blocks of 16 P rows of this program: entry 8 rb + g."""
+    RB: tl.constexpr = BLOCK_N // (16 * P)
+    r = tl.arange(0, RB * 8)
+    return pid_n * BLOCK_N + 16 * (P * (r // 8) + PAIR) + 8 * HI + r % 8
+
+
+@triton.jit
+def _gemv_store(acc, n, I: tl.constexpr, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, C: tl.constexpr,
+                HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr, DTYPE: tl.constexpr):
+    """Sum a (V, 4) accumulator over its C chunk slots and store y[2t + I, n] (rows n:
+    (RB * 8,)); with split-K the fp32 partial goes to ws[pid_k] instead."""
+    out = tl.sum(tl.reshape(acc, (C, n.shape[0], 4)), axis=0)  # (RB * 8, 4)
+    m = (2 * t + I)[None, :]
+    on = n.to(tl.int64)[:, None]
+    mask = (m < M) & (on < N)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + on % N).to(tl.float32)
+        tl.store(y_ptr + m * stride_ym + on, cast_out(out, DTYPE, EMU_BF16), mask=mask)
+    else:
+        tl.store(ws_ptr + (pid_k * M + m) * N + on, out, mask=mask)
+
+
+@triton.jit
+def _gemv_pair_words(wl, wh, ql, qh, dt, PREFETCH: tl.constexpr):
+    """This K tile's words of a row pair (rows g at wl, g + 8 at wh), split by a. PREFETCH:
+    they are ql, qh (loaded one iteration ago), and the next tile's (at + dt) are returned
+    in their place; else they are loaded now and ql, qh pass through."""
+    if PREFETCH:
+        cl = ql
+        ch = qh
+        ql = tl.load(wl + dt, eviction_policy="evict_first")
+        qh = tl.load(wh + dt, eviction_policy="evict_first")
+    else:
+        cl = tl.load(wl, eviction_policy="evict_first")
+        ch = tl.load(wh, eviction_policy="evict_first")
+    a0, a1, a2, a3 = _gemv_split_words(cl)
+    b0, b1, b2, b3 = _gemv_split_words(ch)
+    return a0, a1, a2, a3, b0, b1, b2, b3, ql, qh
+
+
+@triton.jit
+def _w4a16_gemv_mma_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
+    M, N, K, stride_xm, stride_ym, stride_qn, stride_sn,
+    GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr, ASM: tl.constexpr,
+    ASM_CONSTRAINTS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """y (M, N) = x (M, K) @ W^T for M <= BLOCK_M <= 8, on the tensor cores (mma.sync
+    m16n8k16, fp32 accumulators) with the weights read straight into registers: see the
+    block comment above. A program owns BLOCK_N rows, in RB blocks of 16 P rows (P =
+    gemv_pairs(BLOCK_N) row pairs per asm element), and walks its K range in tiles of
+    C = BLOCK_K // 128 chunks. Every tensor is 2-D, (V, 16) words or (V, 4) lanes, over
+    V = C * RB * 8 "virtual rows" v = (chunk slot, row block, g): with only two dims the
+    16-byte word loads can only be laid out as 4 lanes along a row's 16 words and 8 along g
+    (lane = 4 g + t, the mma fragment order); 3-D tiles got lanes along the chunk slots from
+    Triton 3.6. GROUP_SIZE is 0 (per channel) or a multiple of 128; K is even and x's rows
+    4-byte aligned (x is read as channel pairs). ASM, ASM_CONSTRAINTS: gemv_asm(...) for
+    this dtype / zeros / EVEN_K / P (unused without USE_ASM). PREFETCH: load the next K
+    tile's words one iteration ahead (registers; Triton does not pipeline a loop without a
+    dot). Split-K as _w4a16_kernel. Accumulator acc_{4p + i} (V, 4): lane (v, t) holds
+    y[2t + i % 2] of row 16 (P rb + p) + g + 8 (i // 2) over chunk slot c."""
+    DTYPE = x_ptr.dtype.element_ty
+    C: tl.constexpr = BLOCK_K // 128
+    P: tl.constexpr = 2 if BLOCK_N >= 32 else 1
+    RB: tl.constexpr = BLOCK_N // (16 * P)
+    V: tl.constexpr = C * RB * 8
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    kt0, kt1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
+    v = tl.arange(0, V)
+    t = tl.arange(0, 4)
+    cw = v // (RB * 8)  # chunk slot of each virtual row
+    g = v % 8
+    w16 = tl.arange(0, 16)
+    n0l = _gemv_rows(pid_n, P, 0, 0, BLOCK_N)
+    n0h = _gemv_rows(pid_n, P, 0, 1, BLOCK_N)
+    n1l = _gemv_rows(pid_n, P, P - 1, 0, BLOCK_N)  # (pair 1 if P == 2)
+    n1h = _gemv_rows(pid_n, P, P - 1, 1, BLOCK_N)
+    # per virtual row: its row (wrapped into [0, N): unmasked loads, results dropped at the
+    # store) and word offset in the K tile kt0
+    r0l = (tl.reshape(tl.broadcast_to(n0l[None, :], (C, RB * 8)), (V,)) % N).to(tl.int64)
+    r0h = (tl.reshape(tl.broadcast_to(n0h[None, :], (C, RB * 8)), (V,)) % N).to(tl.int64)
+    r1l = (tl.reshape(tl.broadcast_to(n1l[None, :], (C, RB * 8)), (V,)) % N).to(tl.int64)
+    r1h = (tl.reshape(tl.broadcast_to(n1h[None, :], (C, RB * 8)), (V,)) % N).to(tl.int64)
+    wo = ((kt0 * C + cw) * 16)[:, None] + w16[None, :]
+    w0l = qw_ptr + r0l[:, None] * stride_qn + wo
+    w0h = qw_ptr + r0h[:, None] * stride_qn + wo
+    w1l = qw_ptr + r1l[:, None] * stride_qn + wo
+    w1h = qw_ptr + r1h[:, None] * stride_qn + wo
+    # x as int32 channel pairs: lane t of chunk c starts at pair 64c + t. M = 1: every B
+    # column is x; else column g is row g % M of x (columns >= M are dropped at the store)
+    xq = x_ptr.to(tl.pointer_type(tl.int32))
+    pk = ((kt0 * C + cw) * 64)[:, None] + t[None, :]  # (V, 4)
+    if BLOCK_M > 1:
+        xo = pk + ((g % M) * (stride_xm // 2))[:, None]
+    else:
+        xo = pk
+    # zero points: same (N, Gp) strides as the scales, so one distance (in elements) finds them
+    zdiff = (z_ptr.to(tl.int64, bitcast=True) - s_ptr.to(tl.int64, bitcast=True)) // 2
+    acc0 = tl.zeros((V, 4), tl.float32)
+    acc1 = tl.zeros((V, 4), tl.float32)
+    acc2 = tl.zeros((V, 4), tl.float32)
+    acc3 = tl.zeros((V, 4), tl.float32)
+    acc4 = tl.zeros((V, 4), tl.float32)
+    acc5 = tl.zeros((V, 4), tl.float32)
+    acc6 = tl.zeros((V, 4), tl.float32)
+    acc7 = tl.zeros((V, 4), tl.float32)
+    if PREFETCH:  # the first tile's words
+        # Tile min(kt, kt1 - 1): always a real tile, so no mask (a masked load costs a zeroing
+        # move per register); the last iteration reloads its own tile from L2.
+        dt = 16 * C * (tl.minimum(kt0, kt1 - 1) - kt0)
+        q0l = tl.load(w0l + dt, eviction_policy="evict_first")
+        q0h = tl.load(w0h + dt, eviction_policy="evict_first")
+        if P == 2:
+            q1l = tl.load(w1l + dt, eviction_policy="evict_first")
+            q1h = tl.load(w1h + dt, eviction_policy="evict_first")
+        else:
+            q1l, q1h = q0l, q0h
+    else:  # placeholders, passed through unchanged
+        q0l, q0h, q1l, q1h = w0l, w0h, w1l, w1h
+    for kt in range(kt0, kt1):
+        kg = (kt * C + cw) * 128  # first channel of each virtual row's chunk
+        if GROUP_SIZE == 0:
+            grp = kg * 0
+        else:
+            grp = kg // GROUP_SIZE
+        rem = K // 2 - pk  # x pairs left in the row from each lane's first one
+        dt = 16 * C * (kt + 1 < kt1).to(tl.int32)  # to the next tile (PREFETCH), if any
+        a0, a1, a2, a3, b0, b1, b2, b3, q0l, q0h = _gemv_pair_words(w0l, w0h, q0l, q0h, dt, PREFETCH)
+        s0l = s_ptr + (r0l * stride_sn + grp)[:, None]  # (V, 1)
+        s0h = s_ptr + (r0h * stride_sn + grp)[:, None]
+        if P == 2:
+            e0, e1, e2, e3, f0, f1, f2, f3, q1l, q1h = _gemv_pair_words(w1l, w1h, q1l, q1h, dt, PREFETCH)
+            s1l = s_ptr + (r1l * stride_sn + grp)[:, None]
+            s1h = s_ptr + (r1h * stride_sn + grp)[:, None]
+        if USE_ASM:
+            # only words, addresses and accumulators as operands: see _gemv_mma_asm
+            xa = (xq + xo).to(tl.int64, bitcast=True)
+            za = zdiff * 2
+            if P == 1:
+                acc0, acc1, acc2, acc3 = tl.inline_asm_elementwise(
+                    ASM, ASM_CONSTRAINTS,
+                    [a0, a1, a2, a3, b0, b1, b2, b3, xa, s0l.to(tl.int64, bitcast=True),
+                     s0h.to(tl.int64, bitcast=True), za, rem, acc0, acc1, acc2, acc3],
+                    dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+            else:
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tl.inline_asm_elementwise(
+                    ASM, ASM_CONSTRAINTS,
+                    [a0, a1, a2, a3, b0, b1, b2, b3, e0, e1, e2, e3, f0, f1, f2, f3, xa,
+                     s0l.to(tl.int64, bitcast=True), s0h.to(tl.int64, bitcast=True),
+                     s1l.to(tl.int64, bitcast=True), s1h.to(tl.int64, bitcast=True), za, rem,
+                     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7],
+                    dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+        else:  # the interpreter's twin
+            acc0, acc1, acc2, acc3 = _gemv_twin(
+                _gemv_twin_weights(a0, a1, a2, a3, s0l, s0l + zdiff, HAS_ZEROS, DTYPE, EMU_BF16),
+                _gemv_twin_weights(b0, b1, b2, b3, s0h, s0h + zdiff, HAS_ZEROS, DTYPE, EMU_BF16),
+                xq, pk, rem, stride_xm, acc0, acc1, acc2, acc3, t, M, BLOCK_M, EVEN_K, DTYPE)
+            if P == 2:
+                acc4, acc5, acc6, acc7 = _gemv_twin(
+                    _gemv_twin_weights(e0, e1, e2, e3, s1l, s1l + zdiff, HAS_ZEROS, DTYPE, EMU_BF16),
+                    _gemv_twin_weights(f0, f1, f2, f3, s1h, s1h + zdiff, HAS_ZEROS, DTYPE, EMU_BF16),
+                    xq, pk, rem, stride_xm, acc4, acc5, acc6, acc7, t, M, BLOCK_M, EVEN_K, DTYPE)
+        w0l += 16 * C
+        w0h += 16 * C
+        w1l += 16 * C
+        w1h += 16 * C
+        xo += 64 * C
+        pk += 64 * C
+    _gemv_store(acc0, n0l, 0, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, C, HAS_BIAS, SPLIT_K, EMU_BF16,
+                DTYPE)
+    _gemv_store(acc1, n0l, 1, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, C, HAS_BIAS, SPLIT_K, EMU_BF16,
+                DTYPE)
+    _gemv_store(acc2, n0h, 0, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, C, HAS_BIAS, SPLIT_K, EMU_BF16,
+                DTYPE)
+    _gemv_store(acc3, n0h, 1, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, C, HAS_BIAS, SPLIT_K, EMU_BF16,
+                DTYPE)
+    if P == 2:
+        _gemv_store(acc4, n1l, 0, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, C, HAS_BIAS, SPLIT_K,
+                    EMU_BF16, DTYPE)
+        _gemv_store(acc5, n1l, 1, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, C, HAS_BIAS, SPLIT_K,
+                    EMU_BF16, DTYPE)
+        _gemv_store(acc6, n1h, 0, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, C, HAS_BIAS, SPLIT_K,
+                    EMU_BF16, DTYPE)
+        _gemv_store(acc7, n1h, 1, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, C, HAS_BIAS, SPLIT_K,
+                    EMU_BF16, DTYPE)

@@ -20,8 +20,24 @@ from . import device_of
 # ----------------------------------------------------------------------------------
 # W4A16 configs
 # ----------------------------------------------------------------------------------
+def _tensor_core_gemv(M: int, group_size: int, general_gidx: bool) -> bool:
+    """Whether a 'gemv' config for this problem runs the tensor-core GEMV (the format side of
+    gemv_on_tensor_cores; x's alignment is checked at launch)."""
+    return GEMV_MMA and M <= 8 and (group_size == -1 or group_size % K_CHUNK == 0) and not general_gidx
+
+
 def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx) -> Config:
     sms = sm_count(device.index or 0) if device.type == "cuda" else 132
+    if _tensor_core_gemv(M, group_size, general_gidx):
+        # tensor-core GEMV, H200 (GPU_CHECK.sh of issue 9, 8 Llama shapes): at M = 1, 16 rows x
+        # 8 chunk slots / 8 warps without prefetch was best or within ~10% of the best tile on
+        # 6 of 8 shapes (8192x57344 78.8 us vs 128.8 CUDA-core GEMV, 155 mma kernel); at
+        # M = 2..8, 32 rows x 4 slots with prefetch beat the mma kernel on every shape measured
+        # (8192x57344 M = 2 / 4 / 8: 79 / 87 / 114 us vs 161 / 139 / 138)
+        rows, stages = (16, 1) if M == 1 else (32, 2)
+        bk = next(b for b in ((1024, 512, 256) if M == 1 else (512, 256)) if Kp % b == 0)  # Kp % 256 == 0
+        warps = 8 if bk == 1024 else 4  # (the launcher drops warps beyond the work units)
+        return Config(M, rows, bk, split_k_for(-(-N // rows), Kp // bk, sms), 8, warps, stages, kernel="gemv")
     if M == 1:  # CUDA-core GEMV; BN=16, BK=512 measured best on H200 (docs/perf_log.md)
         bk = 512 if Kp % 512 == 0 else 256
         tiles = -(-N // 16)
@@ -47,7 +63,17 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx) -> Config:
 
 def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx):
     sms = sm_count(device.index or 0)
-    if M == 1:
+    if _tensor_core_gemv(M, group_size, general_gidx):
+        # the tensor-core GEMV (gemv_on_tensor_cores): BLOCK_N 16 runs one 16-row mma block
+        # per asm element, >= 32 two (x loaded once for both); num_stages 1 / 2: without /
+        # with the one-tile word prefetch. The tiles that were best on some Llama shape on
+        # an H200 (prefetch cost 5-10% on most; few-warp tiles with 4-8 chunk slots per warp
+        # were slower everywhere). Warps beyond the program's (chunk, row block) work units
+        # are dropped by the launcher (kernels/w4a16.gemv_warps).
+        space = [(M, 16, 1024, 8, 1), (M, 16, 1024, 8, 2), (M, 16, 512, 4, 1), (M, 32, 512, 4, 1),
+                 (M, 32, 512, 4, 2), (M, 64, 512, 4, 1), (M, 64, 512, 4, 2), (M, 128, 256, 4, 1),
+                 (M, 128, 256, 4, 2)]
+    elif M == 1:  # CUDA-core GEMV (group 32 / 64, a general g_idx)
         # BK 1024: 4096x4096 7.9 -> 7.2 us on H200 (a sweep of 43 tiles was otherwise flat)
         space = [(1, 16, 512, 4, 4), (1, 32, 256, 4, 4), (1, 16, 256, 4, 6), (1, 32, 512, 4, 3),
                  (1, 64, 256, 4, 4), (1, 16, 512, 2, 4), (1, 16, 1024, 4, 4), (1, 16, 1024, 8, 4)]
@@ -174,6 +200,29 @@ def _has_bf16x2(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
+# The 'gemv' configs run on the tensor cores (kernels/w4a16._w4a16_gemv_mma_kernel, issue 9)
+# wherever that kernel applies; SAILFISH_GEMV_MMA=0 keeps the CUDA-core GEMV, to compare.
+GEMV_MMA = os.environ.get("SAILFISH_GEMV_MMA", "1") == "1"
+
+
+def gemv_on_tensor_cores(cfg: Config, x: torch.Tensor, gs: int, general_gidx: bool) -> bool:
+    """Whether a 'gemv' config runs the tensor-core GEMV: M <= 8 (the 8 columns of an
+    m16n8k16 B tile), groups of whole 128-channel chunks (per channel, 128, 256, ...), no
+    per-channel group index, x readable as 4-byte channel pairs (even K, aligned rows).
+    Elsewhere (group 32 / 64, a general g_idx, odd K) the CUDA-core GEMV runs."""
+    return (GEMV_MMA and cfg.BLOCK_M <= 8 and cfg.BLOCK_N >= 16 and not general_gidx
+            and gs % K_CHUNK == 0 and x.shape[1] % 2 == 0 and x.data_ptr() % 4 == 0
+            and x.stride(0) % 2 == 0)
+
+
+def _has_mma_asm(x: torch.Tensor) -> bool:
+    """mma.sync m16n8k16 needs sm_80; the bf16 dequantization's sub/mul.bf16x2 sm_90."""
+    if not x.is_cuda:
+        return False
+    cap = torch.cuda.get_device_capability(x.device.index)
+    return cap >= (9, 0) or (cap >= (8, 0) and x.dtype == torch.float16)
+
+
 def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: Optional[torch.Tensor], perm: Optional[torch.Tensor],
                  sorted_g_idx: Optional[torch.Tensor], bias: Optional[torch.Tensor],
@@ -186,7 +235,8 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     import triton  # imported lazily so that TRITON_INTERPRET can be set before it
 
     from ..kernels.w4a16 import (_splitk_reduce_kernel, _w4a16_dequant_kernel, _w4a16_gemv_kernel,
-                                 _w4a16_kernel)
+                                 _w4a16_gemv_mma_kernel, _w4a16_kernel, gemv_asm, gemv_pairs,
+                                 gemv_warps)
 
     M, K = x.shape
     N, kp8 = qweight.shape
@@ -228,7 +278,18 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             ws = torch.empty((cfg.SPLIT_K, M, N), dtype=torch.float32, device=x.device)
         common = dict(HAS_BIAS=bias is not None, EVEN_K=(K % cfg.BLOCK_K == 0), SPLIT_K=cfg.SPLIT_K, **flags)
         ptrs = (x, qweight, scales, z_arg, g_arg, scales if bias is None else bias, out, ws)
-        if cfg.kernel == "gemv":  # (the gemv / dequant kernels take no PREFETCH_S)
+        if cfg.kernel == "gemv" and gemv_on_tensor_cores(cfg, x, gs, sorted_g_idx is not None):
+            mma_asm = use_asm and _has_mma_asm(x)
+            asm_text, asm_constraints = gemv_asm(x.dtype == torch.bfloat16, zeros is not None,
+                                                 K % cfg.BLOCK_K == 0, gemv_pairs(cfg.BLOCK_N)) if mma_asm else ("", "")
+            _w4a16_gemv_mma_kernel[(triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)](
+                x, qweight, scales, z_arg, ptrs[5], out, ws, M, N, K, x.stride(0), out.stride(0),
+                qweight.stride(0), scales.stride(0), GROUP_SIZE=gs, HAS_ZEROS=zeros is not None,
+                HAS_BIAS=bias is not None, EVEN_K=(K % cfg.BLOCK_K == 0), SPLIT_K=cfg.SPLIT_K, EMU_BF16=emu,
+                USE_ASM=mma_asm, ASM=asm_text, ASM_CONSTRAINTS=asm_constraints, PREFETCH=cfg.num_stages > 1,
+                BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+                num_warps=gemv_warps(cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_warps), num_stages=cfg.num_stages)
+        elif cfg.kernel == "gemv":  # (the gemv / dequant kernels take no PREFETCH_S)
             _w4a16_gemv_kernel[(triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)](
                 *ptrs, M, N, K, x.stride(0), out.stride(0), qweight.stride(0), scales.stride(0),
                 BLOCK_M=cfg.BLOCK_M, **common)
