@@ -19,6 +19,22 @@ from .formats.qqq import (LAYOUT_VERSION_W4A8, PackedQQQ, QQQWeight, check_act_d
 log = logging.getLogger("sailfish")
 
 
+def _upgrade_qweight_layout(state_dict, prefix: str, current: int, from_v1, what: str) -> None:
+    """qweight's layout version travels as a buffer (not module metadata) so that it survives
+    formats that drop metadata, e.g. safetensors. Version 1 (no such buffer: the natural
+    nibble order of Sailfish 0.1.0) is re-packed with from_v1; load_state_dict works on its
+    own copy of the dict, so it is rewritten in place."""
+    key = prefix + "qweight_layout"
+    if prefix + "qweight" in state_dict:
+        version = int(state_dict[key]) if key in state_dict else 1
+        if version == 1:
+            state_dict[prefix + "qweight"] = from_v1(state_dict[prefix + "qweight"])
+        elif version != current:
+            raise ValueError(f"{key}={version} is not supported; this Sailfish reads {what}layout "
+                             f"versions 1 and {current} (a newer Sailfish wrote it?)")
+        state_dict[key] = torch.tensor(current, dtype=torch.int32)
+
+
 def _sync_flags_after_load(module: "QuantLinear", incompatible_keys) -> None:
     module._sync_flags()
 
@@ -265,18 +281,7 @@ class QuantLinear(nn.Module):
                 error_msgs.append(f"{prefix}{name}: the checkpoint has dtype {t.dtype} but the layer "
                                   f"has dtype {b.dtype}; construct the layer with dtype={t.dtype}")
                 return
-        # qweight's layout version travels as a buffer (not module metadata) so that it
-        # survives formats that drop metadata, e.g. safetensors; version 1 (Sailfish 0.1.0,
-        # no such buffer) is re-packed (load_state_dict works on its own copy of the dict)
-        key = prefix + "qweight_layout"
-        if prefix + "qweight" in state_dict:
-            version = int(state_dict[key]) if key in state_dict else 1
-            if version == 1:
-                state_dict[prefix + "qweight"] = natural_to_fragment_order(state_dict[prefix + "qweight"])
-            elif version != LAYOUT_VERSION:
-                raise ValueError(f"{key}={version} is not supported; this Sailfish reads layout "
-                                 f"versions 1 and {LAYOUT_VERSION} (a newer Sailfish wrote it?)")
-            state_dict[key] = torch.tensor(LAYOUT_VERSION, dtype=torch.int32)
+        _upgrade_qweight_layout(state_dict, prefix, LAYOUT_VERSION, natural_to_fragment_order, "")
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
@@ -417,17 +422,8 @@ class QuantLinearW4A8(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        # as QuantLinear: the layout version travels as a buffer; version 1 (no such buffer)
-        # is re-packed into the fragment order (load_state_dict works on its own copy)
-        key = prefix + "qweight_layout"
-        if prefix + "qweight" in state_dict:
-            version = int(state_dict[key]) if key in state_dict else 1
-            if version == 1:
-                state_dict[prefix + "qweight"] = natural_to_fragment_order_w4a8(state_dict[prefix + "qweight"])
-            elif version != LAYOUT_VERSION_W4A8:
-                raise ValueError(f"{key}={version} is not supported; this Sailfish reads W4A8 layout "
-                                 f"versions 1 and {LAYOUT_VERSION_W4A8} (a newer Sailfish wrote it?)")
-            state_dict[key] = torch.tensor(LAYOUT_VERSION_W4A8, dtype=torch.int32)
+        _upgrade_qweight_layout(state_dict, prefix, LAYOUT_VERSION_W4A8, natural_to_fragment_order_w4a8,
+                                "W4A8 ")
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
