@@ -15,6 +15,9 @@ from .formats.int4 import (HALF_DTYPES, LAYOUT_VERSION, PackedW4, QuantizedWeigh
                            quantize, unpack)
 from .formats.qqq import (PackedQQQ, QQQWeight, check_group_size_w4a8, pack_qqq, quantize_qqq,
                           unpack_qqq)
+from .ops.autograd import w4a8_linear
+from .ops.w4a8 import w4a8_linear_nograd
+from .ops.w4a16 import w4a16_gemm, w4a16_gemm_nograd
 
 log = logging.getLogger("sailfish")
 
@@ -304,16 +307,22 @@ class QuantLinear(nn.Module):
         return shard_layer(self, rank, world_size, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.dtype:
-            raise TypeError(f"input dtype {x.dtype} does not match the layer dtype {self.dtype}")
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"input last dim {x.shape[-1]} != in_features={self.in_features}")
-        lead = x.shape[:-1]
-        y = torch.ops.sailfish.w4a16_gemm(
-            x.reshape(-1, self.in_features), self.qweight, self.scales, self.zeros, self.perm,
-            self.sorted_g_idx if self._general_g_idx else None, self.bias,
-            self.in_features, self.group_size)
-        return y.reshape(*lead, self.out_features)
+        # Eager decode calls are host-bound (bench/overhead.py), so this path is lean: the
+        # buffers come from _buffers (nn.Module.__getattr__ costs ~1.5 us per name), 2-D
+        # inputs skip the reshapes, and without a gradient to compute the op without an
+        # autograd formula runs (ops/w4a16.py).
+        buf = self._buffers
+        scales = buf["scales"]
+        if x.dtype is not scales.dtype:
+            raise TypeError(f"input dtype {x.dtype} does not match the layer dtype {scales.dtype}")
+        k = self.in_features
+        if x.shape[-1] != k:
+            raise ValueError(f"input last dim {x.shape[-1]} != in_features={k}")
+        op = w4a16_gemm if x.requires_grad and torch.is_grad_enabled() else w4a16_gemm_nograd
+        flat = x.dim() == 2
+        y = op(x if flat else x.reshape(-1, k), buf["qweight"], scales, buf["zeros"], buf["perm"],
+               buf["sorted_g_idx"] if self._general_g_idx else None, buf["bias"], k, self.group_size)
+        return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -442,17 +451,15 @@ class QuantLinearW4A8(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x.requires_grad and torch.is_grad_enabled():
-            # the same two ops inside one op that has a (straight-through) backward: the
-            # int8 x_q between them cannot carry a gradient (ops/autograd.py)
-            y = torch.ops.sailfish.w4a8_linear(x2, self.qweight, self.s_ch, self.s_g, self.bias,
-                                               self.in_features, self.group_size)
-        else:
-            x_q, x_scales = torch.ops.sailfish.quantize_per_token(x2)
-            y = self.forward_quantized(x_q, x_scales, x.dtype)
-        return y.reshape(*lead, self.out_features)
+        # quantize_per_token + w4a8_gemm in one op (ops/w4a8.py); with a gradient to compute,
+        # the variant with a straight-through backward (the int8 x_q between the two cannot
+        # carry one; ops/autograd.py). Lean as QuantLinear.forward (see there).
+        op = w4a8_linear if x.requires_grad and torch.is_grad_enabled() else w4a8_linear_nograd
+        buf, k = self._buffers, self.in_features
+        flat = x.dim() == 2
+        y = op(x if flat else x.reshape(-1, k), buf["qweight"], buf["s_ch"], buf["s_g"], buf["bias"], k,
+               self.group_size)
+        return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
