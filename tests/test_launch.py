@@ -316,3 +316,62 @@ def test_launch_hooks_see_every_launch(heuristics):
             hook.remove(fn)
     torch.cuda.synchronize()
     assert seen and torch.equal(y, y_hooked)
+
+
+# ----------------------------------------------------------------------------------
+# Direct calls of an op's implementation (ops.direct_call_ok)
+# ----------------------------------------------------------------------------------
+def test_plain_context_sees_modes_transforms_traces_and_profilers():
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sailfish.ops import direct_call_ok, plain_context
+
+    class Dispatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class Function(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    assert plain_context()
+    assert not direct_call_ok(torch.zeros(2))  # a CPU tensor always takes the dispatcher
+    with Dispatch():
+        assert not plain_context()
+    with Function():
+        assert not plain_context()
+    with torch.profiler.profile():
+        assert not plain_context()
+    seen = []
+    torch.vmap(lambda t: (seen.append(plain_context()), t)[1])(torch.zeros(2, 3))
+    torch.jit.trace(lambda t: (seen.append(plain_context()), t * 2)[1], torch.zeros(2), check_trace=False)
+    assert seen == [False, False]
+    assert plain_context()
+
+
+@requires_cuda
+def test_layers_take_the_dispatcher_where_it_matters(heuristics):
+    """Under a dispatch mode (as FlopCounterMode, export and friends use) the layers call
+    their ops, so the mode sees them; plain eager calls compute the same numbers directly."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    w16 = _w4a16_layer(512, 256, 128, True, True)
+    w8 = QuantLinearW4A8.from_linear(torch.nn.Linear(512, 256).cuda(), group_size=128)
+    x = torch.randn(1, 512, device="cuda").half()
+    with torch.no_grad():
+        direct = w16(x), w8(x)
+        with Recorder() as rec:
+            via_ops = w16(x), w8(x)
+    torch.cuda.synchronize()
+    assert any("w4a16_gemm_nograd" in o for o in rec.ops) and any("w4a8_linear_nograd" in o for o in rec.ops)
+    assert all(torch.equal(a, b) for a, b in zip(direct, via_ops))

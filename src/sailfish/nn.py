@@ -15,9 +15,10 @@ from .formats.int4 import (HALF_DTYPES, LAYOUT_VERSION, PackedW4, QuantizedWeigh
                            quantize, unpack)
 from .formats.qqq import (PackedQQQ, QQQWeight, check_group_size_w4a8, pack_qqq, quantize_qqq,
                           unpack_qqq)
+from .ops import direct_call_ok
 from .ops.autograd import w4a8_linear
-from .ops.w4a8 import w4a8_linear_nograd
-from .ops.w4a16 import w4a16_gemm, w4a16_gemm_nograd
+from .ops.w4a8 import w4a8_linear_impl, w4a8_linear_nograd
+from .ops.w4a16 import w4a16_gemm, w4a16_gemm_impl, w4a16_gemm_nograd
 
 log = logging.getLogger("sailfish")
 
@@ -309,8 +310,9 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Eager decode calls are host-bound (bench/overhead.py), so this path is lean: the
         # buffers come from _buffers (nn.Module.__getattr__ costs ~1.5 us per name), 2-D
-        # inputs skip the reshapes, and without a gradient to compute the op without an
-        # autograd formula runs (ops/w4a16.py).
+        # inputs skip the reshapes, and without a gradient to compute the op runs without
+        # an autograd formula, as a plain function call where the dispatcher would add
+        # nothing but its cost (ops.direct_call_ok).
         buf = self._buffers
         scales = buf["scales"]
         if x.dtype is not scales.dtype:
@@ -318,7 +320,10 @@ class QuantLinear(nn.Module):
         k = self.in_features
         if x.shape[-1] != k:
             raise ValueError(f"input last dim {x.shape[-1]} != in_features={k}")
-        op = w4a16_gemm if x.requires_grad and torch.is_grad_enabled() else w4a16_gemm_nograd
+        if x.requires_grad and torch.is_grad_enabled():
+            op = w4a16_gemm
+        else:
+            op = w4a16_gemm_impl if direct_call_ok(x) else w4a16_gemm_nograd
         flat = x.dim() == 2
         y = op(x if flat else x.reshape(-1, k), buf["qweight"], scales, buf["zeros"], buf["perm"],
                buf["sorted_g_idx"] if self._general_g_idx else None, buf["bias"], k, self.group_size)
@@ -453,8 +458,12 @@ class QuantLinearW4A8(nn.Module):
         self._check_input(x)
         # quantize_per_token + w4a8_gemm in one op (ops/w4a8.py); with a gradient to compute,
         # the variant with a straight-through backward (the int8 x_q between the two cannot
-        # carry one; ops/autograd.py). Lean as QuantLinear.forward (see there).
-        op = w4a8_linear if x.requires_grad and torch.is_grad_enabled() else w4a8_linear_nograd
+        # carry one; ops/autograd.py). Lean as QuantLinear.forward (see there), and called
+        # directly under the same conditions.
+        if x.requires_grad and torch.is_grad_enabled():
+            op = w4a8_linear
+        else:
+            op = w4a8_linear_impl if direct_call_ok(x) else w4a8_linear_nograd
         buf, k = self._buffers, self.in_features
         flat = x.dim() == 2
         y = op(x if flat else x.reshape(-1, k), buf["qweight"], buf["s_ch"], buf["s_g"], buf["bias"], k,
