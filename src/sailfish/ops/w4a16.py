@@ -191,17 +191,20 @@ class _GemmPlan:
     def bound(self) -> bool:
         return self.gemm.run is not None and (self.reduce is None or self.reduce.run is not None)
 
-    def __call__(self, out, x, qweight, scales, z_arg, g_arg, bias_arg, M, N, K, sqn, ssn) -> None:
+    def __call__(self, out, x, qweight, scales, z_arg, sorted_g_idx, bias, M, N, K, sqn, ssn) -> None:
         """out (M, N) = the product. x contiguous (M, K): its row stride is passed as K (for
-        M = 1 a contiguous x may carry any row stride; the kernels never step over it)."""
+        M = 1 a contiguous x may carry any row stride; the kernels never step over it).
+        Pointers the kernels do not read (no g_idx, no bias, no workspace) are passed as None:
+        Triton makes them constexprs, and the launcher skips their per-launch pointer checks
+        (a data_ptr() call and a cuPointerGetAttribute each, in Triton 3.6 and 3.9)."""
         cfg = self.config
         split = cfg.SPLIT_K
-        ws = out if split == 1 else out.new_empty((split, M, N), dtype=torch.float32)
+        ws = None if split == 1 else out.new_empty((split, M, N), dtype=torch.float32)
         tiles_n = -(-N // cfg.BLOCK_N)
         grid = (tiles_n, split) if self.gemv else (-(-M // cfg.BLOCK_M) * tiles_n, split)
-        self.gemm(grid, x, qweight, scales, z_arg, g_arg, bias_arg, out, ws, M, N, K, K, out.stride(0), sqn, ssn)
+        self.gemm(grid, x, qweight, scales, z_arg, sorted_g_idx, bias, out, ws, M, N, K, K, out.stride(0), sqn, ssn)
         if split > 1:
-            self.reduce((-(-(M * N) // _REDUCE_BLOCK), 1), ws, bias_arg, out, M, N, out.stride(0))
+            self.reduce((-(-(M * N) // _REDUCE_BLOCK), 1), ws, bias, out, M, N, out.stride(0))
 
 
 def _dequant_run(cfg: Config, out, x, qweight, scales, z_arg, g_arg, bias, flags: dict) -> None:
@@ -250,9 +253,7 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if perm is not None:
         x = x.index_select(1, perm)
     x = x.contiguous()
-    z_arg = scales if zeros is None else zeros  # unused pointer arguments get a valid tensor
-    g_arg = qweight if sorted_g_idx is None else sorted_g_idx
-    bias_arg = scales if bias is None else bias
+    z_arg = scales if zeros is None else zeros  # symmetric: z_ptr must address something (kernels/w4a16.py)
     sqn, ssn = qweight.stride(0), scales.stride(0)
     key = None
     if config is None and use_asm and x.is_cuda:
@@ -263,10 +264,10 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         plan = W4A16_TUNER.plan(key)
         if plan is not None and aligned(x, qweight, scales, zeros, sorted_g_idx, bias) and hooks_idle():
             if torch.cuda.current_device() == dev:
-                plan(y, x, qweight, scales, z_arg, g_arg, bias_arg, M, N, K, sqn, ssn)
+                plan(y, x, qweight, scales, z_arg, sorted_g_idx, bias, M, N, K, sqn, ssn)
             else:
                 with device_of(x):
-                    plan(y, x, qweight, scales, z_arg, g_arg, bias_arg, M, N, K, sqn, ssn)
+                    plan(y, x, qweight, scales, z_arg, sorted_g_idx, bias, M, N, K, sqn, ssn)
             return y
     plans = None if key is None else W4A16_TUNER.plans_for_build()  # before the config lookup
     Kp = kp8 * 8
@@ -277,6 +278,7 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
     def run(cfg: Config, out: torch.Tensor = y) -> Optional[_GemmPlan]:
         if cfg.kernel == "dequant":
+            g_arg = qweight if sorted_g_idx is None else sorted_g_idx  # (an unread pointer)
             _dequant_run(cfg, out, x, qweight, scales, z_arg, g_arg, bias,
                          dict(GROUP_SIZE=gs, HAS_ZEROS=zeros is not None, HAS_GIDX=sorted_g_idx is not None,
                               EMU_BF16=emu, USE_ASM=asm))
@@ -284,7 +286,7 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         plan = _GemmPlan(cfg, x.get_device(), gs=gs, has_zeros=zeros is not None,
                          has_gidx=sorted_g_idx is not None, has_bias=bias is not None, emu=emu, asm=asm,
                          K=K, group_size=group_size)
-        plan(out, x, qweight, scales, z_arg, g_arg, bias_arg, M, N, K, sqn, ssn)
+        plan(out, x, qweight, scales, z_arg, sorted_g_idx, bias, M, N, K, sqn, ssn)
         return plan
 
     with device_of(x):

@@ -226,20 +226,21 @@ class _W4A8Plan:
     def bound(self) -> bool:
         return self.gemm.run is not None and (self.reduce is None or self.reduce.run is not None)
 
-    def __call__(self, out, x_q, x_scales, qweight, s_ch, s_g_arg, bias_arg, M, N, K, sxm, sqn, sgn) -> None:
-        """out (M, N) = the product; sxm: x_q's row stride."""
+    def __call__(self, out, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sgn) -> None:
+        """out (M, N) = the product; sxm: x_q's row stride. s_g / bias may be None (see
+        ops/w4a16.py _GemmPlan: Triton makes them constexprs)."""
         cfg = self.config
         split = cfg.SPLIT_K
         # split-K: int32 partial sums in a (split, M, N) workspace, added exactly by the reduce kernel
         target = out if split == 1 else out.new_empty((split, M, N), dtype=torch.int32)
         tiles_n = _cdiv(N, cfg.BLOCK_N)
         if self.gemv:
-            self.gemm((tiles_n, split), x_q, x_scales, qweight, s_ch, s_g_arg, bias_arg, target, N, K, sqn, sgn)
+            self.gemm((tiles_n, split), x_q, x_scales, qweight, s_ch, s_g, bias, target, N, K, sqn, sgn)
         else:
-            self.gemm((_cdiv(M, cfg.BLOCK_M) * tiles_n, split), x_q, x_scales, qweight, s_ch, s_g_arg, bias_arg,
+            self.gemm((_cdiv(M, cfg.BLOCK_M) * tiles_n, split), x_q, x_scales, qweight, s_ch, s_g, bias,
                       target, M, N, K, sxm, N if split > 1 else out.stride(0), sqn, sgn)
         if split > 1:
-            self.reduce((_cdiv(M, 16), _cdiv(N, 128)), target, x_scales, s_ch, bias_arg, out, M, N, out.stride(0))
+            self.reduce((_cdiv(M, 16), _cdiv(N, 128)), target, x_scales, s_ch, bias, out, M, N, out.stride(0))
 
 
 def _reduce_launch(split: int, has_bias: bool, raw: bool, emu: bool, device_index: int) -> Launch:
@@ -253,7 +254,7 @@ def _reduce_launch(split: int, has_bias: bool, raw: bool, emu: bool, device_inde
 def _launch(cfg: Config, out: torch.Tensor, x_q, x_scales, qweight, s_ch, s_g, bias,
             gs: int, raw: bool, emu: bool) -> Optional[_W4A8Plan]:
     """One GEMM with cfg into out (M, N). Operands contiguous; s_g / bias may be None
-    (their pointer arguments then get s_ch, never read). Returns the plan that ran (None
+    (the fused kernels then get None, the dequant path s_ch, never read). Returns the plan that ran (None
     for "dequant", whose per-call cost does not matter at the M it serves)."""
     kern = _kernels()
     M, K = x_q.shape
@@ -274,7 +275,7 @@ def _launch(cfg: Config, out: torch.Tensor, x_q, x_scales, qweight, s_ch, s_g, b
         return None
     plan = _W4A8Plan(cfg, dev, gs=gs, has_bias=bias is not None, raw=raw, emu=emu, K=K)
     sxm = K if M == 1 else x_q.stride(0)
-    plan(out, x_q, x_scales, qweight, s_ch, s_g_arg, bias_arg, M, N, K, sxm, qweight.stride(0), sg_stride)
+    plan(out, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, qweight.stride(0), sg_stride)
     return plan
 
 
@@ -309,13 +310,11 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
                None if bias is None else bias.dtype)
         plan = W4A8_TUNER.plan(key)
         if plan is not None and aligned(x_q, x_scales, qweight, s_ch, s_g, bias) and hooks_idle():
-            s_g_arg = s_ch if s_g is None else s_g
-            bias_arg = s_ch if bias is None else bias
             if torch.cuda.current_device() == dev:
-                plan(y, x_q, x_scales, qweight, s_ch, s_g_arg, bias_arg, M, N, K, sxm, sqn, sgn)
+                plan(y, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sgn)
             else:
                 with device_of(x_q):
-                    plan(y, x_q, x_scales, qweight, s_ch, s_g_arg, bias_arg, M, N, K, sxm, sqn, sgn)
+                    plan(y, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sgn)
             return y
     plans = None if key is None else W4A8_TUNER.plans_for_build()  # before the config lookup
     Kp = kp8 * 8
