@@ -9,7 +9,7 @@ import sailfish.ops as ops
 import sailfish.ops.w4a8 as w4a8_ops
 from sailfish import QuantLinear, QuantLinearW4A8, quantize_qqq
 from sailfish.formats.qqq import pack_qqq, quantize_activations
-from sailfish.tuning import Config
+from sailfish.tuning import Config, clear_caches
 
 F16 = torch.float16
 
@@ -53,6 +53,7 @@ def test_w4a8_launchers_run_under_the_guard(monkeypatch, device):
         return contextlib.nullcontext()
 
     monkeypatch.setattr(w4a8_ops, "device_of", guard)
+    clear_caches()  # a problem's first call (no launch plan yet) runs under the guard
     layer = QuantLinearW4A8.from_linear(torch.nn.Linear(64, 16, device=device).half())
     x = torch.randn(3, 64, device=device).half()
     if ops.use_triton(x):
@@ -138,3 +139,57 @@ def test_quantize_past_2g_elements():
     rows = torch.tensor([0, 2**31 // k - 1, 2**31 // k, 2**31 // k + 1, m - 1], device="cuda")
     r_q, r_s = quantize_activations(x[rows])
     assert torch.equal(x_q[rows], r_q) and torch.equal(s[rows], r_s)
+
+
+# ----------------------------------------------------------------------------------
+# Registration (torch.library.Library ops, ops.define_op)
+# ----------------------------------------------------------------------------------
+def _op_cases(device):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 64, device=device)
+    l16 = QuantLinear.from_linear(lin.half(), group_size=128, sym=False)
+    l8 = QuantLinearW4A8.from_linear(lin.float(), group_size=128)
+    x = torch.randn(3, 256, device=device).half()
+    a16 = (x, l16.qweight, l16.scales, l16.zeros, None, None, l16.bias, 256, 128)
+    a8 = (x, l8.qweight, l8.s_ch, l8.s_g, l8.bias, 256, 128)
+    x_q, x_s = quantize_activations(x)
+    ops_ = torch.ops.sailfish
+    return {"w4a16_gemm": (ops_.w4a16_gemm, a16), "w4a16_gemm_nograd": (ops_.w4a16_gemm_nograd, a16),
+            "quantize_per_token": (ops_.quantize_per_token, (x,)),
+            "w4a8_gemm": (ops_.w4a8_gemm, (x_q, x_s, *a8[1:], F16)),
+            "w4a8_linear": (ops_.w4a8_linear, a8), "w4a8_linear_nograd": (ops_.w4a8_linear_nograd, a8)}
+
+
+@pytest.mark.parametrize("name", ["w4a16_gemm", "w4a16_gemm_nograd", "quantize_per_token", "w4a8_gemm",
+                                  "w4a8_linear", "w4a8_linear_nograd"])
+def test_ops_pass_opcheck(name, device):
+    """Schema, fake implementation (torch.compile's view of the op) and autograd
+    registration agree with what the op computes (torch.library.opcheck)."""
+    op, args = _op_cases(device)[name]
+    result = torch.library.opcheck(op.default, args)
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
+def test_nograd_twins_compute_the_public_ops(device):
+    cases = _op_cases(device)
+    with torch.no_grad():
+        for twin, public in (("w4a16_gemm_nograd", "w4a16_gemm"), ("w4a8_linear_nograd", "w4a8_linear")):
+            (op_a, args), (op_b, _) = cases[twin], cases[public]
+            assert torch.equal(op_a(*args), op_b(*args)), twin
+        # w4a8_linear = quantize_per_token, then w4a8_gemm
+        op, args = cases["w4a8_gemm"]
+        assert torch.equal(cases["w4a8_linear_nograd"][0](*cases["w4a8_linear_nograd"][1]), op(*args))
+
+
+@pytest.mark.parametrize("name", ["quantize_per_token", "w4a8_gemm"])
+def test_w4a8_parts_refuse_backward(name, device):
+    """The int8 quantization has no derivative: backward through it names the op and the
+    layer path that gives a (straight-through) gradient."""
+    op, args = _op_cases(device)[name]
+    args = list(args)
+    i = 0 if name == "quantize_per_token" else 1  # x, or x_scales
+    args[i] = args[i].clone().requires_grad_()
+    out = op(*args)
+    out = out[1] if name == "quantize_per_token" else out
+    with pytest.raises(RuntimeError, match=f"sailfish::{name} has no derivative.*QuantLinearW4A8"):
+        out.float().sum().backward()

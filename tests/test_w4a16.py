@@ -228,6 +228,34 @@ def test_asm_dequant_matches_pure_triton(gs, sym, dtype, cfg):
         assert torch.equal(y_asm, y_pure)
 
 
+@pytest.mark.parametrize("cfg", [Config(16, 64, 128, 3), Config(32, 64, 256, 1)], ids=path_id)
+@pytest.mark.parametrize("gs,sym,dtype", [(128, True, F16), (128, False, BF16), (-1, False, F16),
+                                          (-1, True, BF16), (256, False, F16)],
+                         ids=["g128-sym-f16", "g128-asym-bf16", "g-1-asym-f16", "g-1-sym-bf16", "g256-asym-f16"])
+def test_scale_acc(gs, sym, dtype, cfg, monkeypatch, device):
+    """SCALE_ACC (the mma kernel dequantizes to q - z and multiplies the fp32 product by the
+    scales, per K tile or, per channel, at the end) stays within the per-element bound; on
+    CUDA its unscaled asm gives the same bits as its pure-Triton twin."""
+    from helpers import assert_close_per_element
+
+    import sailfish.ops.w4a16 as ops16
+
+    if gs != -1 and cfg.BLOCK_K > gs:
+        pytest.skip("SCALE_ACC needs each K tile inside one group")
+    monkeypatch.setattr(ops16, "SCALE_ACC", True)
+    assert ops16.scale_acc(cfg, gs, False) and not ops16.scale_acc(cfg, gs, True)
+    layer = make_layer(784, 200, gs, sym, "none", dtype, True, device)
+    x = torch.randn(17, 784, device=device).to(dtype)
+    y = launch(layer, x, cfg)
+    # the exact s * (q - z): no weight is rounded to fp16 / bf16 on this path
+    assert_close_per_element(y, x, layer.quantized_weight().dequantize(rounded=False), layer.bias)
+    if device == "cuda":
+        p = layer.packed()
+        y_pure = w4a16_launch(x, p.qweight, p.scales, p.zeros, p.perm, p.sorted_g_idx, layer.bias, p.in_features,
+                              p.group_size, config=cfg, use_asm=False)
+        assert torch.equal(y, y_pure)
+
+
 @pytest.mark.parametrize("cfg", [None, Config(16, 64, 128, 2), Config(32, 32, 128, 1),
                                  Config(128, 64, 256, 1), Config(4, 16, 256, 1, kernel="gemv"),
                                  Config(4, 16, 128, 2, kernel="gemv")],

@@ -15,6 +15,10 @@ from .formats.int4 import (HALF_DTYPES, LAYOUT_VERSION, PackedW4, QuantizedWeigh
                            quantize, unpack)
 from .formats.qqq import (LAYOUT_VERSION_W4A8, PackedQQQ, QQQWeight, check_act_dtype, check_group_size_w4a8,
                           fp8_weight, natural_to_fragment_order_w4a8, pack_qqq, quantize_qqq, unpack_qqq)
+from .ops import direct_call_ok
+from .ops.autograd import w4a8_linear
+from .ops.w4a8 import w4a8_linear_fp8_impl, w4a8_linear_impl, w4a8_linear_nograd
+from .ops.w4a16 import w4a16_gemm, w4a16_gemm_impl, w4a16_gemm_nograd
 
 log = logging.getLogger("sailfish")
 
@@ -309,16 +313,26 @@ class QuantLinear(nn.Module):
         return shard_layer(self, rank, world_size, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.dtype:
-            raise TypeError(f"input dtype {x.dtype} does not match the layer dtype {self.dtype}")
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"input last dim {x.shape[-1]} != in_features={self.in_features}")
-        lead = x.shape[:-1]
-        y = torch.ops.sailfish.w4a16_gemm(
-            x.reshape(-1, self.in_features), self.qweight, self.scales, self.zeros, self.perm,
-            self.sorted_g_idx if self._general_g_idx else None, self.bias,
-            self.in_features, self.group_size)
-        return y.reshape(*lead, self.out_features)
+        # Eager decode calls are host-bound (bench/overhead.py), so this path is lean: the
+        # buffers come from _buffers (nn.Module.__getattr__ costs ~1.5 us per name), 2-D
+        # inputs skip the reshapes, and without a gradient to compute the op runs without
+        # an autograd formula, as a plain function call where the dispatcher would add
+        # nothing but its cost (ops.direct_call_ok).
+        buf = self._buffers
+        scales = buf["scales"]
+        if x.dtype is not scales.dtype:
+            raise TypeError(f"input dtype {x.dtype} does not match the layer dtype {scales.dtype}")
+        k = self.in_features
+        if x.shape[-1] != k:
+            raise ValueError(f"input last dim {x.shape[-1]} != in_features={k}")
+        if x.requires_grad and torch.is_grad_enabled():
+            op = w4a16_gemm
+        else:
+            op = w4a16_gemm_impl if direct_call_ok(x) else w4a16_gemm_nograd
+        flat = x.dim() == 2
+        y = op(x if flat else x.reshape(-1, k), buf["qweight"], scales, buf["zeros"], buf["perm"],
+               buf["sorted_g_idx"] if self._general_g_idx else None, buf["bias"], k, self.group_size)
+        return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -483,20 +497,30 @@ class QuantLinearW4A8(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
+        # quantize_per_token + w4a8_gemm in one op (ops/w4a8.py); with a gradient to compute,
+        # the variant with a straight-through backward (the int8 x_q between the two cannot
+        # carry one; ops/autograd.py). Lean as QuantLinear.forward (see there), and called
+        # directly under the same conditions.
+        buf, k = self._buffers, self.in_features
+        flat = x.dim() == 2
+        x2 = x if flat else x.reshape(-1, k)
+        fp8 = self.act_dtype == "fp8"
         if x.requires_grad and torch.is_grad_enabled():
-            if self.act_dtype == "fp8":
+            if fp8:
                 raise NotImplementedError("QuantLinearW4A8(act_dtype='fp8') has no backward yet; run it "
                                           "under torch.no_grad() or use act_dtype='int8' for training")
-            # the same two ops inside one op that has a (straight-through) backward: the
-            # int8 x_q between them cannot carry a gradient (ops/autograd.py)
-            y = torch.ops.sailfish.w4a8_linear(x2, self.qweight, self.s_ch, self.s_g, self.bias,
-                                               self.in_features, self.group_size)
+            op = w4a8_linear
+        elif direct_call_ok(x):
+            op = w4a8_linear_fp8_impl if fp8 else w4a8_linear_impl
+        elif fp8:  # (no fused fp8 op: the two ops, as quantize_input + forward_quantized)
+            x_q, x_scales = torch.ops.sailfish.quantize_per_token_fp8(x2)
+            y = torch.ops.sailfish.w4a8_gemm(x_q, x_scales, buf["qweight"], buf["s_ch"], buf["s_g"], buf["bias"],
+                                             k, self.group_size, x.dtype)
+            return y if flat else y.reshape(*x.shape[:-1], self.out_features)
         else:
-            x_q, x_scales = self.quantize_input(x2)
-            y = self.forward_quantized(x_q, x_scales, x.dtype)
-        return y.reshape(*lead, self.out_features)
+            op = w4a8_linear_nograd
+        y = op(x2, buf["qweight"], buf["s_ch"], buf["s_g"], buf["bias"], k, self.group_size)
+        return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -3,7 +3,8 @@
 Lookup order for a problem (kernel family, K, N, bucketed M, format flags) on a device:
   1. the in-process cache: every answer below is cached per (device, problem), so a
      problem keeps one config for the life of the process (eager calls and CUDA-graph
-     captures agree) and a steady-state call costs one dict lookup;
+     captures agree) and a steady-state call costs one dict lookup (the launchers keep a
+     launch plan per problem on top, `Tuner.plans`, dropped whenever a config changes);
   2. the table for this GPU (kernels/configs/<gpu_key>.json), merged with the user file
      named by SAILFISH_CONFIG_FILE; a format without an entry may use its shape's entry
      (`fallback_key`);
@@ -272,7 +273,26 @@ class Tuner:
         self.candidates = candidates
         self.check = check
         self.cache: Dict[Tuple[torch.device, Hashable], Config] = {}
+        # Launch plans built by the family's launcher from the cached configs (ops/w4a16.py:
+        # config, grid rule and the bound compiled kernels per device and problem). Replaced
+        # by a new dict whenever a cached config may change (forget_plans), so a plan built
+        # from an old config by another thread lands in the discarded dict.
+        self.plans: Dict[Hashable, object] = {}
         _TUNERS.append(self)
+
+    def forget_plans(self) -> None:
+        self.plans = {}
+
+    def plan(self, key: Hashable):
+        """The launch plan stored under `key`, or None (also while a tune() call runs on
+        this thread)."""
+        return None if _SESSION.active else self.plans.get(key)
+
+    def plans_for_build(self) -> Optional[Dict[Hashable, object]]:
+        """The dict a launcher stores a new plan in: take it *before* looking up the config
+        the plan is built from. None while a tune() call runs on this thread (no plans then:
+        every problem must reach the tuner)."""
+        return None if _SESSION.active else self.plans
 
     def table(self, device: torch.device) -> Dict[str, dict]:
         user = os.environ.get("SAILFISH_CONFIG_FILE")
@@ -312,7 +332,9 @@ class Tuner:
                     done = self.autotune(run, key, device=device, **problem)
                 self._check(done, problem)
                 _SESSION.tuned[(self.family, device, key)] = done
-            self.cache[ck] = done
+            if self.cache.get(ck) != done:
+                self.cache[ck] = done
+                self.forget_plans()
             return done
         cfg = self.cache.get(ck)
         if cfg is not None:
@@ -363,6 +385,7 @@ def clear_caches() -> None:
     """Forget every cached config, table and GPU name (e.g. after changing SAILFISH_*)."""
     for t in _TUNERS:
         t.cache.clear()
+        t.forget_plans()
     _load_table.cache_clear()
     _GPU_KEYS.clear()
 
@@ -414,6 +437,8 @@ def tuning_session():
         yield _SESSION.tuned
     finally:
         _SESSION.active, _SESSION.tuned = False, {}
+        for t in _TUNERS:  # (each changed config dropped its tuner's plans already)
+            t.forget_plans()
 
 
 def _check_on_cuda(name: str, layer: torch.nn.Module) -> None:

@@ -9,8 +9,11 @@ the eager speed. For each callable below, after a warm-up (compilation, config c
   host us/call  time.perf_counter around each call without synchronizing (the host's share:
                 enqueueing only), median and 90th percentile
 
-Rows: F.linear (cuBLAS, the bar); the W4A16 QuantLinear and the W4A8 QuantLinearW4A8 layers;
-their torch.library ops; and the bare launchers (no op dispatch, no argument checks), so the
+Rows, down the stack: F.linear (cuBLAS, the bar); the W4A16 QuantLinear and the W4A8
+QuantLinearW4A8 layers; the ops they call (no autograd formula: x needs no gradient here);
+the public ops (with one); the bare launchers (no op dispatch, no argument checks), in their
+steady state (the problem's launch plan, ops/launch.py) and with the config passed
+explicitly, which launches through Triton's JIT as every call did before plans. The
 difference between rows shows where the time goes. Issue 11's target: <= 20 us per layer
 call at M = 1. This is a benchmark, not a test: it prints numbers and exits 0.
 Needs CUDA (on CPU the kernels run in Triton's interpreter, whose cost says nothing here).
@@ -52,11 +55,12 @@ def host_us_per_call(fn: Callable[[], object], calls: int) -> Tuple[float, float
 
 def callables(k: int, n: int, m: int, dtype: torch.dtype, group_size: int, device: str = "cuda"
               ) -> List[Tuple[str, Callable[[], object]]]:
-    """(name, zero-argument call) per row; each call returns the (M, N) output (the quantize
-    op row: (x_q, scales))."""
+    """(name, zero-argument call) per row, from the layer down the stack; each call returns
+    the (M, N) output (the quantize rows: (x_q, scales))."""
     from ..nn import QuantLinear, QuantLinearW4A8
-    from ..ops.w4a8 import quantize_per_token_launch, w4a8_launch
-    from ..ops.w4a16 import w4a16_launch
+    from ..ops.w4a8 import W4A8_TUNER, quantize_per_token_launch, w4a8_launch
+    from ..ops.w4a16 import W4A16_TUNER, w4a16_launch
+    from ..tuning import m_bucket
 
     lin = torch.nn.Linear(k, n, bias=False, dtype=dtype, device=device)
     w16 = QuantLinear.from_linear(lin, group_size=group_size)
@@ -64,21 +68,29 @@ def callables(k: int, n: int, m: int, dtype: torch.dtype, group_size: int, devic
     x = torch.randn(m, k, dtype=dtype, device=device)
     x_q, x_s = w8.quantize_input(x)
     ops = torch.ops.sailfish
+    a16 = (x, w16.qweight, w16.scales, w16.zeros, None, None, None, k, w16.group_size)
+    a8 = (w8.qweight, w8.s_ch, w8.s_g, None, k, w8.group_size)
+    w4a16_launch(*a16)  # the problems' configs, for the rows that pass them explicitly
+    w4a8_launch(x_q, x_s, *a8, dtype)
+    dev, mb = x.device, m_bucket(m)
+    cfg16 = W4A16_TUNER.lookup(dev, (w16.qweight.shape[1] * 8, n, mb, w16.group_size, w16.zeros is not None,
+                                     False, dtype))
+    cfg8 = W4A8_TUNER.lookup(dev, (k, n, mb, w8.group_size, dtype, "int8"))
     return [
         ("F.linear", lambda: torch.nn.functional.linear(x, lin.weight)),
         ("W4A16 layer", lambda: w16(x)),
-        ("W4A16 op", lambda: ops.w4a16_gemm(x, w16.qweight, w16.scales, w16.zeros, w16.perm, None,
-                                            None, k, w16.group_size)),
-        ("W4A16 launcher", lambda: w4a16_launch(x, w16.qweight, w16.scales, w16.zeros, None, None,
-                                                None, k, w16.group_size)),
+        ("W4A16 op, no autograd", lambda: ops.w4a16_gemm_nograd(*a16)),
+        ("W4A16 op", lambda: ops.w4a16_gemm(*a16)),
+        ("W4A16 launcher", lambda: w4a16_launch(*a16)),
+        ("W4A16 launcher, Triton JIT", lambda: w4a16_launch(*a16, config=cfg16)),
         ("W4A8 layer", lambda: w8(x)),
-        ("W4A8 ops (quantize + gemm)", lambda: ops.w4a8_gemm(*ops.quantize_per_token(x), w8.qweight,
-                                                             w8.s_ch, w8.s_g, None, k, w8.group_size, dtype)),
+        ("W4A8 op, no autograd", lambda: ops.w4a8_linear_nograd(x, *a8)),
+        ("W4A8 ops (quantize + gemm)", lambda: ops.w4a8_gemm(*ops.quantize_per_token(x), *a8, dtype)),
         ("W4A8 quantize op", lambda: ops.quantize_per_token(x)),
-        ("W4A8 gemm op", lambda: ops.w4a8_gemm(x_q, x_s, w8.qweight, w8.s_ch, w8.s_g, None, k,
-                                               w8.group_size, dtype)),
-        ("W4A8 launchers", lambda: w4a8_launch(*quantize_per_token_launch(x), w8.qweight, w8.s_ch, w8.s_g,
-                                               None, k, w8.group_size, dtype)),
+        ("W4A8 gemm op", lambda: ops.w4a8_gemm(x_q, x_s, *a8, dtype)),
+        ("W4A8 launchers", lambda: w4a8_launch(*quantize_per_token_launch(x), *a8, dtype)),
+        ("W4A8 launchers, Triton JIT gemm", lambda: w4a8_launch(*quantize_per_token_launch(x), *a8, dtype,
+                                                                config=cfg8)),
     ]
 
 
@@ -116,9 +128,9 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
           f"{__import__('triton').__version__}; K x N = {k}x{n}, M = {args.m}, {args.dtype}, "
           f"{args.calls} calls; target <= {TARGET_US:.0f} us per layer call")
-    print(f"{'':28s} {'gpu us/call':>12s} {'host median':>12s} {'host p90':>10s}")
+    print(f"{'':30s} {'gpu us/call':>12s} {'host median':>12s} {'host p90':>10s}")
     for name, r in rows.items():
-        print(f"{name:28s} {r['gpu_us_per_call']:12.1f} {r['host_us_median']:12.1f} {r['host_us_p90']:10.1f}")
+        print(f"{name:30s} {r['gpu_us_per_call']:12.1f} {r['host_us_median']:12.1f} {r['host_us_p90']:10.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

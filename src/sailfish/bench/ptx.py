@@ -45,7 +45,7 @@ class LoopStats:
 
 def compile_mma(block_m: int, block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int,
                 *, dtype: str = "fp16", group_size: int = 128, has_zeros: bool = False, use_asm: bool = True,
-                capability: int = 90, paired: bool = True):
+                capability: int = 90, paired: bool = True, scale_acc: Optional[bool] = None):
     """triton.compile of kernels/w4a16._w4a16_kernel for cuda:<capability>, specialised as the
     launcher is on a GPU (16-byte aligned pointers, N / K / strides divisible by 16)."""
     import triton
@@ -58,13 +58,15 @@ def compile_mma(block_m: int, block_n: int, block_k: int, split_k: int, num_warp
     sig = {"x_ptr": ty, "qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "gidx_ptr": "*i32", "bias_ptr": ty,
            "y_ptr": ty, "ws_ptr": "*fp32", **{k: "i32" for k in _INTS}}
     from ..ops.w4a16 import paired_scales, prefetch_scales
+    from ..ops.w4a16 import scale_acc as launcher_scale_acc
     from ..tuning import Config
 
     cfg = Config(block_m, block_n, block_k, split_k, num_warps=num_warps, num_stages=num_stages)
     consts = dict(GROUP_SIZE=0 if group_size == -1 else group_size, HAS_ZEROS=has_zeros, HAS_GIDX=False,
                   HAS_BIAS=False, EVEN_K=True, SPLIT_K=split_k, EMU_BF16=False, USE_ASM=use_asm,
                   PREFETCH_S=prefetch_scales(cfg, group_size), PAIRED_S=paired and paired_scales(cfg),
-                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8)
+                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+                  SCALE_ACC=launcher_scale_acc(cfg, group_size, False) if scale_acc is None else scale_acc)
     names = list(sig)
     aligned = _PTRS + ("N", "K", "stride_xm", "stride_ym", "stride_qn")
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
@@ -91,7 +93,7 @@ def compile_w4a8(block_m: int, block_n: int, block_k: int, split_k: int, num_war
     from ..kernels.w4a8 import _w4a8_kernel
 
     fp8 = act_dtype == "fp8"
-    sig = {"xq_ptr": "*fp8e4nv" if fp8 else "*i8", "xs_ptr": "*fp32", "qb_ptr": "*i8", "sch_ptr": "*fp32",
+    sig = {"xq_ptr": "*fp8e4nv" if fp8 else "*i8", "xs_ptr": "*fp32", "qb_ptr": "*i32", "sch_ptr": "*fp32",
            "sg_ptr": "*fp16", "bias_ptr": "*fp32",
            "y_ptr": "*fp16" if split_k == 1 else "*fp32" if fp8 else "*i32",
            **{k: "i32" for k in ("M", "N", "K", "stride_xm", "stride_ym", "stride_qn", "stride_gn")}}

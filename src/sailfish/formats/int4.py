@@ -130,12 +130,16 @@ class QuantizedWeight:
             return self.g_idx.long()
         return default_g_idx(self.in_features, self.group_size, self.qweight.device).long()
 
-    def dequantize(self) -> torch.Tensor:
-        """float32 (N, K): the effective weight, s * (q - z) rounded to the scale dtype."""
+    def dequantize(self, rounded: bool = True) -> torch.Tensor:
+        """float32 (N, K): the effective weight, s * (q - z) rounded to the scale dtype (what
+        the kernels multiply). rounded=False: s * (q - z) exactly (an fp16/bf16 scale times
+        an integer below 16 fits in float32), the weight of a kernel that applies the scale
+        to its fp32 product instead (kernels/w4a16.py SCALE_ACC)."""
         g = self.group_index()
         s = self.scales.float()[g].T  # (N, K)
         z = 8.0 if self.zeros is None else self.zeros.float()[g].T
-        return (s * (self.qweight.float() - z)).to(self.dtype).float()
+        w = s * (self.qweight.float() - z)
+        return w.to(self.dtype).float() if rounded else w
 
 
 def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True,

@@ -63,6 +63,48 @@ mov.b32 {$1, $5}, t1;
 mov.b32 {$3, $7}, t3;
 }
 """)
+# The same without the scale (SCALE_ACC: the kernel scales the fp32 accumulator instead):
+# q - z exactly, 9 (fp16) / 11 (bf16) instructions per word. $8 = word, $9 = the $10 above,
+# $10 = the $11 above.
+_ASM_F16_Q = tl.constexpr("""
+{
+.reg .b32 t0, t1, t2, t3, u, c;
+mov.b32 c, 0x2c002c00;
+lop3.b32 t0, $8, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 t1, $8, 0x00f000f0, 0x64006400, 0xea;
+shr.u32 u, $8, 8;
+lop3.b32 t2, u, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 t3, u, 0x00f000f0, 0x64006400, 0xea;
+sub.rn.f16x2 t0, t0, $9;
+fma.rn.f16x2 t1, t1, c, $10;
+sub.rn.f16x2 t2, t2, $9;
+fma.rn.f16x2 t3, t3, c, $10;
+mov.b32 {$0, $4}, t0;
+mov.b32 {$2, $6}, t2;
+mov.b32 {$1, $5}, t1;
+mov.b32 {$3, $7}, t3;
+}
+""")
+_ASM_BF16_Q = tl.constexpr("""
+{
+.reg .b32 t0, t1, t2, t3, u;
+lop3.b32 t0, $8, 0x000f000f, 0x43004300, 0xea;
+shr.u32 u, $8, 4;
+lop3.b32 t1, u, 0x000f000f, 0x43004300, 0xea;
+shr.u32 u, $8, 8;
+lop3.b32 t2, u, 0x000f000f, 0x43004300, 0xea;
+shr.u32 u, $8, 12;
+lop3.b32 t3, u, 0x000f000f, 0x43004300, 0xea;
+sub.rn.bf16x2 t0, t0, $9;
+sub.rn.bf16x2 t1, t1, $9;
+sub.rn.bf16x2 t2, t2, $9;
+sub.rn.bf16x2 t3, t3, $9;
+mov.b32 {$0, $4}, t0;
+mov.b32 {$1, $5}, t1;
+mov.b32 {$2, $6}, t2;
+mov.b32 {$3, $7}, t3;
+}
+""")
 _ASM_BF16 = tl.constexpr("""
 {
 .reg .b32 t0, t1, t2, t3, u;
@@ -171,9 +213,10 @@ def _word_tile(v, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.c
 def _dequant_words(words, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
                    HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, DTYPE: tl.constexpr,
-                   EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr):
+                   EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr, SCALED: tl.constexpr = True):
     """int32 (BLOCK_N, W) packed words -> 8 tensors (BLOCK_N, W), n_j = weight of nibble j,
-    s * (q - z) in DTYPE (EMU_BF16: fp32 holding the bf16 values; see common.py).
+    s * (q - z) in DTYPE (EMU_BF16: fp32 holding the bf16 values; see common.py);
+    SCALED=False: q - z (exact), for a kernel that scales its accumulator (SCALE_ACC).
     sv / zv: the tile's scales / zero points from `_load_groups` (symmetric: z_ptr is the
     scales and zv is not used, so the compiler drops its load);
     HAS_GIDX ignores them and gathers every channel's own group."""
@@ -190,7 +233,10 @@ def _dequant_words(words, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn,
         s = tl.full((BLOCK_N, BLOCK_K // 8), 1.0, CT)
         zb = s
     else:
-        s = _word_tile(sv, BLOCK_N, BLOCK_K, GROUP_SIZE).to(CT)
+        if SCALED:
+            s = _word_tile(sv, BLOCK_N, BLOCK_K, GROUP_SIZE).to(CT)
+        else:
+            s = tl.full((BLOCK_N, BLOCK_K // 8), 1.0, CT)  # (x * 1 is exact and folded away)
         if HAS_ZEROS:
             zb = _word_tile(zv, BLOCK_N, BLOCK_K, GROUP_SIZE).to(CT) + MAGIC
         else:
@@ -207,12 +253,21 @@ def _dequant_words(words, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn,
                 z16 = _pair(960.0 - zb)
             else:  # (-72, -72) = 0xD480D480 as a signed int32
                 z16 = tl.full((BLOCK_N, BLOCK_K // 8), -729754496, tl.int32)
-            n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
-                _ASM_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r", [words, _pair(s), z2, z16],
-                dtype=(tl.float16,) * 8, is_pure=True, pack=1)
-        else:
+            if SCALED:
+                n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
+                    _ASM_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r", [words, _pair(s), z2, z16],
+                    dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+            else:
+                n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
+                    _ASM_F16_Q, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, z2, z16],
+                    dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        elif SCALED:
             n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
                 _ASM_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, _pair(s), z2],
+                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        else:
+            n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
+                _ASM_BF16_Q, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, z2],
                 dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
         return n0, n1, n2, n3, n4, n5, n6, n7
     else:
@@ -301,10 +356,14 @@ def _w4a16_kernel(
     M, N, K, stride_xm, stride_ym, stride_qn, stride_sn,
     GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr,
-    USE_ASM: tl.constexpr, PREFETCH_S: tl.constexpr, PAIRED_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_ASM: tl.constexpr, PREFETCH_S: tl.constexpr, PAIRED_S: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SCALE_ACC: tl.constexpr = False,
 ):
     """x (M, K) row-major; qweight int32 (N, Kp // 8), Kp >= K; scales/zeros (N, Gp); y (M, N).
+
+    SCALE_ACC (each K tile within one group, no g_idx): the tile is dequantized to q - z
+    only (exact) and the scale multiplies the fp32 product instead, once per tile (per
+    channel: once at the end): a multiply per output element instead of per weight.
 
     Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K). With SPLIT_K > 1 the fp32
     partial tile goes to ws (SPLIT_K, M, N) and bias/cast happen in the reduce kernel.
@@ -350,13 +409,18 @@ def _w4a16_kernel(
             zv = _load_groups(z_ptr, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE, PAIRED_S)
         n0, n1, n2, n3, n4, n5, n6, n7 = _dequant_words(
             words, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn, BLOCK_N, BLOCK_K, GROUP_SIZE,
-            HAS_ZEROS, HAS_GIDX, DTYPE, EMU_BF16, USE_ASM)
+            HAS_ZEROS, HAS_GIDX, DTYPE, EMU_BF16, USE_ASM, not SCALE_ACC)
         w = _fragment_tile(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N, BLOCK_K)
         if EMU_BF16:
             xt = xt.to(tl.float32)
-        acc = tl.dot(w, xt, acc)
+        if SCALE_ACC and GROUP_SIZE != 0:
+            acc += tl.dot(w, xt) * sv.to(tl.float32)[:, None]
+        else:
+            acc = tl.dot(w, xt, acc)
         w_ptrs += W
         x_ptrs += BLOCK_K
+    if SCALE_ACC and GROUP_SIZE == 0:
+        acc *= tl.load(s_ptr + rn * stride_sn).to(tl.float32)[:, None]
 
     out_mask = (offs_m < M)[None, :] & (offs_n < N)[:, None]
     om = offs_m.to(tl.int64)

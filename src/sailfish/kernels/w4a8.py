@@ -398,6 +398,13 @@ def _epilogue(acc, xs_ptr, sch_ptr, bias_ptr, rm, rn, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
+def _bytes(qw_ptr):
+    """The packed weight as bytes: the launchers pass qweight's int32 words as they are (a
+    .view(torch.int8) per call costs host time) and stride_qn in bytes."""
+    return qw_ptr.to(tl.pointer_type(tl.int8))
+
+
+@triton.jit
 def _w4a8_kernel(
     xq_ptr, xs_ptr, qb_ptr, sch_ptr, sg_ptr, bias_ptr, y_ptr,
     M, N, K, stride_xm, stride_ym, stride_qn, stride_gn,
@@ -408,7 +415,7 @@ def _w4a8_kernel(
 ):
     """x_q int8 (M, K) row-major (or float8 e4m3: the fp8 variant, fp32 accumulator, the
     group scale applied to each K tile's partial sum, BLOCK_K <= GROUP_SIZE), s_tok float32
-    (M,); qweight as bytes int8 (N, Kp // 2)
+    (M,); qweight int32 (N, Kp // 8) read as its bytes (N, Kp // 2)
     (formats.qqq.PackedQQQ, stride_qn in bytes); s_ch float32 (N,); s_g float16 (N, Kp // 128)
     (GROUP_SIZE = 128; 0: per-channel).
 
@@ -429,7 +436,7 @@ def _w4a8_kernel(
     kt0, kt1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
 
     offs_k = tl.arange(0, BLOCK_K)
-    w_rows = qb_ptr + rn.to(tl.int64)[:, None] * stride_qn + _byte_offsets(BLOCK_K)[None, :]
+    w_rows = _bytes(qb_ptr) + rn.to(tl.int64)[:, None] * stride_qn + _byte_offsets(BLOCK_K)[None, :]
     x_ptrs = xq_ptr + rm.to(tl.int64)[:, None] * stride_xm + (kt0 * BLOCK_K + offs_k)[None, :]
 
     FP8: tl.constexpr = xq_ptr.dtype.element_ty == tl.float8e4nv
@@ -487,7 +494,7 @@ def _w4a8_gemv_kernel(
     rn = offs_n % N
     kt0, kt1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
     offs_k = tl.arange(0, BLOCK_K)
-    w_rows = qb_ptr + rn.to(tl.int64)[:, None] * stride_qn + _byte_offsets(BLOCK_K)[None, :]
+    w_rows = _bytes(qb_ptr) + rn.to(tl.int64)[:, None] * stride_qn + _byte_offsets(BLOCK_K)[None, :]
     x_ptrs = xq_ptr + kt0 * BLOCK_K + offs_k
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
     for kt in range(kt0, kt1):
@@ -523,7 +530,7 @@ def _w4a8_dequant_kernel(qb_ptr, sg_ptr, w_ptr, N, K, stride_qn, stride_gn, stri
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     rn = offs_n % N
-    b = tl.load(qb_ptr + rn.to(tl.int64)[:, None] * stride_qn
+    b = tl.load(_bytes(qb_ptr) + rn.to(tl.int64)[:, None] * stride_qn
                 + (_tile_byte0(k0, BLOCK_K) + _byte_offsets(BLOCK_K))[None, :])
     lo, hi = _int8_tile(b, sg_ptr, rn, k0, stride_gn, BLOCK_N, BLOCK_K, GROUP_SIZE, USE_ASM)
     w8 = _fragment_tile(lo, hi, BLOCK_N, BLOCK_K)

@@ -28,7 +28,8 @@ import torch
 
 from ..formats.int4 import PackedW4, unpack
 from ..formats.qqq import PackedQQQ, unpack_qqq
-from .w4a8 import w4a8_linear as _w4a8_linear
+from . import define_op
+from .w4a8 import W4A8_LINEAR_SCHEMA, _w4a8_linear_fake, w4a8_linear_impl
 
 
 # ----------------------------------------------------------------------------------
@@ -73,19 +74,10 @@ torch.library.register_autograd("sailfish::w4a16_gemm", _w4a16_backward, setup_c
 # ----------------------------------------------------------------------------------
 # W4A8: straight-through estimator on the composite op
 # ----------------------------------------------------------------------------------
-@torch.library.custom_op("sailfish::w4a8_linear", mutates_args=())
-def w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, s_ch: torch.Tensor,
-                s_g: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                in_features: int, group_size: int) -> torch.Tensor:
-    """x (M, K) float16/bfloat16 -> y (M, N) in x's dtype: sailfish::quantize_per_token, then
-    sailfish::w4a8_gemm (the same numbers as calling the two ops), with a straight-through
-    backward (module docstring)."""
-    return _w4a8_linear(x, qweight, s_ch, s_g, bias, in_features, group_size)
-
-
-@w4a8_linear.register_fake
-def _(x, qweight, s_ch, s_g, bias, in_features, group_size):
-    return x.new_empty((x.shape[0], qweight.shape[0]))
+# x (M, K) float16/bfloat16 -> y (M, N) in x's dtype: sailfish::quantize_per_token, then
+# sailfish::w4a8_gemm in one op (the same numbers as calling the two ops), with the
+# straight-through backward below (module docstring).
+w4a8_linear = define_op("w4a8_linear", W4A8_LINEAR_SCHEMA, w4a8_linear_impl, _w4a8_linear_fake)
 
 
 @torch.library.custom_op("sailfish::w4a8_dequantize", mutates_args=())
@@ -116,3 +108,19 @@ def _w4a8_backward(ctx, dy):
 
 
 torch.library.register_autograd("sailfish::w4a8_linear", _w4a8_backward, setup_context=_w4a8_setup)
+
+
+# ----------------------------------------------------------------------------------
+# No derivative: the int8 activation quantization and the GEMM on its output
+# ----------------------------------------------------------------------------------
+def _no_derivative(name: str):
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"sailfish::{name} has no derivative (the int8 / fp8 rounding of the activations); "
+            "QuantLinearW4A8 (sailfish::w4a8_linear) gives its input a straight-through gradient")
+    return backward
+
+
+torch.library.register_autograd("sailfish::quantize_per_token", _no_derivative("quantize_per_token"))
+torch.library.register_autograd("sailfish::quantize_per_token_fp8", _no_derivative("quantize_per_token_fp8"))
+torch.library.register_autograd("sailfish::w4a8_gemm", _no_derivative("w4a8_gemm"))

@@ -1,7 +1,12 @@
-"""W4A16 launcher, configs and op:
+"""W4A16 launcher, configs and ops:
 
     sailfish::w4a16_gemm(x, qweight, scales, zeros, perm, sorted_g_idx, bias,
                          in_features, group_size) -> y
+    sailfish::w4a16_gemm_nograd(...)  the same without an autograd formula
+
+Host cost per steady-state call on CUDA: one dict lookup for the problem's plan (config
+and bound kernels, ops/launch.py) plus the allocations and the direct kernel launches; the
+first call of a problem goes through the tuner and Triton's JIT and builds the plan.
 """
 from __future__ import annotations
 
@@ -11,10 +16,11 @@ from typing import Optional
 
 import torch
 
-from ..formats.int4 import HALF_DTYPES, K_CHUNK, K_PAD
+from ..formats.int4 import K_CHUNK, K_PAD
 from ..tuning import (Config, Tuner, m_bucket, next_pow2, problem_key, scratch_runner, sm_count,
                       split_k_for)
-from . import device_of
+from . import define_op, device_of, use_triton
+from .launch import Launch, aligned, current_device, hooks_idle, pointers
 
 
 # ----------------------------------------------------------------------------------
@@ -180,10 +186,6 @@ SCALE_PREFETCH = os.environ.get("SAILFISH_SCALE_PREFETCH", "0") == "1"
 PAIRED_SCALES = os.environ.get("SAILFISH_PAIRED_SCALES", "1") == "1"
 
 
-def _pairable(t: torch.Tensor) -> bool:
-    return t.stride(1) == 1 and t.stride(0) % 2 == 0 and t.data_ptr() % 4 == 0
-
-
 def paired_scales(cfg: Config) -> bool:
     """Whether the mma kernel loads its scales as int32 pairs (PAIRED_SCALES) with this tile.
     Only where BLOCK_N >= 32 * num_warps: with fewer rows than threads Triton (3.6 and 3.9)
@@ -192,6 +194,17 @@ def paired_scales(cfg: Config) -> bool:
     M = 64 8192x57344 256 -> 202 us, 14336x4096 45 -> 35 us, M = 32-128 otherwise within 2%,
     but M = 2-16 mixed (8192x10240 26.2 -> 24.7 us, 14336x4096 19.0 -> 20.4 us)."""
     return PAIRED_SCALES and cfg.BLOCK_N >= 32 * cfg.num_warps and cfg.BLOCK_M >= 32
+
+
+# The mma kernel may multiply the fp32 product by the scales (once per K tile; per channel
+# once at the end) instead of every dequantized weight (kernels/w4a16.py SCALE_ACC): 4 of the
+# 13 fp16 instructions per word. Needs each K tile inside one group and no g_idx.
+# SAILFISH_SCALE_ACC=1 turns it on (under measurement).
+SCALE_ACC = os.environ.get("SAILFISH_SCALE_ACC", "0") == "1"
+
+
+def scale_acc(cfg: Config, group_size: int, general_gidx: bool) -> bool:
+    return SCALE_ACC and not general_gidx and (group_size == -1 or cfg.BLOCK_K <= group_size)
 
 
 @lru_cache(maxsize=None)
@@ -210,9 +223,9 @@ def gemv_on_tensor_cores(cfg: Config, x: torch.Tensor, gs: int, general_gidx: bo
     m16n8k16 B tile), groups of whole 128-channel chunks (per channel, 128, 256, ...), no
     per-channel group index, x readable as 4-byte channel pairs (even K, aligned rows).
     Elsewhere (group 32 / 64, a general g_idx, odd K) the CUDA-core GEMV runs."""
+    # (x is contiguous and its row stride is passed as K: K even makes every row 4-byte aligned)
     return (GEMV_MMA and cfg.BLOCK_M <= 8 and cfg.BLOCK_N >= 16 and not general_gidx
-            and gs % K_CHUNK == 0 and x.shape[1] % 2 == 0 and x.data_ptr() % 4 == 0
-            and x.stride(0) % 2 == 0)
+            and gs % K_CHUNK == 0 and x.shape[1] % 2 == 0 and x.data_ptr() % 4 == 0)
 
 
 def _has_mma_asm(x: torch.Tensor) -> bool:
@@ -221,6 +234,95 @@ def _has_mma_asm(x: torch.Tensor) -> bool:
         return False
     cap = torch.cuda.get_device_capability(x.device.index)
     return cap >= (9, 0) or (cap >= (8, 0) and x.dtype == torch.float16)
+_REDUCE_BLOCK = 1024
+
+
+class _GemmPlan:
+    """The fused paths ("gemv", "mma") of one W4A16 problem on one GPU: its config and the
+    bound kernels (GEMM, split-K reduce; ops/launch.py). w4a16_launch builds one per call
+    on the slow path and keeps it in W4A16_TUNER.plans under its plan key (below) once its
+    kernels are bound, so that a steady-state call skips the tuner and Triton's binding."""
+
+    __slots__ = ("config", "kind", "gemm", "reduce")
+
+    def __init__(self, cfg: Config, device_index: int, *, gs: int, has_zeros: bool, has_gidx: bool,
+                 has_bias: bool, emu: bool, asm: bool, mma_asm: bool, tensor_core_gemv: bool,
+                 paired: bool, bf16: bool, K: int, group_size: int):
+        from ..kernels.w4a16 import (_splitk_reduce_kernel, _w4a16_gemv_kernel, _w4a16_gemv_mma_kernel,
+                                     _w4a16_kernel, gemv_asm, gemv_pairs, gemv_warps)
+
+        self.config = cfg
+        even_k = K % cfg.BLOCK_K == 0
+        meta = dict(GROUP_SIZE=gs, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, EVEN_K=even_k, SPLIT_K=cfg.SPLIT_K,
+                    EMU_BF16=emu, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **cfg.launch())
+        if cfg.kernel == "gemv" and tensor_core_gemv:  # (takes no g_idx pointer)
+            self.kind = "gemv_mma"
+            text, constraints = (gemv_asm(bf16, has_zeros, even_k, gemv_pairs(cfg.BLOCK_N)) if mma_asm
+                                 else ("", ""))
+            meta.update(USE_ASM=mma_asm, ASM=text, ASM_CONSTRAINTS=constraints, PREFETCH=cfg.num_stages > 1,
+                        num_warps=gemv_warps(cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_warps))
+            self.gemm = Launch(_w4a16_gemv_mma_kernel, meta, device_index)
+        elif cfg.kernel == "gemv":  # CUDA-core GEMV (takes no GROUP_M / PREFETCH_S / PAIRED_S)
+            self.kind = "gemv"
+            meta.update(HAS_GIDX=has_gidx, USE_ASM=asm)
+            self.gemm = Launch(_w4a16_gemv_kernel, meta, device_index)
+        else:
+            self.kind = "mma"
+            meta.update(HAS_GIDX=has_gidx, USE_ASM=asm, GROUP_M=cfg.GROUP_M,
+                        PREFETCH_S=prefetch_scales(cfg, group_size), PAIRED_S=paired and paired_scales(cfg),
+                        SCALE_ACC=scale_acc(cfg, group_size, has_gidx))
+            self.gemm = Launch(_w4a16_kernel, meta, device_index)
+        self.reduce = None
+        if cfg.SPLIT_K > 1:
+            self.reduce = Launch(_splitk_reduce_kernel, dict(SPLIT_K=cfg.SPLIT_K, HAS_BIAS=has_bias, EMU_BF16=emu,
+                                                             BLOCK=_REDUCE_BLOCK, num_warps=4), device_index)
+
+    def bound(self) -> bool:
+        return self.gemm.run is not None and (self.reduce is None or self.reduce.run is not None)
+
+    def __call__(self, out, y, x, qweight, scales, z_arg, sorted_g_idx, bias, M, N, K, sqn, ssn) -> None:
+        """out (M, N) = the product; y, x, ..., bias: out's and the operands' pointers, as
+        tensors (the first call: Triton specializes on them) or as ints (steady state:
+        launch.pointers). x contiguous (M, K): its row stride is passed as K (for M = 1 a
+        contiguous x may carry any row stride; the kernels never step over it). Pointers
+        the kernels do not read (no g_idx, no bias, no workspace) are passed as None:
+        Triton makes them constexprs."""
+        cfg = self.config
+        split = cfg.SPLIT_K
+        ws = None if split == 1 else out.new_empty((split, M, N), dtype=torch.float32)
+        tiles_n = -(-N // cfg.BLOCK_N)
+        kind = self.kind
+        sym = out.stride(0)
+        if kind == "gemv_mma":
+            self.gemm((tiles_n, split), x, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym, sqn, ssn)
+        else:
+            grid = (tiles_n, split) if kind == "gemv" else (-(-M // cfg.BLOCK_M) * tiles_n, split)
+            self.gemm(grid, x, qweight, scales, z_arg, sorted_g_idx, bias, y, ws, M, N, K, K, sym, sqn, ssn)
+        if split > 1:
+            self.reduce((-(-(M * N) // _REDUCE_BLOCK), 1), ws, bias, y, M, N, sym)
+
+
+def _dequant_run(cfg: Config, out, x, qweight, scales, z_arg, g_arg, bias, flags: dict) -> None:
+    """Large M: dequantize into a transient weight, slices of whole BLOCK_N tiles, each at
+    most DEQUANT_SLICE_BYTES, each multiplied by cuBLAS."""
+    import triton
+
+    from ..kernels.w4a16 import _w4a16_dequant_kernel
+
+    M, K = x.shape
+    N = qweight.shape[0]
+    rows = max(cfg.BLOCK_N, DEQUANT_SLICE_BYTES // (2 * K) // cfg.BLOCK_N * cfg.BLOCK_N)
+    w = torch.empty((min(rows, N), K), dtype=x.dtype, device=x.device)
+    for n0 in range(0, N, rows):
+        nr = min(rows, N - n0)
+        ws = w[:nr]
+        _w4a16_dequant_kernel[(triton.cdiv(nr, cfg.BLOCK_N), triton.cdiv(K, cfg.BLOCK_K))](
+            qweight[n0:], scales[n0:], z_arg[n0:], g_arg, ws, nr, K, qweight.stride(0),
+            scales.stride(0), ws.stride(0), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **flags, **cfg.launch())
+        if bias is None:
+            torch.mm(x, ws.t(), out=out[:, n0:n0 + nr])
+        else:
+            torch.addmm(bias[n0:n0 + nr], x, ws.t(), out=out[:, n0:n0 + nr])
 
 
 def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -231,80 +333,63 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """Run the W4A16 Triton kernel. x (M, K) contiguous fp16/bf16 -> y (M, N), x's dtype.
 
     use_asm=False forces the pure-Triton dequantization on the GPU too (the path the
-    interpreter always runs), so tests can check the two give identical numbers."""
-    import triton  # imported lazily so that TRITON_INTERPRET can be set before it
+    interpreter always runs), so tests can check the two give identical numbers.
 
-    from ..kernels.w4a16 import (_splitk_reduce_kernel, _w4a16_dequant_kernel, _w4a16_gemv_kernel,
-                                 _w4a16_gemv_mma_kernel, _w4a16_kernel, gemv_asm, gemv_pairs,
-                                 gemv_warps)
-
+    Steady state (CUDA, config=None): one dict lookup finds the problem's plan (config and
+    bound kernels, _GemmPlan) under a key that fixes everything the kernels are compiled
+    for: device, dtypes, M bucket and M's Triton specialization (1, a multiple of 16, 64-bit),
+    the sizes and row strides, the optional operands. Given the op's checks (qweight int32,
+    scales in x's dtype), only pointer alignment is left, checked per call."""
     M, K = x.shape
     N, kp8 = qweight.shape
-    Kp = kp8 * 8
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    y = x.new_empty((M, N))
     if M == 0:
         return y
     if perm is not None:
-        x = x.index_select(1, perm.long())
+        x = x.index_select(1, perm)
     x = x.contiguous()
+    z_arg = scales if zeros is None else zeros  # symmetric: z_ptr must address something (kernels/w4a16.py)
+    sqn, ssn = qweight.stride(0), scales.stride(0)
+    key = None
+    if config is None and use_asm and x.is_cuda:
+        dev = x.get_device()
+        key = (dev, x.dtype, (M - 1).bit_length(), M & 15 == 0, N, K, kp8, group_size, sqn, ssn,
+               None if zeros is None else zeros.dtype, None if sorted_g_idx is None else sorted_g_idx.dtype,
+               None if bias is None else bias.dtype)
+        plan = W4A16_TUNER.plan(key)
+        if plan is not None and hooks_idle():
+            ptrs = pointers(y, x, qweight, scales, z_arg, sorted_g_idx, bias)
+            if ptrs is not None:
+                if current_device() == dev:
+                    plan(y, *ptrs, M, N, K, sqn, ssn)
+                else:
+                    with device_of(x):
+                        plan(y, *ptrs, M, N, K, sqn, ssn)
+                return y
+    plans = None if key is None else W4A16_TUNER.plans_for_build()  # before the config lookup
+    Kp = kp8 * 8
     gs = 0 if group_size == -1 else group_size
     emu = x.dtype == torch.bfloat16 and not x.is_cuda  # interpreter bf16 twin (kernels/common.py)
     asm = (use_asm and x.is_cuda and sorted_g_idx is None
            and (x.dtype == torch.float16 or _has_bf16x2(x.device.index)))
-    z_arg = scales if zeros is None else zeros  # unused pointer arguments get a valid tensor
-    pairable = gs > 0 and all(_pairable(t) for t in (scales, z_arg))
-    g_arg = qweight if sorted_g_idx is None else sorted_g_idx
+    # scales / zeros as int32 pairs (paired_scales): a function of the plan key (group size,
+    # the shared row stride) and of 4-byte alignment (`aligned` checks 16 per steady call)
+    pairable = gs > 0 and ssn % 2 == 0 and scales.data_ptr() % 4 == 0 and z_arg.data_ptr() % 4 == 0
 
-    def run(cfg: Config, out: torch.Tensor = y) -> None:
-        flags = dict(GROUP_SIZE=gs, HAS_ZEROS=zeros is not None, HAS_GIDX=sorted_g_idx is not None,
-                     EMU_BF16=emu, USE_ASM=asm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **cfg.launch())
+    def run(cfg: Config, out: torch.Tensor = y) -> Optional[_GemmPlan]:
         if cfg.kernel == "dequant":
-            # slices of whole BLOCK_N tiles, each at most DEQUANT_SLICE_BYTES of transient
-            rows = max(cfg.BLOCK_N, DEQUANT_SLICE_BYTES // (2 * K) // cfg.BLOCK_N * cfg.BLOCK_N)
-            w = torch.empty((min(rows, N), K), dtype=x.dtype, device=x.device)
-            for n0 in range(0, N, rows):
-                nr = min(rows, N - n0)
-                ws = w[:nr]
-                _w4a16_dequant_kernel[(triton.cdiv(nr, cfg.BLOCK_N), triton.cdiv(K, cfg.BLOCK_K))](
-                    qweight[n0:], scales[n0:], z_arg[n0:], g_arg, ws, nr, K, qweight.stride(0),
-                    scales.stride(0), ws.stride(0), **flags)
-                if bias is None:
-                    torch.mm(x, ws.t(), out=out[:, n0:n0 + nr])
-                else:
-                    torch.addmm(bias[n0:n0 + nr], x, ws.t(), out=out[:, n0:n0 + nr])
-            return
-        ws = out
-        if cfg.SPLIT_K > 1:
-            ws = torch.empty((cfg.SPLIT_K, M, N), dtype=torch.float32, device=x.device)
-        common = dict(HAS_BIAS=bias is not None, EVEN_K=(K % cfg.BLOCK_K == 0), SPLIT_K=cfg.SPLIT_K, **flags)
-        ptrs = (x, qweight, scales, z_arg, g_arg, scales if bias is None else bias, out, ws)
-        if cfg.kernel == "gemv" and gemv_on_tensor_cores(cfg, x, gs, sorted_g_idx is not None):
-            mma_asm = use_asm and _has_mma_asm(x)
-            asm_text, asm_constraints = gemv_asm(x.dtype == torch.bfloat16, zeros is not None,
-                                                 K % cfg.BLOCK_K == 0, gemv_pairs(cfg.BLOCK_N)) if mma_asm else ("", "")
-            _w4a16_gemv_mma_kernel[(triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)](
-                x, qweight, scales, z_arg, ptrs[5], out, ws, M, N, K, x.stride(0), out.stride(0),
-                qweight.stride(0), scales.stride(0), GROUP_SIZE=gs, HAS_ZEROS=zeros is not None,
-                HAS_BIAS=bias is not None, EVEN_K=(K % cfg.BLOCK_K == 0), SPLIT_K=cfg.SPLIT_K, EMU_BF16=emu,
-                USE_ASM=mma_asm, ASM=asm_text, ASM_CONSTRAINTS=asm_constraints, PREFETCH=cfg.num_stages > 1,
-                BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-                num_warps=gemv_warps(cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_warps), num_stages=cfg.num_stages)
-        elif cfg.kernel == "gemv":  # (the gemv / dequant kernels take no PREFETCH_S)
-            _w4a16_gemv_kernel[(triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)](
-                *ptrs, M, N, K, x.stride(0), out.stride(0), qweight.stride(0), scales.stride(0),
-                BLOCK_M=cfg.BLOCK_M, **common)
-        else:
-            grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
-            _w4a16_kernel[grid](
-                *ptrs, M, N, K, x.stride(0), out.stride(0), qweight.stride(0), scales.stride(0),
-                BLOCK_M=cfg.BLOCK_M, GROUP_M=cfg.GROUP_M, PREFETCH_S=prefetch_scales(cfg, group_size),
-                PAIRED_S=pairable and paired_scales(cfg), **common)
-        if cfg.SPLIT_K > 1:
-            block = 1024
-            _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
-                ws, scales if bias is None else bias, out, M, N, out.stride(0),
-                SPLIT_K=cfg.SPLIT_K, HAS_BIAS=bias is not None, EMU_BF16=emu, BLOCK=block,
-                num_warps=4)
+            g_arg = qweight if sorted_g_idx is None else sorted_g_idx  # (an unread pointer)
+            _dequant_run(cfg, out, x, qweight, scales, z_arg, g_arg, bias,
+                         dict(GROUP_SIZE=gs, HAS_ZEROS=zeros is not None, HAS_GIDX=sorted_g_idx is not None,
+                              EMU_BF16=emu, USE_ASM=asm))
+            return None
+        plan = _GemmPlan(cfg, x.get_device(), gs=gs, has_zeros=zeros is not None,
+                         has_gidx=sorted_g_idx is not None, has_bias=bias is not None, emu=emu, asm=asm,
+                         mma_asm=use_asm and _has_mma_asm(x),
+                         tensor_core_gemv=gemv_on_tensor_cores(cfg, x, gs, sorted_g_idx is not None),
+                         paired=pairable, bf16=x.dtype == torch.bfloat16, K=K, group_size=group_size)
+        plan(out, out, x, qweight, scales, z_arg, sorted_g_idx, bias, M, N, K, sqn, ssn)
+        return plan
 
     with device_of(x):
         if config is None:
@@ -312,56 +397,68 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             memo = (Kp, N, mb, group_size, zeros is not None, sorted_g_idx is not None, x.dtype)
             config = W4A16_TUNER.lookup(x.device, memo)  # steady state: one dict lookup
             if config is None:  # first call of this problem on this device
-                key = w4a16_key(Kp, N, M, group_size, zeros is not None, sorted_g_idx is not None, x.dtype)
-                config = W4A16_TUNER.get(key, x.device, scratch_runner(run, y),
+                key_str = w4a16_key(Kp, N, M, group_size, zeros is not None, sorted_g_idx is not None, x.dtype)
+                config = W4A16_TUNER.get(key_str, x.device, scratch_runner(run, y),
                                          fallback_key=problem_key("w4a16", Kp, N, M, "any"), memo_key=memo,
                                          M=mb, N=N, Kp=Kp, group_size=group_size,
                                          general_gidx=sorted_g_idx is not None)
                 _check_config(config, Kp, M)
         else:
             _check_config(config, Kp, M)
-        run(config)
+        plan = run(config)
+    if (plans is not None and plan is not None and plan.bound()
+            and aligned(x, qweight, scales, zeros, sorted_g_idx, bias)):
+        plans[key] = plan
     return y
 
 
 # ----------------------------------------------------------------------------------
 # torch.library op
 # ----------------------------------------------------------------------------------
-@torch.library.custom_op("sailfish::w4a16_gemm", mutates_args=())
-def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-               zeros: Optional[torch.Tensor], perm: Optional[torch.Tensor],
-               sorted_g_idx: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-               in_features: int, group_size: int) -> torch.Tensor:
+def w4a16_gemm_impl(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                    zeros: Optional[torch.Tensor], perm: Optional[torch.Tensor],
+                    sorted_g_idx: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                    in_features: int, group_size: int) -> torch.Tensor:
     """y = x @ W^T (+ bias) for a 4-bit weight in the formats.int4.PackedW4 layout.
 
     x: (M, K) float16/bfloat16, K = in_features; qweight: int32 (N, Kp/8);
     scales / zeros: (N, Gp) in x's dtype; perm: int32 (K,) or None;
     sorted_g_idx: int32 (Kp,) or None; bias: (N,) or None. Returns (M, N) in x's dtype.
     """
-    from . import use_triton
-
     _validate(x, qweight, scales, zeros, bias, in_features)
-    if use_triton(x):
+    if x.is_cuda or use_triton(x):
         return w4a16_launch(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_features, group_size)
     return w4a16_reference(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_features, group_size)
 
 
-@w4a16_gemm.register_fake
-def _(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_features, group_size):
+def _w4a16_fake(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_features, group_size):
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
+_W4A16_SCHEMA = ("(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? perm, Tensor? sorted_g_idx, "
+                 "Tensor? bias, SymInt in_features, SymInt group_size) -> Tensor")
+# sailfish::w4a16_gemm: the public op, with the input-gradient formula (ops/autograd.py).
+# sailfish::w4a16_gemm_nograd: the same op without one, for callers that need no gradient
+# (QuantLinear.forward when x does not require grad): it skips the ~7 us autograd layer.
+# Differentiating through it gives no gradient (PyTorch warns at backward).
+w4a16_gemm = define_op("w4a16_gemm", _W4A16_SCHEMA, w4a16_gemm_impl, _w4a16_fake)
+w4a16_gemm_nograd = define_op("w4a16_gemm_nograd", _W4A16_SCHEMA, w4a16_gemm_impl, _w4a16_fake)
+
+
 def _validate(x, qweight, scales, zeros, bias, in_features) -> None:
-    if x.dtype not in HALF_DTYPES:
-        raise TypeError(f"x dtype {x.dtype} is not supported; allowed: float16, bfloat16")
-    if x.dtype != scales.dtype:
-        raise TypeError(f"x dtype {x.dtype} does not match the layer dtype {scales.dtype}")
+    dtype = x.dtype
+    if dtype is not torch.float16 and dtype is not torch.bfloat16:
+        raise TypeError(f"x dtype {dtype} is not supported; allowed: float16, bfloat16")
+    if dtype is not scales.dtype:
+        raise TypeError(f"x dtype {dtype} does not match the layer dtype {scales.dtype}")
     if x.dim() != 2 or x.shape[1] != in_features:
         raise ValueError(f"x must have shape (M, {in_features}), got {tuple(x.shape)}")
-    if qweight.dtype != torch.int32 or qweight.dim() != 2 or (qweight.shape[1] * 8) % K_PAD:
+    if qweight.dtype is not torch.int32 or qweight.dim() != 2 or (qweight.shape[1] * 8) % K_PAD:
         raise ValueError(f"qweight must be int32 (N, Kp/8) with Kp a multiple of {K_PAD}")
-    if bias is not None and bias.shape != (qweight.shape[0],):
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != qweight.shape[0]):
         raise ValueError(f"bias must have shape ({qweight.shape[0]},), got {tuple(bias.shape)}")
-    devs = {t.device for t in (x, qweight, scales, zeros, bias) if t is not None}
-    if len(devs) > 1:
+    dev = x.device
+    if (qweight.device != dev or scales.device != dev or (zeros is not None and zeros.device != dev)
+            or (bias is not None and bias.device != dev)):
+        devs = {t.device for t in (x, qweight, scales, zeros, bias) if t is not None}
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devs))}")

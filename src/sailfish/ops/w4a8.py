@@ -4,8 +4,10 @@
     sailfish::quantize_per_token_fp8(x) -> (x_q float8_e4m3fn, x_scales)
     sailfish::w4a8_gemm(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size,
                         out_dtype) -> y
+    sailfish::w4a8_linear_nograd(x, qweight, s_ch, s_g, bias, in_features, group_size) -> y
+        (the two in one op; sailfish::w4a8_linear, ops/autograd.py, is it with a backward)
 
-Formats: formats/qqq.py. Kernels: kernels/w4a8.py. `w4a8_linear` chains the two ops.
+Formats: formats/qqq.py. Kernels: kernels/w4a8.py.
 
 Paths (tuning.Config.kernel), chosen per (K, N, bucketed M, group size, out dtype, activation
 dtype) by W4A8_TUNER: "mma" (tensor-core tiles with the weight in registers; the heuristic's
@@ -16,13 +18,14 @@ tuned for the layout-1 kernel (gemv at M = 1, dequant from M = 256-512 up): retu
 fp8 activations (x_q float8_e4m3fn) run "mma" only, under their own table keys.
 `w4a8_launch(..., raw_acc=True)` returns the int32 accumulator.
 
-Every launch runs under ops.device_of (the tensors' GPU made current). Host cost per call
-is kept to a dict lookup for the config (W4A8_TUNER.lookup with a tuple key) plus the
-kernel launches: the key strings, the problem dict and the tuner's runner are only built
-the first time a problem is seen.
+Every launch runs with the tensors' GPU current (ops.device_of when it is not). Host cost
+per steady-state call on CUDA: one dict lookup for the problem's plan (config and bound
+kernels, ops/launch.py) plus the allocations and the direct kernel launches; the first
+call of a problem goes through the tuner and Triton's JIT and builds the plan.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional, Tuple
 
 import torch
@@ -32,7 +35,8 @@ from ..formats.qqq import (GROUP_SIZES_W4A8, PackedQQQ, check_act_dtype, fp8_wei
                            unpack_qqq)
 from ..tuning import (Config, Tuner, check_config, gemv_candidates, m_bucket,
                       mma_candidates, mma_heuristic, next_pow2, problem_key, scratch_runner, sms_for)
-from . import device_of
+from . import define_op, device_of, use_triton
+from .launch import Launch, aligned, current_device, hooks_idle, pointers
 
 ACT_DTYPES = HALF_DTYPES + (torch.float32,)
 # the quantized activations' torch dtype per act_dtype (formats.qqq.ACT_DTYPES_W4A8)
@@ -64,81 +68,112 @@ def quantize_per_token_launch(x: torch.Tensor, block_k: Optional[int] = None, ac
     """Run the per-token quantization kernel. x (M, K) fp16/bf16/fp32 ->
     (x_q (M, K) contiguous, int8 or, act_dtype="fp8", float8_e4m3fn; scales float32 (M,)).
     block_k: tile over K (a power of two); default: the whole row if K <= QUANT_ONE_PASS_MAX,
-    else 4096 (two passes)."""
-    check_act_dtype(act_dtype)
-    if act_dtype == "fp8":
+    else 4096 (two passes). On CUDA the bound kernel is kept per (device, dtype, act_dtype,
+    K, row stride, block_k) in W4A8_TUNER.plans (ops/launch.py)."""
+    fp8 = act_dtype == "fp8"
+    if fp8:
         _check_fp8_device(x)
+    elif act_dtype != "int8":
+        check_act_dtype(act_dtype)  # raises, naming the allowed values
     M, K = x.shape
-    x_q = torch.empty((M, K), dtype=X_Q_DTYPES[act_dtype], device=x.device)
-    scales = torch.empty((M,), dtype=torch.float32, device=x.device)
+    x_q = x.new_empty((M, K), dtype=torch.float8_e4m3fn if fp8 else torch.int8)
+    scales = x.new_empty((M,), dtype=torch.float32)
     if M == 0:
         return x_q, scales
     if x.stride(1) != 1:
         x = x.contiguous()
-    if block_k is None:
-        block_k = max(16, next_pow2(K)) if K <= QUANT_ONE_PASS_MAX else 4096
-    if block_k < 16 or block_k & (block_k - 1):
-        raise ValueError(f"block_k={block_k} must be a power of two >= 16")
+    # one row: the kernel never steps over the row stride, so any value does; K keeps the key fixed
+    sxm = K if M == 1 else x.stride(0)
+    key = None
+    if x.is_cuda:
+        dev = x.get_device()
+        key = ("quantize", dev, x.dtype, fp8, K, sxm, block_k)
+        launch = W4A8_TUNER.plan(key)
+        if launch is not None and hooks_idle():
+            ptrs = pointers(x, x_q, scales)
+            if ptrs is not None:
+                if current_device() == dev:
+                    launch((M, 1), *ptrs, K, sxm, K)
+                else:
+                    with device_of(x):
+                        launch((M, 1), *ptrs, K, sxm, K)
+                return x_q, scales
+    plans = None if key is None else W4A8_TUNER.plans_for_build()
+    bk = block_k
+    if bk is None:
+        bk = max(16, next_pow2(K)) if K <= QUANT_ONE_PASS_MAX else 4096
+    if bk < 16 or bk & (bk - 1):
+        raise ValueError(f"block_k={bk} must be a power of two >= 16")
+    launch = Launch(_kernels()._quantize_per_token_kernel,
+                    dict(BLOCK_K=bk, ONE_PASS=K <= bk, FP8=fp8, num_warps=4 if bk <= 2048 else 8),
+                    x.get_device())
     with device_of(x):
-        _kernels()._quantize_per_token_kernel[(M,)](
-            x, x_q, scales, K, x.stride(0), x_q.stride(0),
-            BLOCK_K=block_k, ONE_PASS=K <= block_k, FP8=act_dtype == "fp8",
-            num_warps=4 if block_k <= 2048 else 8)
+        launch((M, 1), x, x_q, scales, K, sxm, K)
+    if plans is not None and launch.run is not None and x.data_ptr() & 15 == 0:
+        plans[key] = launch
     return x_q, scales
+
+
+@lru_cache(maxsize=None)
+def _capability(device_index: int) -> Tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
 
 
 def _check_fp8_device(t: torch.Tensor) -> None:
     """fp8 (e4m3) activations need sm_89+ (Ada, Hopper): e4m3 tensor cores and conversions."""
-    if t.is_cuda and torch.cuda.get_device_capability(t.device) < (8, 9):
-        cap = torch.cuda.get_device_capability(t.device)
-        raise RuntimeError(f"fp8 (e4m3) activations need a GPU of compute capability >= 8.9, "
-                           f"{t.device} has {cap[0]}.{cap[1]}; use act_dtype='int8'")
+    if t.is_cuda:
+        cap = _capability(t.get_device())
+        if cap < (8, 9):
+            raise RuntimeError(f"fp8 (e4m3) activations need a GPU of compute capability >= 8.9, "
+                               f"{t.device} has {cap[0]}.{cap[1]}; use act_dtype='int8'")
 
 
-def _check_activations(x: torch.Tensor) -> None:
-    if x.dtype not in ACT_DTYPES:
-        raise TypeError(f"x dtype {x.dtype} is not supported; allowed: float16, bfloat16, float32")
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D (M, K), got shape {tuple(x.shape)}")
-
-
-@torch.library.custom_op("sailfish::quantize_per_token", mutates_args=())
-def quantize_per_token(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_token_impl(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-token dynamic int8 quantization (formats.qqq.quantize_activations).
 
     x: (M, K) float16/bfloat16 (float32 accepted). Returns x_q int8 (M, K) in [-127, 127]
     and scales float32 (M,) with scales = max|x[m]| / 127 and
     x_q = clamp(round_half_even(x * (127 / max|x[m]|)), -127, 127); zero rows: 0 and 0.
     """
-    from . import use_triton
-
-    _check_activations(x)
-    if use_triton(x):
+    _check_activations(x, ACT_DTYPES)
+    if x.is_cuda or use_triton(x):
         return quantize_per_token_launch(x)
     return quantize_activations(x)
 
 
-@quantize_per_token.register_fake
-def _(x):
+def _check_activations(x: torch.Tensor, dtypes: Tuple[torch.dtype, ...]) -> None:
+    if x.dtype not in dtypes:
+        raise TypeError(f"x dtype {x.dtype} is not supported; allowed: {', '.join(str(d)[6:] for d in dtypes)}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (M, K), got shape {tuple(x.shape)}")
+
+
+def _quantize_fake(x):
     return x.new_empty(x.shape, dtype=torch.int8), x.new_empty((x.shape[0],), dtype=torch.float32)
 
 
-@torch.library.custom_op("sailfish::quantize_per_token_fp8", mutates_args=())
-def quantize_per_token_fp8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+# No derivative (int8 rounding): ops/autograd.py registers a backward that says so;
+# QuantLinearW4A8 trains through sailfish::w4a8_linear (straight-through) instead.
+quantize_per_token = define_op("quantize_per_token", "(Tensor x) -> (Tensor, Tensor)",
+                               quantize_per_token_impl, _quantize_fake)
+
+
+def quantize_per_token_fp8_impl(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-token dynamic float8 (e4m3) quantization (formats.qqq.quantize_activations with
     act_dtype="fp8"): x_q float8_e4m3fn (M, K) = x * (448 / max|x[m]|) rounded to nearest
     even, scales float32 (M,) = max|x[m]| / 448; zero rows: 0 and 0; NaN/Inf rows: 0 and NaN."""
-    from . import use_triton
-
-    _check_activations(x)
-    if use_triton(x):
+    _check_activations(x, ACT_DTYPES)
+    if x.is_cuda or use_triton(x):
         return quantize_per_token_launch(x, act_dtype="fp8")
     return quantize_activations(x, "fp8")
 
 
-@quantize_per_token_fp8.register_fake
-def _(x):
+def _quantize_fp8_fake(x):
     return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty((x.shape[0],), dtype=torch.float32)
+
+
+quantize_per_token_fp8 = define_op("quantize_per_token_fp8", "(Tensor x) -> (Tensor, Tensor)",
+                                   quantize_per_token_fp8_impl, _quantize_fp8_fake)
 
 
 # ----------------------------------------------------------------------------------
@@ -244,56 +279,90 @@ def w4a8_reference(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_s
     return y.to(out_dtype)
 
 
-def _reduce(ws, out, split, x_scales, s_ch, bias, M, N, raw, emu) -> None:
-    """int32 ws (split, M, N) -> out: the exact sum, then the epilogue (raw: the sum)."""
-    _kernels()._w4a8_splitk_reduce_kernel[(_cdiv(M, 16), _cdiv(N, 128))](
-        ws, x_scales, s_ch, s_ch if bias is None else bias, out, M, N, out.stride(0),
-        SPLIT_K=split, HAS_BIAS=bias is not None, RAW=raw, EMU_BF16=emu,
-        BLOCK_M=16, BLOCK_N=128, num_warps=4)
+class _W4A8Plan:
+    """The fused paths ("gemv", "mma") of one W4A8 problem on one GPU: its config and the
+    bound kernels (GEMM, split-K reduce; ops/launch.py), kept in W4A8_TUNER.plans as
+    ops/w4a16.py keeps W4A16's (_GemmPlan there)."""
+
+    __slots__ = ("config", "gemv", "gemm", "reduce", "ws_dtype")
+
+    def __init__(self, cfg: Config, device_index: int, *, gs: int, has_bias: bool, raw: bool, emu: bool,
+                 asm: bool, fp8: bool, K: int):
+        kern = _kernels()
+        self.config, self.gemv = cfg, cfg.kernel == "gemv"
+        self.ws_dtype = torch.float32 if fp8 else torch.int32  # split-K partial sums
+        meta = dict(GROUP_SIZE=gs, HAS_BIAS=has_bias, EVEN_K=K % cfg.BLOCK_K == 0, SPLIT_K=cfg.SPLIT_K,
+                    RAW=raw, EMU_BF16=emu, USE_ASM=asm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+                    **cfg.launch())
+        if self.gemv:
+            self.gemm = Launch(kern._w4a8_gemv_kernel, meta, device_index)
+        else:
+            meta.update(BLOCK_M=cfg.BLOCK_M, GROUP_M=cfg.GROUP_M)
+            self.gemm = Launch(kern._w4a8_kernel, meta, device_index)
+        self.reduce = None if cfg.SPLIT_K == 1 else _reduce_launch(cfg.SPLIT_K, has_bias, raw, emu, device_index)
+
+    def bound(self) -> bool:
+        return self.gemm.run is not None and (self.reduce is None or self.reduce.run is not None)
+
+    def __call__(self, out, y, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sgn) -> None:
+        """out (M, N) = the product; y, x_q, ..., bias: out's and the operands' pointers, as
+        tensors or ints (see ops/w4a16.py _GemmPlan); sxm: x_q's row stride; sqn: qweight's
+        row stride in bytes (the kernels read its int32 words as bytes). s_g / bias may be
+        None (Triton makes them constexprs)."""
+        cfg = self.config
+        split = cfg.SPLIT_K
+        # split-K: int32 (fp8: float32) partial sums in a (split, M, N) workspace, added in a
+        # fixed order (int32: exactly) by the reduce kernel
+        target = y if split == 1 else out.new_empty((split, M, N), dtype=self.ws_dtype)
+        tiles_n = _cdiv(N, cfg.BLOCK_N)
+        if self.gemv:
+            self.gemm((tiles_n, split), x_q, x_scales, qweight, s_ch, s_g, bias, target, N, K, sqn, sgn)
+        else:
+            self.gemm((_cdiv(M, cfg.BLOCK_M) * tiles_n, split), x_q, x_scales, qweight, s_ch, s_g, bias,
+                      target, M, N, K, sxm, N if split > 1 else out.stride(0), sqn, sgn)
+        if split > 1:
+            self.reduce((_cdiv(M, 16), _cdiv(N, 128)), target, x_scales, s_ch, bias, y, M, N, out.stride(0))
+
+
+def _reduce_launch(split: int, has_bias: bool, raw: bool, emu: bool, device_index: int) -> Launch:
+    """int32 ws (split, M, N) -> out: the exact sum, then the epilogue (raw: the sum);
+    grid (cdiv(M, 16), cdiv(N, 128))."""
+    return Launch(_kernels()._w4a8_splitk_reduce_kernel,
+                  dict(SPLIT_K=split, HAS_BIAS=has_bias, RAW=raw, EMU_BF16=emu, BLOCK_M=16, BLOCK_N=128,
+                       num_warps=4), device_index)
 
 
 def _launch(cfg: Config, out: torch.Tensor, x_q, x_scales, qweight, s_ch, s_g, bias,
-            gs: int, raw: bool, emu: bool) -> None:
+            gs: int, raw: bool, emu: bool) -> Optional[_W4A8Plan]:
     """One GEMM with cfg into out (M, N). Operands contiguous; s_g / bias may be None
-    (their pointer arguments then get s_ch, never read). The kernels read qweight as its
-    bytes (formats.qqq.PackedQQQ); on the GPU they unpack with inline asm, in the
-    interpreter with its pure-Triton twin."""
+    (the fused kernels then get None, the dequant path s_ch, never read). The kernels read
+    qweight as its bytes (formats.qqq.PackedQQQ); on the GPU they unpack with inline asm, in
+    the interpreter with its pure-Triton twin. Returns the plan that ran (None for "dequant",
+    whose per-call cost does not matter at the M it serves)."""
     kern = _kernels()
     M, K = x_q.shape
     N = qweight.shape[0]
-    qb = qweight.view(torch.int8)  # (N, Kp // 2), little-endian bytes of the words
+    sqn = 4 * qweight.stride(0)  # the kernels read the int32 words as their bytes
     asm = x_q.is_cuda
     s_g_arg = s_ch if s_g is None else s_g
     sg_stride = 0 if s_g is None else s_g.stride(0)
+    bias_arg = s_ch if bias is None else bias
+    dev = x_q.get_device()
     if cfg.kernel == "dequant":
         w8 = torch.empty((N, K), dtype=torch.int8, device=x_q.device)
         kern._w4a8_dequant_kernel[(_cdiv(N, cfg.BLOCK_N), _cdiv(K, cfg.BLOCK_K))](
-            qb, s_g_arg, w8, N, K, qb.stride(0), sg_stride, w8.stride(0),
+            qweight, s_g_arg, w8, N, K, sqn, sg_stride, w8.stride(0),
             GROUP_SIZE=gs, USE_ASM=asm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        _reduce(torch._int_mm(x_q, w8.t()), out, 1, x_scales, s_ch, bias, M, N, raw, emu)
-        return
-    split = cfg.SPLIT_K
-    # split-K: int32 (fp8: float32) partial sums in a (split, M, N) workspace, added in a fixed
-    # order (int32: exactly) by the reduce kernel
-    acc_dtype = torch.float32 if x_q.dtype == torch.float8_e4m3fn else torch.int32
-    target = out if split == 1 else torch.empty((split, M, N), dtype=acc_dtype, device=x_q.device)
-    bias_arg = s_ch if bias is None else bias
-    if cfg.kernel == "gemv":
-        kern._w4a8_gemv_kernel[(_cdiv(N, cfg.BLOCK_N), split)](
-            x_q, x_scales, qb, s_ch, s_g_arg, bias_arg, target, N, K, qb.stride(0), sg_stride,
-            GROUP_SIZE=gs, HAS_BIAS=bias is not None, EVEN_K=K % cfg.BLOCK_K == 0, SPLIT_K=split,
-            RAW=raw, EMU_BF16=emu, USE_ASM=asm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    else:
-        kern._w4a8_kernel[(_cdiv(M, cfg.BLOCK_M) * _cdiv(N, cfg.BLOCK_N), split)](
-            x_q, x_scales, qb, s_ch, s_g_arg, bias_arg, target, M, N, K, x_q.stride(0),
-            N if split > 1 else out.stride(0), qb.stride(0), sg_stride,
-            GROUP_SIZE=gs, HAS_BIAS=bias is not None, EVEN_K=K % cfg.BLOCK_K == 0, SPLIT_K=split,
-            RAW=raw, EMU_BF16=emu, USE_ASM=asm, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-            BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split > 1:
-        _reduce(target, out, split, x_scales, s_ch, bias, M, N, raw, emu)
+        _reduce_launch(1, bias is not None, raw, emu, dev)(
+            (_cdiv(M, 16), _cdiv(N, 128)), torch._int_mm(x_q, w8.t()), x_scales, s_ch, bias_arg, out, M, N,
+            out.stride(0))
+        return None
+    plan = _W4A8Plan(cfg, dev, gs=gs, has_bias=bias is not None, raw=raw, emu=emu, asm=asm,
+                     fp8=x_q.dtype is torch.float8_e4m3fn, K=K)
+    sxm = K if M == 1 else x_q.stride(0)
+    plan(out, out, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sg_stride)
+    return plan
 
 
 def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor,
@@ -303,23 +372,46 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
     """Run the W4A8 Triton kernel. x_q int8 (or float8_e4m3fn) (M, K), x_scales float32 (M,)
     -> y (M, N) in out_dtype; raw_acc=True returns the accumulator sum_k x_q[m, k] * w[n, k]
     instead (no s_tok, s_ch, bias): int32 and exact for int8 (w = w8), float32 for fp8
-    (w = formats.qqq.fp8_weight), for tests."""
+    (w = formats.qqq.fp8_weight), for tests.
+
+    Steady state (CUDA, config=None): the problem's plan (_W4A8Plan) from one dict lookup,
+    keyed as W4A16's (ops/w4a16.py w4a16_launch); given the op's checks (int8 x_q, int32
+    qweight, float32 scales, float16 s_g) only pointer alignment is checked per call."""
     M, K = x_q.shape
-    N, Kp = qweight.shape[0], qweight.shape[1] * 8
-    act = "fp8" if x_q.dtype == torch.float8_e4m3fn else "int8"
-    if act == "fp8":
+    N, kp8 = qweight.shape
+    fp8 = x_q.dtype is torch.float8_e4m3fn
+    if fp8:
         _check_fp8_device(x_q)
-    raw_dtype = torch.float32 if act == "fp8" else torch.int32
-    y = torch.empty((M, N), dtype=raw_dtype if raw_acc else out_dtype, device=x_q.device)
+    y = x_q.new_empty((M, N), dtype=(torch.float32 if fp8 else torch.int32) if raw_acc else out_dtype)
     if M == 0:
         return y
     if x_q.stride(1) != 1:
         x_q = x_q.contiguous()
+    sxm = K if M == 1 else x_q.stride(0)  # (one row: any stride does, see quantize_per_token_launch)
     # the kernel indexes these with unit inner stride
     x_scales, qweight, s_ch = x_scales.contiguous(), qweight.contiguous(), s_ch.contiguous()
     s_g = None if s_g is None else s_g.contiguous()
     bias = None if bias is None else bias.contiguous()
+    key = None
+    if config is None and x_q.is_cuda:
+        dev = x_q.get_device()
+        sqn, sgn = 4 * qweight.stride(0), 0 if s_g is None else s_g.stride(0)  # (sqn in bytes)
+        key = (dev, out_dtype, fp8, raw_acc, (M - 1).bit_length(), M & 15 == 0, N, K, kp8, group_size, sxm, sqn, sgn,
+               None if bias is None else bias.dtype)
+        plan = W4A8_TUNER.plan(key)
+        if plan is not None and hooks_idle():
+            ptrs = pointers(y, x_q, x_scales, qweight, s_ch, s_g, bias)
+            if ptrs is not None:
+                if current_device() == dev:
+                    plan(y, *ptrs, M, N, K, sxm, sqn, sgn)
+                else:
+                    with device_of(x_q):
+                        plan(y, *ptrs, M, N, K, sxm, sqn, sgn)
+                return y
+    plans = None if key is None else W4A8_TUNER.plans_for_build()  # before the config lookup
+    Kp = kp8 * 8
     gs = 0 if group_size == -1 else group_size
+    act = "fp8" if fp8 else "int8"
     emu = out_dtype == torch.bfloat16 and not x_q.is_cuda  # interpreter bf16 twin (kernels/common.py)
     args = (x_q, x_scales, qweight, s_ch, s_g, bias, gs, raw_acc, emu)
     with device_of(x_q):
@@ -339,17 +431,18 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
                     M=mb, N=N, K=K, Kp=Kp, group_size=group_size, act_dtype=act)
         else:
             _check_config(config, M, N, K, Kp, group_size, act)
-        _launch(config, y, *args)
+        plan = _launch(config, y, *args)
+    if plans is not None and plan is not None and plan.bound() and aligned(x_q, x_scales, qweight, s_ch, s_g, bias):
+        plans[key] = plan
     return y
 
 
 # ----------------------------------------------------------------------------------
 # torch.library op
 # ----------------------------------------------------------------------------------
-@torch.library.custom_op("sailfish::w4a8_gemm", mutates_args=())
-def w4a8_gemm(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor,
-              s_ch: torch.Tensor, s_g: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-              in_features: int, group_size: int, out_dtype: torch.dtype) -> torch.Tensor:
+def w4a8_gemm_impl(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor,
+                   s_ch: torch.Tensor, s_g: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                   in_features: int, group_size: int, out_dtype: torch.dtype) -> torch.Tensor:
     """y = s_tok[m] * s_ch[n] * (x_q @ w8^T)[m, n] (+ bias[n]) for a W4A8 weight in the
     formats.qqq.PackedQQQ layout.
 
@@ -360,55 +453,92 @@ def w4a8_gemm(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor,
     group_size=128, None when group_size=-1; bias: (N,) float or None;
     out_dtype: torch.float16 or torch.bfloat16. Returns (M, N) in out_dtype.
     """
-    from . import use_triton
-
     _validate(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size, out_dtype)
-    if use_triton(x_q):
+    if x_q.is_cuda or use_triton(x_q):
         return w4a8_launch(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size, out_dtype)
     return w4a8_reference(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size, out_dtype)
 
 
-@w4a8_gemm.register_fake
-def _(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size, out_dtype):
+def _w4a8_gemm_fake(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size, out_dtype):
     return x_q.new_empty((x_q.shape[0], qweight.shape[0]), dtype=out_dtype)
 
 
-def w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, s_ch: torch.Tensor,
-                s_g: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                in_features: int, group_size: int) -> torch.Tensor:
-    """x (M, K) float16/bfloat16 -> y (M, N) in x's dtype: quantize_per_token + w4a8_gemm."""
-    x_q, x_scales = torch.ops.sailfish.quantize_per_token(x)
-    return torch.ops.sailfish.w4a8_gemm(x_q, x_scales, qweight, s_ch, s_g, bias,
-                                        in_features, group_size, x.dtype)
+# No derivative with respect to the int8 x_q; see quantize_per_token above.
+w4a8_gemm = define_op(
+    "w4a8_gemm", "(Tensor x_q, Tensor x_scales, Tensor qweight, Tensor s_ch, Tensor? s_g, Tensor? bias, "
+    "SymInt in_features, SymInt group_size, ScalarType out_dtype) -> Tensor", w4a8_gemm_impl, _w4a8_gemm_fake)
+
+
+def w4a8_linear_impl(x: torch.Tensor, qweight: torch.Tensor, s_ch: torch.Tensor,
+                     s_g: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                     in_features: int, group_size: int, act_dtype: str = "int8") -> torch.Tensor:
+    """x (M, K) float16/bfloat16 -> y (M, N) in x's dtype: quantize_per_token + w4a8_gemm in
+    one op (the same numbers as calling the two), one dispatch for QuantLinearW4A8.
+    act_dtype "fp8": quantize_per_token_fp8 + w4a8_gemm (w4a8_linear_fp8_impl)."""
+    _check_activations(x, HALF_DTYPES)
+    if x.shape[1] != in_features:
+        raise ValueError(f"x must have shape (M, {in_features}), got {tuple(x.shape)}")
+    _validate_weight(qweight, s_ch, s_g, bias, in_features, group_size, x.device)
+    if x.is_cuda or use_triton(x):
+        x_q, x_scales = quantize_per_token_launch(x, act_dtype=act_dtype)
+        return w4a8_launch(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size, x.dtype)
+    x_q, x_scales = quantize_activations(x, act_dtype)
+    return w4a8_reference(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size, x.dtype)
+
+
+def w4a8_linear_fp8_impl(x, qweight, s_ch, s_g, bias, in_features: int, group_size: int) -> torch.Tensor:
+    """w4a8_linear_impl with float8 (e4m3) activations: a plain function, no op (what
+    QuantLinearW4A8.forward calls directly in plain eager; elsewhere it runs the two ops)."""
+    return w4a8_linear_impl(x, qweight, s_ch, s_g, bias, in_features, group_size, act_dtype="fp8")
+
+
+def _w4a8_linear_fake(x, qweight, s_ch, s_g, bias, in_features, group_size):
+    return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+W4A8_LINEAR_SCHEMA = ("(Tensor x, Tensor qweight, Tensor s_ch, Tensor? s_g, Tensor? bias, SymInt in_features, "
+                      "SymInt group_size) -> Tensor")
+# sailfish::w4a8_linear (ops/autograd.py) is this op with a straight-through backward; the
+# no-grad twin is what QuantLinearW4A8.forward runs when x needs no gradient (it skips the
+# ~7 us autograd layer; differentiating through it gives no gradient, PyTorch warns).
+w4a8_linear_nograd = define_op("w4a8_linear_nograd", W4A8_LINEAR_SCHEMA, w4a8_linear_impl, _w4a8_linear_fake)
 
 
 def _validate(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size, out_dtype) -> None:
-    if out_dtype not in HALF_DTYPES:
+    if out_dtype is not torch.float16 and out_dtype is not torch.bfloat16:
         raise TypeError(f"out_dtype {out_dtype} is not supported; allowed: float16, bfloat16")
     if x_q.dtype not in (torch.int8, torch.float8_e4m3fn):
         raise TypeError(f"x_q must be int8 (from quantize_per_token) or float8_e4m3fn (from "
                         f"quantize_per_token_fp8), got {x_q.dtype}")
     if x_q.dim() != 2 or x_q.shape[1] != in_features or in_features <= 0:
         raise ValueError(f"x_q must have shape (M, {in_features}), got {tuple(x_q.shape)}")
-    if x_scales.dtype != torch.float32 or x_scales.shape != (x_q.shape[0],):
+    if x_scales.dtype is not torch.float32 or x_scales.dim() != 1 or x_scales.shape[0] != x_q.shape[0]:
         raise ValueError(f"x_scales must be float32 of shape ({x_q.shape[0]},), got "
                          f"{x_scales.dtype} {tuple(x_scales.shape)}")
-    if group_size not in GROUP_SIZES_W4A8:
+    _validate_weight(qweight, s_ch, s_g, bias, in_features, group_size, x_q.device, x_scales)
+
+
+def _validate_weight(qweight, s_ch, s_g, bias, in_features, group_size, device, x_scales=None) -> None:
+    """The weight operands' checks (cheap ones: they run on every call)."""
+    if group_size != -1 and group_size != 128:
         raise ValueError(f"group_size={group_size!r} is not supported for W4A8; allowed: {GROUP_SIZES_W4A8}")
-    if (qweight.dtype != torch.int32 or qweight.dim() != 2 or (qweight.shape[1] * 8) % K_PAD
+    if (qweight.dtype is not torch.int32 or qweight.dim() != 2 or (qweight.shape[1] * 8) % K_PAD
             or qweight.shape[1] * 8 < in_features):
         raise ValueError(f"qweight must be int32 (N, Kp/8) with Kp >= in_features a multiple of {K_PAD}")
     n, kp = qweight.shape[0], qweight.shape[1] * 8
-    if s_ch.dtype != torch.float32 or s_ch.shape != (n,):
+    if s_ch.dtype is not torch.float32 or s_ch.dim() != 1 or s_ch.shape[0] != n:
         raise ValueError(f"s_ch must be float32 of shape ({n},), got {s_ch.dtype} {tuple(s_ch.shape)}")
     if group_size == -1:
         if s_g is not None:
             raise ValueError("s_g must be None for per-channel weights (group_size=-1)")
-    elif s_g is None or s_g.dtype != torch.float16 or s_g.shape != (n, kp // group_size):
+    elif (s_g is None or s_g.dtype is not torch.float16 or s_g.dim() != 2 or s_g.shape[0] != n
+          or s_g.shape[1] != kp // group_size):
         got = None if s_g is None else f"{s_g.dtype} {tuple(s_g.shape)}"
         raise ValueError(f"s_g must be float16 of shape ({n}, {kp // group_size}), got {got}")
-    if bias is not None and (not bias.is_floating_point() or bias.shape != (n,)):
+    if bias is not None and (not bias.is_floating_point() or bias.dim() != 1 or bias.shape[0] != n):
         raise ValueError(f"bias must be a float tensor of shape ({n},), got {bias.dtype} {tuple(bias.shape)}")
-    devs = {t.device for t in (x_q, x_scales, qweight, s_ch, s_g, bias) if t is not None}
-    if len(devs) > 1:
+    if (qweight.device != device or s_ch.device != device or (s_g is not None and s_g.device != device)
+            or (bias is not None and bias.device != device)
+            or (x_scales is not None and x_scales.device != device)):
+        devs = {t.device for t in (qweight, s_ch, s_g, bias, x_scales) if t is not None} | {device}
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devs))}")
