@@ -311,7 +311,7 @@ def test_autotune_failures_are_reported(fake_gpu, monkeypatch):
     monkeypatch.setenv("SAILFISH_AUTOTUNE", "1")
     bench = FakeBench({"a": 3.0, "b": 1.0, "c": 2.0}, fail={"b"})
     monkeypatch.setattr(tuning, "_bench", bench)
-    with pytest.warns(RuntimeWarning, match=r"config Config\(BLOCK_M=32.*kernel='b'\) failed while "
+    with pytest.warns(RuntimeWarning, match=r"config Config\(BLOCK_M=32.*kernel='b'.*\) failed while "
                                             r"tuning test\|k: RuntimeError: out of resources \(b\)"):
         assert _tuner(CANDIDATES).get("test|k", dev, bench.run) == CANDIDATES[2]
     bench = FakeBench({"a": 3.0, "b": 1.0, "c": 2.0}, fail={"a", "b", "c"})

@@ -182,7 +182,8 @@ PATH_CASES = [
 
 
 def path_id(c):
-    return f"{c.kernel}-BM{c.BLOCK_M}-BN{c.BLOCK_N}-BK{c.BLOCK_K}-SK{c.SPLIT_K}"
+    return (f"{c.kernel}-BM{c.BLOCK_M}-BN{c.BLOCK_N}-BK{c.BLOCK_K}-SK{c.SPLIT_K}-w{c.num_warps}"
+            + ("-sa" if c.scale_acc else ""))
 
 
 @pytest.mark.parametrize("m,k,n,gs,sym,gidx,dtype,bias,cfg", [
@@ -228,11 +229,12 @@ def test_asm_dequant_matches_pure_triton(gs, sym, dtype, cfg):
         assert torch.equal(y_asm, y_pure)
 
 
-@pytest.mark.parametrize("cfg", [Config(16, 64, 128, 3), Config(32, 64, 256, 1)], ids=path_id)
+@pytest.mark.parametrize("cfg", [Config(16, 64, 128, 3, scale_acc=True), Config(32, 64, 256, 1, scale_acc=True)],
+                         ids=path_id)
 @pytest.mark.parametrize("gs,sym,dtype", [(128, True, F16), (128, False, BF16), (-1, False, F16),
                                           (-1, True, BF16), (256, False, F16)],
                          ids=["g128-sym-f16", "g128-asym-bf16", "g-1-asym-f16", "g-1-sym-bf16", "g256-asym-f16"])
-def test_scale_acc(gs, sym, dtype, cfg, monkeypatch, device):
+def test_scale_acc(gs, sym, dtype, cfg, device):
     """SCALE_ACC (the mma kernel dequantizes to q - z and multiplies the fp32 product by the
     scales, per K tile or, per channel, at the end) stays within the per-element bound; on
     CUDA its unscaled asm gives the same bits as its pure-Triton twin."""
@@ -241,8 +243,10 @@ def test_scale_acc(gs, sym, dtype, cfg, monkeypatch, device):
     import sailfish.ops.w4a16 as ops16
 
     if gs != -1 and cfg.BLOCK_K > gs:
-        pytest.skip("SCALE_ACC needs each K tile inside one group")
-    monkeypatch.setattr(ops16, "SCALE_ACC", True)
+        layer = make_layer(784, 200, gs, sym, "none", dtype, True, device)
+        with pytest.raises(ValueError, match="scale_acc=True needs"):
+            launch(layer, torch.randn(17, 784, device=device).to(dtype), cfg)
+        return
     assert ops16.scale_acc(cfg, gs, False) and not ops16.scale_acc(cfg, gs, True)
     layer = make_layer(784, 200, gs, sym, "none", dtype, True, device)
     x = torch.randn(17, 784, device=device).to(dtype)
@@ -254,6 +258,25 @@ def test_scale_acc(gs, sym, dtype, cfg, monkeypatch, device):
         y_pure = w4a16_launch(x, p.qweight, p.scales, p.zeros, p.perm, p.sorted_g_idx, layer.bias, p.in_features,
                               p.group_size, config=cfg, use_asm=False)
         assert torch.equal(y, y_pure)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel's wgmma pipelining, on the GPU")
+@pytest.mark.parametrize("cfg", [Config(64, 128, 128, 8, 8, 8, 4), Config(128, 128, 128, 2, 8, 8, 3),
+                                 Config(64, 128, 128, 8, 8, 4, 4, scale_acc=True)], ids=path_id)
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+def test_long_k_loop_is_deterministic(cfg, sym):
+    """Per-channel tiles whose outputs were wrong and differed run to run on an H200 with
+    Triton 3.6 before ACC_FENCE (wgmmas in flight across the K loop's back edge while the
+    next tile's dequantization reused their A registers; 32183 of 131072 elements off by up
+    to 1e4x the bound): 64 K tiles, every element within its bound, two runs bit-equal."""
+    from helpers import assert_close_per_element
+
+    layer = make_layer(8192, 4096, -1, sym, "none", F16, False, "cuda")
+    x = torch.randn(64, 8192, device="cuda").to(F16)
+    y = launch(layer, x, cfg)
+    w = layer.quantized_weight().dequantize(rounded=not cfg.scale_acc)
+    assert_close_per_element(y, x, w, None)
+    assert torch.equal(y, launch(layer, x, cfg))
 
 
 @pytest.mark.parametrize("cfg", [None, Config(16, 64, 128, 2), Config(32, 32, 128, 1),
@@ -335,21 +358,30 @@ def test_dequant_path_bounds_its_transient(monkeypatch, device):
 
 _PTX_CHILD = r"""
 import sys
-from sailfish.bench.ptx import compile_mma, k_loop_stats, shipped_mma_configs
-cases = [(cfg, dict()) for _, cfg in shipped_mma_configs()]
+from sailfish.bench.ptx import compile_mma, k_loop_stats, sass, shipped_mma_configs, wgmma_register_hazard
+cases = [(cfg, dict(scale_acc=cfg.scale_acc)) for _, cfg in shipped_mma_configs()]
 for c in [(16, 128, 256, 2, 4, 3), (64, 128, 128, 1, 4, 4), (128, 256, 128, 1, 8, 3)]:
     for kw in (dict(dtype="bf16", has_zeros=True), dict(group_size=32), dict(group_size=-1, has_zeros=True),
                dict(group_size=256)):
         cases.append((c, kw))
-bad = []
+# tiles that gave wrong outputs without ACC_FENCE on an H200 with Triton 3.6 (per channel)
+for c in [(64, 128, 128, 1, 8, 4), (128, 128, 128, 2, 8, 3), (64, 128, 128, 8, 4, 4)]:
+    cases.append((c, dict(group_size=-1)))
+    cases.append((c, dict(group_size=-1, acc_fence=True)))  # the fence holds on any Triton
+    cases.append((c, dict(group_size=-1, scale_acc=True)))
+bad, hazards = [], []
 for cfg, kw in cases:
     c = cfg if isinstance(cfg, tuple) else (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.SPLIT_K, cfg.num_warps,
                                               cfg.num_stages)
-    st = k_loop_stats(compile_mma(*c, **kw).asm["ptx"])
+    k = compile_mma(*c, **kw)
+    st = k_loop_stats(k.asm["ptx"])
     if st is None or st.roundtrip:
         bad.append((c, kw, st))
+    if wgmma_register_hazard(sass(k.asm["cubin"])):
+        hazards.append((c, kw))
 print("checked", len(cases))
-sys.exit(f"dequantized tile through shared memory: {bad}" if bad else 0)
+sys.exit(f"dequantized tile through shared memory: {bad}; wgmma register hazard: {hazards}"
+         if bad or hazards else 0)
 """
 
 
@@ -359,7 +391,9 @@ def test_mma_tile_stays_in_registers(tmp_path):
     mma config (and a format matrix) feeds wgmma from registers with no shared-memory round
     trip of the dequantized tile (bench/ptx.py). A layout or compiler change that brings the
     round trip back fails here. Group size 64 is not checked: with zero points Triton still
-    converts its tile through shared memory (docs/perf_log.md v9)."""
+    converts its tile through shared memory (docs/perf_log.md v9). The same kernels' SASS
+    must have no wgmma register hazard (bench/ptx.wgmma_register_hazard): with the launcher's
+    ACC_FENCE rule for the installed Triton, and with the fence forced on."""
     run_compile_child(_PTX_CHILD, tmp_path)
 
 

@@ -50,6 +50,9 @@ class Config:
     num_warps: int = 4
     num_stages: int = 3
     kernel: str = "mma"
+    # W4A16 "mma" only: the scale multiplies the fp32 product per K tile instead of every
+    # weight (kernels/w4a16.py SCALE_ACC); needs BLOCK_K <= group size and no g_idx
+    scale_acc: bool = False
 
     def launch(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}

@@ -45,7 +45,8 @@ class LoopStats:
 
 def compile_mma(block_m: int, block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int,
                 *, dtype: str = "fp16", group_size: int = 128, has_zeros: bool = False, use_asm: bool = True,
-                capability: int = 90, paired: bool = True, scale_acc: Optional[bool] = None):
+                capability: int = 90, paired: bool = True, scale_acc: Optional[bool] = None,
+                acc_fence: Optional[bool] = None):
     """triton.compile of kernels/w4a16._w4a16_kernel for cuda:<capability>, specialised as the
     launcher is on a GPU (16-byte aligned pointers, N / K / strides divisible by 16)."""
     import triton
@@ -58,6 +59,7 @@ def compile_mma(block_m: int, block_n: int, block_k: int, split_k: int, num_warp
     sig = {"x_ptr": ty, "qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "gidx_ptr": "*i32", "bias_ptr": ty,
            "y_ptr": ty, "ws_ptr": "*fp32", **{k: "i32" for k in _INTS}}
     from ..ops.w4a16 import paired_scales, prefetch_scales
+    from ..ops.w4a16 import acc_fence as launcher_acc_fence
     from ..ops.w4a16 import scale_acc as launcher_scale_acc
     from ..tuning import Config
 
@@ -66,7 +68,8 @@ def compile_mma(block_m: int, block_n: int, block_k: int, split_k: int, num_warp
                   HAS_BIAS=False, EVEN_K=True, SPLIT_K=split_k, EMU_BF16=False, USE_ASM=use_asm,
                   PREFETCH_S=prefetch_scales(cfg, group_size), PAIRED_S=paired and paired_scales(cfg),
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
-                  SCALE_ACC=launcher_scale_acc(cfg, group_size, False) if scale_acc is None else scale_acc)
+                  SCALE_ACC=launcher_scale_acc(cfg, group_size, False) if scale_acc is None else scale_acc,
+                  ACC_FENCE=use_asm and (launcher_acc_fence() if acc_fence is None else acc_fence))
     names = list(sig)
     aligned = _PTRS + ("N", "K", "stride_xm", "stride_ym", "stride_qn")
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
@@ -188,6 +191,68 @@ def sass_loop(sass_text: str, marker: str, weights: int) -> Optional[SassLoop]:
         op = re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
         ops[op] = ops.get(op, 0) + 1
     return SassLoop(len(best), ops, weights)
+
+
+def _sass_instructions(sass_text: str) -> list:
+    out = []
+    for line in sass_text.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            out.append((int(m.group(1), 16), m.group(2).strip()))
+    return out
+
+
+def _written_registers(text: str) -> set:
+    """The registers an instruction writes (its first operand, widened for 64/128-bit ops);
+    empty for stores, branches, barriers and the wgmma instructions themselves."""
+    text = re.sub(r"^@!?U?P\w+\s+", "", text)
+    parts = text.split(None, 1)
+    if len(parts) < 2:
+        return set()
+    op, rest = parts
+    m = re.match(r"R(\d+)\b", rest.strip())
+    if not m or op.startswith(("ST", "RED", "ATOM", "BRA", "BAR", "WARPGROUP")) or re.match(r"[HIQ]GMMA", op):
+        return set()
+    width = 4 if ".128" in op else 2 if (".64" in op or op.startswith("IMAD.WIDE")) else 1
+    return set(range(int(m.group(1)), int(m.group(1)) + width))
+
+
+def wgmma_register_hazard(sass_text: str) -> bool:
+    """True if, in the innermost loop that issues wgmma (SASS HGMMA / IGMMA / QGMMA) with its A
+    operand in registers, an instruction writes a register that an earlier wgmma still in
+    flight reads as A (not yet retired by a WARPGROUP.DEPBAR.LE gsb0, N), the loop body walked
+    twice so that the back edge counts. Reading such registers while the wgmma runs is
+    undefined (PTX ISA, wgmma.mma_async); Triton 3.6-3.8 compile the mma kernel's loop that
+    way unless ACC_FENCE, and an H200 gave wrong, run-to-run different outputs for it."""
+    ins = _sass_instructions(sass_text)
+    body = None
+    for addr, text in ins:
+        b = re.search(r"\bBRA\s+(?:`?\(?)0x([0-9a-f]+)", text)
+        if not b or int(b.group(1), 16) >= addr:
+            continue
+        cand = [t for a, t in ins if int(b.group(1), 16) <= a <= addr]
+        if any(re.search(r"[HIQ]GMMA", t) for t in cand) and (body is None or len(cand) < len(body)):
+            body = cand
+    if body is None:
+        return False
+    inflight: list = []
+    for walk in range(2):
+        for text in body:
+            m = re.search(r"[HIQ]GMMA\S*\s+R\d+,\s*R(\d+)", text)
+            if m:
+                inflight.append(set(range(int(m.group(1)), int(m.group(1)) + 4)))
+                continue
+            if re.search(r"[HIQ]GMMA", text):  # A from shared memory
+                inflight.append(set())
+                continue
+            d = re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)", text)
+            if d:
+                n = int(d.group(1), 16)
+                inflight = inflight[len(inflight) - n:] if n else []
+                continue
+            if walk and inflight and any(_written_registers(text) & a for a in inflight):
+                return True
+    return False
 
 
 # lane bit -> (virtual row, lane-in-group) step of the GEMV asm's (V, 4) tensors: lane = 4 g + t
@@ -316,6 +381,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-asm", action="store_true", help="the pure-Triton dequantization")
     ap.add_argument("--capability", type=int, default=90, help="compute capability, e.g. 90 (sm_90a), 80")
     ap.add_argument("--dump", default=None, help="write the PTX of the last config here")
+    ap.add_argument("--hazard", action="store_true",
+                    help="also check the SASS K loop for a wgmma register hazard (wgmma_register_hazard)")
     ap.add_argument("--gemv", action="store_true",
                     help="the M <= 8 tensor-core GEMV instead (default configs: the shipped 'gemv' ones): "
                          "SASS instructions per weight in its K loop and its lane-order check")
@@ -355,6 +422,10 @@ def main(argv=None) -> int:
         kind = {"w4a8": "int8", "w4a8-fp8": "fp8"}.get(args.family, "fp16")
         verdict = f"{kind}-smem-roundtrip" if st.roundtrip else f"no-{kind}-smem"
         bad += st.roundtrip
+        if args.hazard:
+            hz = wgmma_register_hazard(sass(k.asm["cubin"]))
+            bad += hz
+            verdict += ", WGMMA-REGISTER-HAZARD" if hz else ", no register hazard"
         print(f"{tag}: st.shared={st.st_shared} ldmatrix={st.ldmatrix} bar.sync={st.bar_sync} "
               f"wgmma={st.wgmma} A-in-registers={st.wgmma_a_in_registers} [{verdict}]")
         if args.dump:

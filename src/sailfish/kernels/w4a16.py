@@ -358,12 +358,21 @@ def _w4a16_kernel(
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr,
     USE_ASM: tl.constexpr, PREFETCH_S: tl.constexpr, PAIRED_S: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SCALE_ACC: tl.constexpr = False,
+    ACC_FENCE: tl.constexpr = False,
 ):
     """x (M, K) row-major; qweight int32 (N, Kp // 8), Kp >= K; scales/zeros (N, Gp); y (M, N).
 
     SCALE_ACC (each K tile within one group, no g_idx): the tile is dequantized to q - z
     only (exact) and the scale multiplies the fp32 product instead, once per tile (per
     channel: once at the end): a multiply per output element instead of per weight.
+
+    ACC_FENCE (GPU, Triton < 3.9: ops/w4a16.py acc_fence): read the accumulator every K tile
+    (an identity asm), so that its wgmmas complete inside the tile. Triton 3.6-3.8 leave them
+    in flight across the loop's back edge (wgmma.wait_group 7 / 15 / 1) while the next tile's
+    dequantization writes registers, and ptxas may give those the registers of the A
+    fragments still being read: wrong, nondeterministic outputs, measured on an H200 with
+    Triton 3.6 for per-channel tiles (docs/perf_log.md v15; `python -m sailfish.bench.ptx`
+    checks the SASS for this).
 
     Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K). With SPLIT_K > 1 the fp32
     partial tile goes to ws (SPLIT_K, M, N) and bias/cast happen in the reduce kernel.
@@ -417,6 +426,9 @@ def _w4a16_kernel(
             acc += tl.dot(w, xt) * sv.to(tl.float32)[:, None]
         else:
             acc = tl.dot(w, xt, acc)
+            if ACC_FENCE:
+                acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32,
+                                                is_pure=True, pack=1)
         w_ptrs += W
         x_ptrs += BLOCK_K
     if SCALE_ACC and GROUP_SIZE == 0:

@@ -11,6 +11,7 @@ first call of a problem goes through the tuner and Triton's JIT and builds the p
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from functools import lru_cache
 from typing import Optional
 
@@ -43,7 +44,15 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx) -> Config:
         rows, stages = (16, 1) if M == 1 else (32, 2)
         bk = next(b for b in ((1024, 512, 256) if M == 1 else (512, 256)) if Kp % b == 0)  # Kp % 256 == 0
         warps = 8 if bk == 1024 else 4  # (the launcher drops warps beyond the work units)
-        return Config(M, rows, bk, split_k_for(-(-N // rows), Kp // bk, sms), 8, warps, stages, kernel="gemv")
+        tiles = -(-N // rows)
+        split = split_k_for(tiles, Kp // bk, sms)
+        # M = 1 with a program for every SM already: split K only while every split keeps
+        # >= 4 K tiles. H200, same run: 4096x4096 7.6 us with split 2 (2 tiles each), 6.9 us
+        # without (and no reduce launch: ~9 us less host time per eager call); 14336x4096
+        # 15.2 us with split 2 (7 tiles each), 17.5 us without
+        while M == 1 and split > 1 and tiles >= sms and (Kp // bk) // split < 4:
+            split //= 2
+        return Config(M, rows, bk, split, 8, warps, stages, kernel="gemv")
     if M == 1:  # CUDA-core GEMV; BN=16, BK=512 measured best on H200 (docs/perf_log.md)
         bk = 512 if Kp % 512 == 0 else 256
         tiles = -(-N // 16)
@@ -112,9 +121,13 @@ def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx):
         s0 = split_k_for(tiles, Kp // bk, sms)
         for split in sorted({1, s0, min(2 * s0, Kp // bk)}):
             cfg = Config(bm, bn, bk, split, 8, warps, stages)
-            if cfg not in seen and Kp % bk == 0:
-                seen.add(cfg)
-                yield cfg
+            # M <= 64: each tile with the scale on the fp32 product too, where it applies
+            # (at M = 128 its per-tile FFMAs cost more than the multiplies it saves)
+            sa = M <= 64 and not general_gidx and (group_size == -1 or bk <= group_size)
+            for c in (cfg, replace(cfg, scale_acc=True)) if sa else (cfg,):
+                if c not in seen and Kp % bk == 0:
+                    seen.add(c)
+                    yield c
 
 
 def w4a16_key(kp: int, n: int, m: int, group_size: int, has_zeros: bool, general_gidx: bool,
@@ -126,7 +139,11 @@ def w4a16_key(kp: int, n: int, m: int, group_size: int, has_zeros: bool, general
 W4A16_TUNER = Tuner("w4a16", _w4a16_heuristic, _w4a16_candidates)
 
 
-def _check_config(cfg: Config, kp: int, m: int) -> None:
+def _check_config(cfg: Config, kp: int, m: int, group_size: int = -1, general_gidx: bool = False,
+                  table: bool = False) -> None:
+    """ValueError naming the field for a config that cannot run. table=True (a shipped or
+    tuned entry, possibly another format's fallback): scale_acc where it does not apply is
+    not an error, the kernel runs without it (scale_acc())."""
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
         v = getattr(cfg, name)
         if v < 1 or v & (v - 1) or (v < 16 and name != "BLOCK_M"):
@@ -144,6 +161,10 @@ def _check_config(cfg: Config, kp: int, m: int) -> None:
         raise ValueError(f"config BLOCK_K={cfg.BLOCK_K} must divide the padded K={kp}")
     if cfg.SPLIT_K < 1 or cfg.SPLIT_K > kp // cfg.BLOCK_K:
         raise ValueError(f"config SPLIT_K={cfg.SPLIT_K} must lie in [1, {kp // cfg.BLOCK_K}]")
+    if cfg.scale_acc and not table and (cfg.kernel != "mma" or general_gidx or (group_size != -1 and cfg.BLOCK_K > group_size)):
+        raise ValueError(f"config scale_acc=True needs kernel='mma', BLOCK_K <= group_size and no general "
+                         f"g_idx; got kernel={cfg.kernel!r}, BLOCK_K={cfg.BLOCK_K}, group_size={group_size}, "
+                         f"general g_idx={general_gidx}")
 
 
 # ----------------------------------------------------------------------------------
@@ -196,15 +217,31 @@ def paired_scales(cfg: Config) -> bool:
     return PAIRED_SCALES and cfg.BLOCK_N >= 32 * cfg.num_warps and cfg.BLOCK_M >= 32
 
 
-# The mma kernel may multiply the fp32 product by the scales (once per K tile; per channel
-# once at the end) instead of every dequantized weight (kernels/w4a16.py SCALE_ACC): 4 of the
-# 13 fp16 instructions per word. Needs each K tile inside one group and no g_idx.
-# SAILFISH_SCALE_ACC=1 turns it on (under measurement).
-SCALE_ACC = os.environ.get("SAILFISH_SCALE_ACC", "0") == "1"
-
-
 def scale_acc(cfg: Config, group_size: int, general_gidx: bool) -> bool:
-    return SCALE_ACC and not general_gidx and (group_size == -1 or cfg.BLOCK_K <= group_size)
+    """Whether the mma kernel runs with SCALE_ACC (a config choice, Config.scale_acc): the
+    scales multiply the fp32 product once per K tile (per channel: once at the end) instead
+    of every dequantized weight, 4 of the 13 fp16 asm instructions per word. Needs each K
+    tile inside one group and no general g_idx (_check_config refuses the rest). H200, same
+    run, fenced (docs/perf_log.md v15): M = 32 8192x8192 25.1 -> 22.9 us, 14336x4096 23.1 ->
+    20.8; slower where BLOCK_K 256 wins (M = 16 on the 70B shapes) and at M = 128 (64 FFMAs
+    per K tile per thread), so the tuner decides."""
+    return (cfg.scale_acc and cfg.kernel == "mma" and not general_gidx
+            and (group_size == -1 or cfg.BLOCK_K <= group_size))
+
+
+# Triton 3.6-3.8 leave the mma kernel's wgmmas (A in registers) in flight across the K loop's
+# back edge; the kernel's ACC_FENCE makes them complete inside each K tile (kernels/w4a16.py).
+# Triton 3.9 waits correctly (`python -m sailfish.bench.ptx --hazard` checks the SASS of every
+# shipped tile, tests/test_w4a16.py::test_no_wgmma_register_hazard). SAILFISH_ACC_FENCE=0 / 1
+# overrides the version rule (to measure; 0 on Triton < 3.9 can give wrong results).
+@lru_cache(maxsize=None)
+def acc_fence() -> bool:
+    env = os.environ.get("SAILFISH_ACC_FENCE", "auto")
+    if env in ("0", "1"):
+        return env == "1"
+    import triton
+
+    return tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:2]) < (3, 9)
 
 
 @lru_cache(maxsize=None)
@@ -270,7 +307,7 @@ class _GemmPlan:
             self.kind = "mma"
             meta.update(HAS_GIDX=has_gidx, USE_ASM=asm, GROUP_M=cfg.GROUP_M,
                         PREFETCH_S=prefetch_scales(cfg, group_size), PAIRED_S=paired and paired_scales(cfg),
-                        SCALE_ACC=scale_acc(cfg, group_size, has_gidx))
+                        SCALE_ACC=scale_acc(cfg, group_size, has_gidx), ACC_FENCE=device_index >= 0 and acc_fence())
             self.gemm = Launch(_w4a16_kernel, meta, device_index)
         self.reduce = None
         if cfg.SPLIT_K > 1:
@@ -402,9 +439,9 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                                          fallback_key=problem_key("w4a16", Kp, N, M, "any"), memo_key=memo,
                                          M=mb, N=N, Kp=Kp, group_size=group_size,
                                          general_gidx=sorted_g_idx is not None)
-                _check_config(config, Kp, M)
+                _check_config(config, Kp, M, group_size, sorted_g_idx is not None, table=True)
         else:
-            _check_config(config, Kp, M)
+            _check_config(config, Kp, M, group_size, sorted_g_idx is not None)
         plan = run(config)
     if (plans is not None and plan is not None and plan.bound()
             and aligned(x, qweight, scales, zeros, sorted_g_idx, bias)):
@@ -457,8 +494,8 @@ def _validate(x, qweight, scales, zeros, bias, in_features) -> None:
         raise ValueError(f"qweight must be int32 (N, Kp/8) with Kp a multiple of {K_PAD}")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != qweight.shape[0]):
         raise ValueError(f"bias must have shape ({qweight.shape[0]},), got {tuple(bias.shape)}")
-    dev = x.device
-    if (qweight.device != dev or scales.device != dev or (zeros is not None and zeros.device != dev)
-            or (bias is not None and bias.device != dev)):
+    dev = x.get_device()  # (ints: comparing torch.device objects costs ~0.3 us each)
+    if (qweight.get_device() != dev or scales.get_device() != dev
+            or (zeros is not None and zeros.get_device() != dev) or (bias is not None and bias.get_device() != dev)):
         devs = {t.device for t in (x, qweight, scales, zeros, bias) if t is not None}
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devs))}")

@@ -239,6 +239,8 @@ def _check_config(cfg: Config, M: int, N: int, K: int, Kp: int, group_size: int 
     """W4A8's own rules, then tuning.check_config's. M may be the M bucket: the rules hold
     for every M of a bucket alike (gemv: bucket 1; dequant: buckets >= 32). fp8 activations
     run the tensor-core kernel only, per-group with K tiles inside one group."""
+    if cfg.scale_acc:
+        raise ValueError("config scale_acc=True is a W4A16 option; W4A8 applies its scales in the epilogue")
     if act_dtype == "fp8" and cfg.kernel != "mma":
         raise ValueError(f"config kernel={cfg.kernel!r}: fp8 activations run kernel='mma' only")
     if act_dtype == "fp8" and group_size != -1 and cfg.BLOCK_K > group_size:
@@ -478,7 +480,7 @@ def w4a8_linear_impl(x: torch.Tensor, qweight: torch.Tensor, s_ch: torch.Tensor,
     _check_activations(x, HALF_DTYPES)
     if x.shape[1] != in_features:
         raise ValueError(f"x must have shape (M, {in_features}), got {tuple(x.shape)}")
-    _validate_weight(qweight, s_ch, s_g, bias, in_features, group_size, x.device)
+    _validate_weight(qweight, s_ch, s_g, bias, in_features, group_size, x)
     if x.is_cuda or use_triton(x):
         x_q, x_scales = quantize_per_token_launch(x, act_dtype=act_dtype)
         return w4a8_launch(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size, x.dtype)
@@ -515,10 +517,11 @@ def _validate(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size, 
     if x_scales.dtype is not torch.float32 or x_scales.dim() != 1 or x_scales.shape[0] != x_q.shape[0]:
         raise ValueError(f"x_scales must be float32 of shape ({x_q.shape[0]},), got "
                          f"{x_scales.dtype} {tuple(x_scales.shape)}")
-    _validate_weight(qweight, s_ch, s_g, bias, in_features, group_size, x_q.device, x_scales)
+    _validate_weight(qweight, s_ch, s_g, bias, in_features, group_size, x_q, x_scales)
 
 
 def _validate_weight(qweight, s_ch, s_g, bias, in_features, group_size, device, x_scales=None) -> None:
+    # device: the activation tensor whose device the weights must share
     """The weight operands' checks (cheap ones: they run on every call)."""
     if group_size != -1 and group_size != 128:
         raise ValueError(f"group_size={group_size!r} is not supported for W4A8; allowed: {GROUP_SIZES_W4A8}")
@@ -537,8 +540,9 @@ def _validate_weight(qweight, s_ch, s_g, bias, in_features, group_size, device, 
         raise ValueError(f"s_g must be float16 of shape ({n}, {kp // group_size}), got {got}")
     if bias is not None and (not bias.is_floating_point() or bias.dim() != 1 or bias.shape[0] != n):
         raise ValueError(f"bias must be a float tensor of shape ({n},), got {bias.dtype} {tuple(bias.shape)}")
-    if (qweight.device != device or s_ch.device != device or (s_g is not None and s_g.device != device)
-            or (bias is not None and bias.device != device)
-            or (x_scales is not None and x_scales.device != device)):
-        devs = {t.device for t in (qweight, s_ch, s_g, bias, x_scales) if t is not None} | {device}
+    dev = device.get_device()  # ints: comparing torch.device objects costs ~0.3 us each
+    if (qweight.get_device() != dev or s_ch.get_device() != dev or (s_g is not None and s_g.get_device() != dev)
+            or (bias is not None and bias.get_device() != dev)
+            or (x_scales is not None and x_scales.get_device() != dev)):
+        devs = {t.device for t in (device, qweight, s_ch, s_g, bias, x_scales) if t is not None}
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devs))}")
