@@ -21,6 +21,7 @@ Design (why, see docs/perf_log.md for the measurements):
   adds them in a fixed order, so results are deterministic run to run.
 - Offsets that scale with M * N or N * K are int64 (57344 x 40960 passes 2^31).
 """
+import re
 from functools import lru_cache
 
 import triton
@@ -63,48 +64,6 @@ mov.b32 {$1, $5}, t1;
 mov.b32 {$3, $7}, t3;
 }
 """)
-# The same without the scale (SCALE_ACC: the kernel scales the fp32 accumulator instead):
-# q - z exactly, 9 (fp16) / 11 (bf16) instructions per word. $8 = word, $9 = the $10 above,
-# $10 = the $11 above.
-_ASM_F16_Q = tl.constexpr("""
-{
-.reg .b32 t0, t1, t2, t3, u, c;
-mov.b32 c, 0x2c002c00;
-lop3.b32 t0, $8, 0x000f000f, 0x64006400, 0xea;
-lop3.b32 t1, $8, 0x00f000f0, 0x64006400, 0xea;
-shr.u32 u, $8, 8;
-lop3.b32 t2, u, 0x000f000f, 0x64006400, 0xea;
-lop3.b32 t3, u, 0x00f000f0, 0x64006400, 0xea;
-sub.rn.f16x2 t0, t0, $9;
-fma.rn.f16x2 t1, t1, c, $10;
-sub.rn.f16x2 t2, t2, $9;
-fma.rn.f16x2 t3, t3, c, $10;
-mov.b32 {$0, $4}, t0;
-mov.b32 {$2, $6}, t2;
-mov.b32 {$1, $5}, t1;
-mov.b32 {$3, $7}, t3;
-}
-""")
-_ASM_BF16_Q = tl.constexpr("""
-{
-.reg .b32 t0, t1, t2, t3, u;
-lop3.b32 t0, $8, 0x000f000f, 0x43004300, 0xea;
-shr.u32 u, $8, 4;
-lop3.b32 t1, u, 0x000f000f, 0x43004300, 0xea;
-shr.u32 u, $8, 8;
-lop3.b32 t2, u, 0x000f000f, 0x43004300, 0xea;
-shr.u32 u, $8, 12;
-lop3.b32 t3, u, 0x000f000f, 0x43004300, 0xea;
-sub.rn.bf16x2 t0, t0, $9;
-sub.rn.bf16x2 t1, t1, $9;
-sub.rn.bf16x2 t2, t2, $9;
-sub.rn.bf16x2 t3, t3, $9;
-mov.b32 {$0, $4}, t0;
-mov.b32 {$1, $5}, t1;
-mov.b32 {$2, $6}, t2;
-mov.b32 {$3, $7}, t3;
-}
-""")
 _ASM_BF16 = tl.constexpr("""
 {
 .reg .b32 t0, t1, t2, t3, u;
@@ -130,6 +89,19 @@ mov.b32 {$3, $7}, t3;
 }
 """)
 
+
+
+def _unscaled(asm: str) -> str:
+    """The same asm without the scale (SCALE_ACC: the kernel scales the fp32 accumulator
+    instead): the mul.x2 by $9 dropped and the later operands renumbered, so q - z exactly
+    in 9 (fp16) / 11 (bf16) instructions per word; $8 = word, $9 = (MAGIC + z) pair, $10 =
+    the fp16 fma's -(64 + z) pair."""
+    asm = re.sub(r"mul\.rn\.\w+ t\d, t\d, \$9;\n", "", asm)
+    return asm.replace("$10", "$9").replace("$11", "$10")
+
+
+_ASM_F16_Q = tl.constexpr(_unscaled(_ASM_F16.value))
+_ASM_BF16_Q = tl.constexpr(_unscaled(_ASM_BF16.value))
 
 @triton.jit
 def _pair(v):

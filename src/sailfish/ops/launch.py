@@ -41,16 +41,6 @@ def hooks_idle() -> bool:
             and (leave is None or (type(leave) is _CHAIN and not leave.calls)))
 
 
-def aligned(*tensors: Optional[torch.Tensor]) -> bool:
-    """Every tensor's data pointer is a multiple of 16 bytes (how Triton specializes a
-    pointer argument); None entries are skipped."""
-    acc = 0
-    for t in tensors:
-        if t is not None:
-            acc |= t.data_ptr()
-    return acc & 15 == 0
-
-
 def pointers(*tensors: Optional[torch.Tensor]) -> Optional[tuple]:
     """The tensors' data pointers as ints (None entries stay None), or None unless every
     one is a multiple of 16 bytes (how Triton specialized them at the first call). A
@@ -63,6 +53,12 @@ def pointers(*tensors: Optional[torch.Tensor]) -> Optional[tuple]:
         if p is not None:
             acc |= p
     return None if acc & 15 else ptrs
+
+
+def aligned(*tensors: Optional[torch.Tensor]) -> bool:
+    """Every tensor's data pointer is a multiple of 16 bytes (how Triton specializes a
+    pointer argument); None entries are skipped."""
+    return pointers(*tensors) is not None
 
 
 # the current CUDA device index without torch.cuda.current_device()'s Python layers
