@@ -397,6 +397,33 @@ def test_mma_tile_stays_in_registers(tmp_path):
     run_compile_child(_PTX_CHILD, tmp_path)
 
 
+_PDL_CHILD = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from sailfish.bench.ptx import ast_source, compile_mma
+from sailfish.kernels.w4a16 import _splitk_reduce_kernel
+ptx = compile_mma(16, 128, 256, 4, 4, 3, pdl_early=True).asm["ptx"]
+assert ptx.count("griddepcontrol.launch_dependents") == 1 and "griddepcontrol.wait" not in ptx, "GEMM"
+assert "griddepcontrol" not in compile_mma(16, 128, 256, 4, 4, 3).asm["ptx"], "PDL off"
+sig = {"ws_ptr": "*fp32", "bias_ptr": "*fp16", "y_ptr": "*fp16", "M": "i32", "N": "i32", "stride_ym": "i32"}
+src = ast_source(_splitk_reduce_kernel, sig, dict(SPLIT_K=4, HAS_BIAS=True, EMU_BF16=False, BLOCK=1024, PDL=True))
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+# the partial sums (the GEMM's output) are read only after the wait
+assert "griddepcontrol.wait" in ptx and ptx.index("griddepcontrol.wait") < ptx.index("ld.global"), "reduce"
+print("checked")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
+def test_split_k_chain_compiles_with_pdl(tmp_path):
+    """Programmatic dependent launch of the split-K chain (ops/launch.py pdl, sm_90+): the GEMM
+    releases the reduce at its start, the reduce waits before reading the partial sums; with
+    PDL off nothing is emitted. The interpreter cannot run griddepcontrol, so this compiles
+    for sm_90 without a GPU; on an sm_90 GPU every split-K test runs the chain with PDL on
+    (the default there), e.g. test_long_k_loop_is_deterministic."""
+    run_compile_child(_PDL_CHILD, tmp_path)
+
+
 def run_compile_child(code: str, tmp_path) -> None:
     """Run `code` in a fresh Python without TRITON_INTERPRET (this process's kernels are
     interpreted), compiling into tmp_path; it must exit 0 and print "checked"."""

@@ -645,7 +645,7 @@ _COMPILE_CHILD = r"""
 import re, sys
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from sailfish.bench.ptx import ast_source
 from sailfish.kernels import w4a8 as K
 
 ARCH = int(sys.argv[1])
@@ -679,7 +679,7 @@ def narrow_products(ttir, args):
 
 
 def build(fn, sig, consts, warps=4, stages=3, wide=()):
-    src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
+    src = ast_source(fn, sig, consts)
     c = triton.compile(src, target=GPUTarget("cuda", ARCH, 32), options={"num_warps": warps, "num_stages": stages})
     bad = narrow_products(c.asm["ttir"], wide)
     assert not bad, f"{fn.__name__}: 32-bit products of {wide}: {bad}"

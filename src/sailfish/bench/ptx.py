@@ -22,6 +22,18 @@ from typing import Optional
 
 DTYPES = {"fp16": "*fp16", "bf16": "*bf16"}
 _PTRS = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "gidx_ptr", "bias_ptr", "y_ptr", "ws_ptr")
+
+
+def ast_source(fn, sig: dict, consts: dict, attrs: Optional[dict] = None):
+    """triton.compiler.ASTSource of a @triton.jit kernel: sig the runtime parameters' types,
+    consts the constexprs; constexpr parameters not in consts take their defaults (ASTSource
+    itself does not apply them, and the launch-only ones, e.g. the PDL flags, are usually
+    left out)."""
+    from triton.compiler import ASTSource
+
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and getattr(p, "has_default", False)},
+              **consts}
+    return ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts, attrs=attrs)
 MAX_SCALE_OPS = 2
 _INTS = ("M", "N", "K", "stride_xm", "stride_ym", "stride_qn", "stride_sn")
 
@@ -46,12 +58,12 @@ class LoopStats:
 def compile_mma(block_m: int, block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int,
                 *, dtype: str = "fp16", group_size: int = 128, has_zeros: bool = False, use_asm: bool = True,
                 capability: int = 90, paired: bool = True, scale_acc: Optional[bool] = None,
-                acc_fence: Optional[bool] = None):
+                acc_fence: Optional[bool] = None, pdl_early: bool = False):
     """triton.compile of kernels/w4a16._w4a16_kernel for cuda:<capability>, specialised as the
-    launcher is on a GPU (16-byte aligned pointers, N / K / strides divisible by 16)."""
+    launcher is on a GPU (16-byte aligned pointers, N / K / strides divisible by 16).
+    pdl_early: the split-K variant that lets the reduce launch early (ops/launch.py pdl)."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from ..kernels.w4a16 import _w4a16_kernel
 
@@ -69,12 +81,12 @@ def compile_mma(block_m: int, block_n: int, block_k: int, split_k: int, num_warp
                   PREFETCH_S=prefetch_scales(cfg, group_size), PAIRED_S=paired and paired_scales(cfg),
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
                   SCALE_ACC=launcher_scale_acc(cfg, group_size, False) if scale_acc is None else scale_acc,
-                  ACC_FENCE=use_asm and (launcher_acc_fence() if acc_fence is None else acc_fence))
+                  ACC_FENCE=use_asm and (launcher_acc_fence() if acc_fence is None else acc_fence),
+                  PDL_EARLY=pdl_early)
     names = list(sig)
     aligned = _PTRS + ("N", "K", "stride_xm", "stride_ym", "stride_qn")
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    src = ASTSource(fn=_w4a16_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
-                    constexprs=consts, attrs=attrs)
+    src = ast_source(_w4a16_kernel, sig, consts, attrs)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
@@ -91,7 +103,6 @@ def compile_w4a8(block_m: int, block_n: int, block_k: int, split_k: int, num_war
     strides divisible by 16). act_dtype "fp8": the e4m3-activation variant."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from ..kernels.w4a8 import _w4a8_kernel
 
@@ -106,8 +117,7 @@ def compile_w4a8(block_m: int, block_n: int, block_k: int, split_k: int, num_war
     names = list(sig)
     aligned = [n for n in names if n.endswith("_ptr")] + ["N", "K", "stride_xm", "stride_ym", "stride_qn"]
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    src = ASTSource(fn=_w4a8_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
-                    constexprs=consts, attrs=attrs)
+    src = ast_source(_w4a8_kernel, sig, consts, attrs)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
@@ -120,7 +130,6 @@ def compile_gemv(block_m: int, block_n: int, block_k: int, split_k: int, num_war
     words are prefetched one K tile ahead)."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from ..kernels.w4a16 import _w4a16_gemv_mma_kernel, gemv_asm, gemv_pairs, gemv_warps
 
@@ -135,8 +144,7 @@ def compile_gemv(block_m: int, block_n: int, block_k: int, split_k: int, num_war
     names = list(sig)
     aligned = tuple(n for n in _PTRS if n != "gidx_ptr") + ("N", "K", "stride_xm", "stride_ym", "stride_qn")
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    src = ASTSource(fn=_w4a16_gemv_mma_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
-                    constexprs=consts, attrs=attrs)
+    src = ast_source(_w4a16_gemv_mma_kernel, sig, consts, attrs)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32),
                           options={"num_warps": gemv_warps(block_n, block_k, num_warps), "num_stages": 1})
 

@@ -27,7 +27,7 @@ from functools import lru_cache
 import triton
 import triton.language as tl
 
-from .common import cast_out, grouped_tile, join8, round_bf16_emu, split_k_range
+from .common import cast_out, grouped_tile, join8, pdl_release, pdl_wait, round_bf16_emu, split_k_range
 
 # One int32 word -> its 8 codes, dequantized, as 8 half-precision values (Marlin's trick):
 # lop3 (w & 0x000f000f) | MAGIC puts nibbles j and j+4 into the mantissas of a half2 whose
@@ -330,9 +330,10 @@ def _w4a16_kernel(
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr,
     USE_ASM: tl.constexpr, PREFETCH_S: tl.constexpr, PAIRED_S: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SCALE_ACC: tl.constexpr = False,
-    ACC_FENCE: tl.constexpr = False,
+    ACC_FENCE: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
 ):
     """x (M, K) row-major; qweight int32 (N, Kp // 8), Kp >= K; scales/zeros (N, Gp); y (M, N).
+    PDL_EARLY (split-K): the reduce may launch at once (kernels/common.py).
 
     SCALE_ACC (each K tile within one group, no g_idx): the tile is dequantized to q - z
     only (exact) and the scale multiplies the fp32 product instead, once per tile (per
@@ -349,6 +350,7 @@ def _w4a16_kernel(
     Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K). With SPLIT_K > 1 the fp32
     partial tile goes to ws (SPLIT_K, M, N) and bias/cast happen in the reduce kernel.
     """
+    pdl_release(PDL_EARLY)
     DTYPE = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -425,6 +427,7 @@ def _w4a16_gemv_kernel(
     GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr,
     USE_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL_EARLY: tl.constexpr = False,
 ):
     """Small M (BLOCK_M >= M rows, one program per N tile): y[m, n] = sum_k x[m, k] W[n, k]
     on CUDA cores, fp32 FMAs into a (BLOCK_M, BLOCK_N, BLOCK_K) accumulator reduced once
@@ -432,6 +435,7 @@ def _w4a16_gemv_kernel(
     in word order (a sum over K does not care about the order); x is read in that order.
     Why a separate path: at M = 1 the FMAs are cheaper than filling a 16-wide MMA
     (8192x57344 on H200: 166 us with tl.dot vs 122 us here, natural-order layout)."""
+    pdl_release(PDL_EARLY)
     DTYPE = x_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -521,8 +525,10 @@ def _w4a16_dequant_kernel(
 @triton.jit
 def _splitk_reduce_kernel(ws_ptr, bias_ptr, y_ptr, M, N, stride_ym,
                           SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EMU_BF16: tl.constexpr,
-                          BLOCK: tl.constexpr):
-    """y[m, n] = sum_s ws[s, m, n] (+ bias[n]), summed in a fixed order."""
+                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """y[m, n] = sum_s ws[s, m, n] (+ bias[n]), summed in a fixed order. PDL: launched as a
+    programmatic dependent of the GEMM (kernels/common.py); waits for its partial sums."""
+    pdl_wait(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     MN = (offs * 0 + M) * N  # int64 (M may be specialised to a constant 1: no .to on it)
     mask = offs < MN
@@ -804,7 +810,7 @@ def _w4a16_gemv_mma_kernel(
     GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr, ASM: tl.constexpr,
     ASM_CONSTRAINTS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL_EARLY: tl.constexpr = False,
 ):
     """y (M, N) = x (M, K) @ W^T for M <= BLOCK_M <= 8, on the tensor cores (mma.sync
     m16n8k16, fp32 accumulators) with the weights read straight into registers: see the
@@ -820,6 +826,7 @@ def _w4a16_gemv_mma_kernel(
     tile's words one iteration ahead (registers; Triton does not pipeline a loop without a
     dot). Split-K as _w4a16_kernel. Accumulator acc_{4p + i} (V, 4): lane (v, t) holds
     y[2t + i % 2] of row 16 (P rb + p) + g + 8 (i // 2) over chunk slot c."""
+    pdl_release(PDL_EARLY)
     DTYPE = x_ptr.dtype.element_ty
     C: tl.constexpr = BLOCK_K // 128
     P: tl.constexpr = 2 if BLOCK_N >= 32 else 1

@@ -19,6 +19,8 @@ Triton's launch hooks (profilers such as proton install them) need the full path
 """
 from __future__ import annotations
 
+import os
+from functools import lru_cache
 from typing import Any, Optional, Sequence, Tuple
 
 import torch
@@ -63,6 +65,23 @@ def aligned(*tensors: Optional[torch.Tensor]) -> bool:
 
 # the current CUDA device index without torch.cuda.current_device()'s Python layers
 current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
+@lru_cache(maxsize=None)
+def _capability(device_index: int) -> Tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def pdl(device_index: int) -> bool:
+    """Whether W4A16's split-K chain (GEMM -> reduce) uses programmatic dependent launch on
+    this device (kernels/common.py: the GEMM lets the reduce launch early, the reduce waits
+    before reading the partial sums). Needs sm_90+ (griddepcontrol); the CPU (device_index
+    < 0) never. SAILFISH_PDL=0 turns it off (=1 forces it, also below sm_90, where the
+    launches fail)."""
+    env = os.environ.get("SAILFISH_PDL", "auto")
+    if device_index < 0 or env == "0":
+        return False
+    return env == "1" or _capability(device_index) >= (9, 0)
 
 
 def stream_getter():

@@ -21,7 +21,7 @@ from ..formats.int4 import K_CHUNK, K_PAD
 from ..tuning import (Config, Tuner, m_bucket, next_pow2, problem_key, scratch_runner, sm_count,
                       split_k_for)
 from . import define_op, device_of, use_triton
-from .launch import Launch, aligned, current_device, hooks_idle, pointers
+from .launch import Launch, aligned, current_device, hooks_idle, pdl, pointers
 
 
 # ----------------------------------------------------------------------------------
@@ -311,8 +311,13 @@ class _GemmPlan:
             self.gemm = Launch(_w4a16_kernel, meta, device_index)
         self.reduce = None
         if cfg.SPLIT_K > 1:
+            # PDL (ops/launch.py): the GEMM lets the reduce launch at once, the reduce waits
+            on = pdl(device_index)
+            self.gemm.meta["PDL_EARLY"] = on
             self.reduce = Launch(_splitk_reduce_kernel, dict(SPLIT_K=cfg.SPLIT_K, HAS_BIAS=has_bias, EMU_BF16=emu,
-                                                             BLOCK=_REDUCE_BLOCK, num_warps=4), device_index)
+                                                             BLOCK=_REDUCE_BLOCK, num_warps=4,
+                                                             **(dict(PDL=True, launch_pdl=True) if on else {})),
+                                 device_index)
 
     def bound(self) -> bool:
         return self.gemm.run is not None and (self.reduce is None or self.reduce.run is not None)

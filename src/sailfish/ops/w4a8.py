@@ -41,9 +41,11 @@ from .launch import Launch, aligned, current_device, hooks_idle, pointers
 ACT_DTYPES = HALF_DTYPES + (torch.float32,)
 # the quantized activations' torch dtype per act_dtype (formats.qqq.ACT_DTYPES_W4A8)
 X_Q_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
-# Rows up to this many channels are quantized from registers in one pass (32 fp32 values
-# per thread at 8 warps); longer rows take a max pass and a quantize pass.
-QUANT_ONE_PASS_MAX = 8192
+# Rows up to this many channels are quantized from registers in one pass (at most 64 fp32
+# values per thread: 4 warps up to 2048 channels, 8 up to 8192, 16 above); longer rows take
+# a max pass and a quantize pass. The second pass over a row cost the M = 1 GEMM chain
+# about 2 us at K = 14336 / 28672 (H200; docs/perf_log.md v16).
+QUANT_ONE_PASS_MAX = 32768
 
 _KERNELS = None  # kernels.w4a8, imported on first use (after TRITON_INTERPRET is settled)
 
@@ -105,7 +107,8 @@ def quantize_per_token_launch(x: torch.Tensor, block_k: Optional[int] = None, ac
     if bk < 16 or bk & (bk - 1):
         raise ValueError(f"block_k={bk} must be a power of two >= 16")
     launch = Launch(_kernels()._quantize_per_token_kernel,
-                    dict(BLOCK_K=bk, ONE_PASS=K <= bk, FP8=fp8, num_warps=4 if bk <= 2048 else 8),
+                    dict(BLOCK_K=bk, ONE_PASS=K <= bk, FP8=fp8,
+                         num_warps=4 if bk <= 2048 else 8 if bk <= 8192 else 16),
                     x.get_device())
     with device_of(x):
         launch((M, 1), x, x_q, scales, K, sxm, K)
@@ -328,7 +331,8 @@ class _W4A8Plan:
 
 def _reduce_launch(split: int, has_bias: bool, raw: bool, emu: bool, device_index: int) -> Launch:
     """int32 ws (split, M, N) -> out: the exact sum, then the epilogue (raw: the sum);
-    grid (cdiv(M, 16), cdiv(N, 128))."""
+    grid (cdiv(M, 16), cdiv(N, 128)). Not a programmatic dependent (ops/launch.py pdl): with
+    it, W4A8's chains measured 0.91-1.05x (H200, docs/perf_log.md v16)."""
     return Launch(_kernels()._w4a8_splitk_reduce_kernel,
                   dict(SPLIT_K=split, HAS_BIAS=has_bias, RAW=raw, EMU_BF16=emu, BLOCK_M=16, BLOCK_N=128,
                        num_warps=4), device_index)
