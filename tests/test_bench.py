@@ -115,6 +115,14 @@ def test_runner_with_fake_timer():
         b = rows[("cublas-fp16", m)]
         hbm_us = KR.half_min_bytes(m, 256, 128) / (100.0 * 1e3)
         assert b["limit_fraction"] == pytest.approx(max(hbm_us, 2 * m * 256 * 128 / best_half) / 30.0)
+    # a probe rate (timing.tensor_core_peaks) above the rows' own rates is the P; below, the rows'
+    for probe in (10 * best_half, best_half / 10):
+        RP.add_limit_fractions(res.rows, 100.0, {"half": probe})
+        p = max(probe, best_half)
+        for m in ms:
+            b = rows[("cublas-fp16", m)]
+            hbm_us = KR.half_min_bytes(m, 256, 128) / (100.0 * 1e3)
+            assert b["limit_fraction"] == pytest.approx(max(hbm_us, 2 * m * 256 * 128 / p) / 30.0)
     doc = RP.build_document({"gpu": "fake", "torch": torch.__version__, "triton": "x", "hbm_gbps": 100.0},
                             res.rows, {"command": "python -m sailfish.bench"})
     assert RP.validate_document(doc) == []

@@ -229,20 +229,24 @@ def test_asm_dequant_matches_pure_triton(gs, sym, dtype, cfg):
         assert torch.equal(y_asm, y_pure)
 
 
-@pytest.mark.parametrize("cfg", [Config(16, 64, 128, 3, scale_acc=True), Config(32, 64, 256, 1, scale_acc=True)],
+@pytest.mark.parametrize("cfg", [Config(16, 64, 128, 3, scale_acc=True), Config(32, 64, 256, 1, scale_acc=True),
+                                 Config(16, 64, 256, 2, scale_acc=True)],
                          ids=path_id)
 @pytest.mark.parametrize("gs,sym,dtype", [(128, True, F16), (128, False, BF16), (-1, False, F16),
-                                          (-1, True, BF16), (256, False, F16)],
-                         ids=["g128-sym-f16", "g128-asym-bf16", "g-1-asym-f16", "g-1-sym-bf16", "g256-asym-f16"])
+                                          (-1, True, BF16), (256, False, F16), (64, True, F16)],
+                         ids=["g128-sym-f16", "g128-asym-bf16", "g-1-asym-f16", "g-1-sym-bf16", "g256-asym-f16",
+                              "g64-sym-f16"])
 def test_scale_acc(gs, sym, dtype, cfg, device):
     """SCALE_ACC (the mma kernel dequantizes to q - z and multiplies the fp32 product by the
-    scales, per K tile or, per channel, at the end) stays within the per-element bound; on
-    CUDA its unscaled asm gives the same bits as its pure-Triton twin."""
+    scales, per K tile or, per channel, at the end; a BLOCK_K 256 tile of two g128 groups as
+    two half tiles) stays within the per-element bound; on CUDA its unscaled asm gives the
+    same bits as its pure-Triton twin. Other tiles wider than a group are refused."""
     from helpers import assert_close_per_element
 
     import sailfish.ops.w4a16 as ops16
 
-    if gs != -1 and cfg.BLOCK_K > gs:
+    if not ops16.scale_acc_tile(cfg.BLOCK_K, gs):
+        assert gs != -1 and cfg.BLOCK_K > gs and not (cfg.BLOCK_K == 2 * gs and gs >= 128)
         layer = make_layer(784, 200, gs, sym, "none", dtype, True, device)
         with pytest.raises(ValueError, match="scale_acc=True needs"):
             launch(layer, torch.randn(17, 784, device=device).to(dtype), cfg)

@@ -144,7 +144,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from . import kernels as KR
     from . import report as RP
-    from .timing import copies_needed, graph_time_us, hbm_ceiling_gbps
+    from .timing import copies_needed, graph_time_us, hbm_ceiling_gbps, tensor_core_peaks
 
     if args.list:
         for s in KR.REGISTRY.values():
@@ -234,6 +234,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print("error: could not measure the HBM ceiling (out of memory)")
             return 2
         print(f"HBM ceiling (device copy, read + write): {hbm:.0f} GB/s")
+        peaks = tensor_core_peaks()
+        print("cuBLAS dense peaks (8192^3): " + ", ".join(f"{k} {v / 1e6:.0f} TFLOP/s" for k, v in peaks.items()))
     print(f"shapes: {', '.join(f'{k}x{n}' for k, n in shapes)} | M: {','.join(map(str, ms))} | "
           f"kernels: {', '.join(s.id + ('' if s is not base_spec or report_base else ' (baseline only)') for s in run_specs)}"
           + ("" if check_only else f" | replays {args.replays}"))
@@ -257,7 +259,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("\ninterrupted: reporting the rows finished so far")
     elapsed = time.time() - t_start
     rows, checks, skipped, failures = res.rows, res.checks, res.skipped, res.failures
-    RP.add_limit_fractions(rows, hbm)
+    RP.add_limit_fractions(rows, hbm, None if check_only else peaks)
     kernel_notes, base_us = res.kernel_notes, res.base_us
 
     # ---- tail: what the lead reads -------------------------------------------------
@@ -287,7 +289,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "method": "decode-step: R distinct weight copies (R*bytes >= 3*L2, R >= 2) in one CUDA graph, "
                   "median of replays / R; roofline = min bytes / time / hbm_gbps; limit_fraction = "
                   "max(min bytes / hbm_gbps, 2MNK / best cuBLAS rate of the kernel's tensor-core "
-                  "family in the run) / time",
+                  "family in the run: its rows or an 8192^3 probe, tensor_core_peaks_tflops) / time",
         "group_size_convention": "0 = not group-quantized (cuBLAS fp16/bf16/int8/fp8); -1 = per output channel",
         "bytes_models": {
             "w4a16": "N*K/2 + 2*N*ceil(K/g)*(2 if zeros else 1) + 2*M*K + 2*M*N",
@@ -301,6 +303,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "skipped": skipped,
         "kernel_notes": kernel_notes,
     }
+    if not check_only:
+        doc_extra["tensor_core_peaks_tflops"] = {k: round(v / 1e6, 1) for k, v in peaks.items()}
     if not report_base and base_us:
         doc_extra["baseline_rows"] = [RP.json_row(r) for r in rows if not r["reported"]]
     if not check_only:

@@ -161,12 +161,16 @@ def _tensor_core_family(kernel: str) -> str:
     return "8bit" if kernel.startswith(("sailfish-w4a8", "cublas-int8", "cublas-fp8")) else "half"
 
 
-def add_limit_fractions(rows: Sequence[dict], hbm_gbps: Optional[float]) -> None:
+def add_limit_fractions(rows: Sequence[dict], hbm_gbps: Optional[float],
+                        peaks: Optional[Dict[str, float]] = None) -> None:
     """Set each row's `limit_fraction`, the fraction of the physical limit (docs/benchmarking.md):
-    max(min bytes / HBM ceiling, 2MNK / P) / time, P = the best dense rate a cuBLAS row of the
-    kernel's tensor-core family reached in the same run. Without such a row only the HBM
-    term counts; untimed rows (or no HBM ceiling) get None."""
-    peak: Dict[str, float] = {}
+    max(min bytes / HBM ceiling, 2MNK / P), P = the best dense rate cuBLAS reached in the same
+    run for the kernel's tensor-core family: its cuBLAS rows or `peaks` (timing.tensor_core_peaks,
+    flop per us), whichever is higher. A run of small-M rows alone would otherwise take a
+    memory-bound rate for P and overstate the fraction at M >= 32 (seen: 1.06 for a kernel at
+    half the HBM rate). Without either only the HBM term counts; untimed rows (or no HBM
+    ceiling) get None."""
+    peak: Dict[str, float] = dict(peaks or {})
     for r in rows:
         if r.get("time_us") and r["kernel"].startswith("cublas"):
             fam = _tensor_core_family(r["kernel"])

@@ -130,6 +130,43 @@ def hbm_ceiling_gbps(nbytes: int = 2 << 30, reps: int = 10) -> float:
     return 2 * nbytes / statistics.median(times) / 1e9
 
 
+def tensor_core_peaks(size: int = 8192, reps: int = 10) -> dict:
+    """The best dense rates cuBLAS reaches on a size^3 GEMM, flop per us: "half" (fp16
+    F.linear) and "8bit" (the better of int8 torch._int_mm and fp8 torch._scaled_mm, where
+    this torch and GPU have them). The P of the limit fraction (docs/benchmarking.md) when a
+    run's own cuBLAS rows are all small-M, memory-bound ones (their rate is far below P)."""
+    a = torch.randn(size, size, dtype=torch.float16, device="cuda")
+    b = torch.randn(size, size, dtype=torch.float16, device="cuda")
+    calls = {"half": [lambda: torch.nn.functional.linear(a, b)]}
+    a8, b8 = a.to(torch.int8), b.to(torch.int8)
+    calls["8bit"] = [lambda: torch._int_mm(a8, b8.t())]
+    if hasattr(torch, "float8_e4m3fn") and torch.cuda.get_device_capability() >= (8, 9):
+        af, bf = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        one = torch.ones((), device="cuda")
+        calls["8bit"].append(lambda: torch._scaled_mm(af, bf.t(), one, one, out_dtype=torch.float16))
+    out = {}
+    for fam, fns in calls.items():
+        for fn in fns:
+            try:
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                times = []
+                for _ in range(reps):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    fn()
+                    end.record()
+                    end.synchronize()
+                    times.append(start.elapsed_time(end) * 1e3)  # us
+            except (RuntimeError, TypeError):  # an op this torch / GPU lacks
+                continue
+            out[fam] = max(out.get(fam, 0.0), 2.0 * size ** 3 / statistics.median(times))
+    del a, b, a8, b8
+    torch.cuda.empty_cache()
+    return out
+
+
 def w4a16_min_bytes(m: int, k: int, n: int, group_size: int, zeros: bool = False) -> int:
     """Fewest bytes a W4A16 GEMM must move: 4-bit weights, fp16 scales (+ zeros), x, y."""
     groups = 1 if group_size == -1 else -(-k // group_size)

@@ -323,6 +323,28 @@ def _word_order(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _half_product(w_ptrs, x_ptrs, s_ptr, z_ptr, gidx_ptr, rn, k0, K, stride_sn, BLOCK_N: tl.constexpr,
+                  HK: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, DTYPE: tl.constexpr,
+                  EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr, EVEN_K: tl.constexpr, PAIRED_S: tl.constexpr):
+    """SCALE_ACC with two groups per K tile (_w4a16_kernel): the unscaled fp32 product of the
+    half tile at k0 (HK = GROUP_SIZE channels, one group) and its group's scales (BLOCK_N,)."""
+    words = tl.load(w_ptrs, eviction_policy="evict_first")
+    if EVEN_K:
+        xt = tl.load(x_ptrs, eviction_policy="evict_last")
+    else:
+        xt = tl.load(x_ptrs, mask=(k0 + tl.arange(0, HK))[:, None] < K, other=0.0, eviction_policy="evict_last")
+    sv = _load_groups(s_ptr, rn, k0, stride_sn, HK, GROUP_SIZE, PAIRED_S)
+    zv = _load_groups(z_ptr, rn, k0, stride_sn, HK, GROUP_SIZE, PAIRED_S)
+    n0, n1, n2, n3, n4, n5, n6, n7 = _dequant_words(
+        words, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn, BLOCK_N, HK, GROUP_SIZE,
+        HAS_ZEROS, False, DTYPE, EMU_BF16, USE_ASM, False)
+    w = _fragment_tile(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N, HK)
+    if EMU_BF16:
+        xt = xt.to(tl.float32)
+    return tl.dot(w, xt), sv.to(tl.float32)
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, y_ptr, ws_ptr,
     M, N, K, stride_xm, stride_ym, stride_qn, stride_sn,
@@ -335,9 +357,12 @@ def _w4a16_kernel(
     """x (M, K) row-major; qweight int32 (N, Kp // 8), Kp >= K; scales/zeros (N, Gp); y (M, N).
     PDL_EARLY (split-K): the reduce may launch at once (kernels/common.py).
 
-    SCALE_ACC (each K tile within one group, no g_idx): the tile is dequantized to q - z
-    only (exact) and the scale multiplies the fp32 product instead, once per tile (per
-    channel: once at the end): a multiply per output element instead of per weight.
+    SCALE_ACC (no g_idx; BLOCK_K <= GROUP_SIZE or BLOCK_K = 2 * GROUP_SIZE): the tile is
+    dequantized to q - z only (exact) and the scale multiplies the fp32 product instead, once
+    per group and tile (per channel: once at the end): a multiply per output element instead
+    of per weight. With two groups per tile each half (one group, one 128-channel chunk of the
+    fragment order: 16 words) is loaded, dequantized and multiplied on its own, and both
+    products are scaled and added after the two dots, so their wgmmas overlap.
 
     ACC_FENCE (GPU, Triton < 3.9: ops/w4a16.py acc_fence): read the accumulator every K tile
     (an identity asm), so that its wgmmas complete inside the tile. Triton 3.6-3.8 leave them
@@ -365,8 +390,11 @@ def _w4a16_kernel(
     kt0, kt1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
 
     W: tl.constexpr = BLOCK_K // 8
-    offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = qw_ptr + rn[:, None] * stride_qn + (kt0 * W + tl.arange(0, W))[None, :]
+    # SCALE_ACC with two groups per K tile: the loads and the dot are per half tile (HK channels)
+    HALVES: tl.constexpr = SCALE_ACC and GROUP_SIZE != 0 and BLOCK_K > GROUP_SIZE
+    HK: tl.constexpr = BLOCK_K // 2 if HALVES else BLOCK_K
+    offs_k = tl.arange(0, HK)
+    w_ptrs = qw_ptr + rn[:, None] * stride_qn + (kt0 * W + tl.arange(0, HK // 8))[None, :]
     x_ptrs = x_ptr + rm[None, :] * stride_xm + (kt0 * BLOCK_K + offs_k)[:, None]
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -375,34 +403,43 @@ def _w4a16_kernel(
         z_nxt = _load_groups(z_ptr, rn, kt0 * BLOCK_K, stride_sn, BLOCK_K, GROUP_SIZE)
     for kt in range(kt0, kt1):
         k0 = kt * BLOCK_K
-        words = tl.load(w_ptrs, eviction_policy="evict_first")
-        if EVEN_K:
-            xt = tl.load(x_ptrs, eviction_policy="evict_last")
+        if HALVES:  # both dots are issued before either product is read
+            p0, s0 = _half_product(w_ptrs, x_ptrs, s_ptr, z_ptr, gidx_ptr, rn, k0, K, stride_sn, BLOCK_N, HK,
+                                   GROUP_SIZE, HAS_ZEROS, DTYPE, EMU_BF16, USE_ASM, EVEN_K, PAIRED_S)
+            p1, s1 = _half_product(w_ptrs + HK // 8, x_ptrs + HK, s_ptr, z_ptr, gidx_ptr, rn, k0 + HK, K,
+                                   stride_sn, BLOCK_N, HK, GROUP_SIZE, HAS_ZEROS, DTYPE, EMU_BF16, USE_ASM,
+                                   EVEN_K, PAIRED_S)
+            acc += p0 * s0[:, None]  # (two FFMAs per element)
+            acc += p1 * s1[:, None]
         else:
-            xt = tl.load(x_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0,
-                         eviction_policy="evict_last")
-        if PREFETCH_S:  # this tile's groups were loaded one iteration ago (latency hidden)
-            sv = s_nxt
-            zv = z_nxt
-            kn = tl.minimum(kt + 1, kt1 - 1) * BLOCK_K
-            s_nxt = _load_groups(s_ptr, rn, kn, stride_sn, BLOCK_K, GROUP_SIZE)
-            z_nxt = _load_groups(z_ptr, rn, kn, stride_sn, BLOCK_K, GROUP_SIZE)
-        else:
-            sv = _load_groups(s_ptr, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE, PAIRED_S)
-            zv = _load_groups(z_ptr, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE, PAIRED_S)
-        n0, n1, n2, n3, n4, n5, n6, n7 = _dequant_words(
-            words, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn, BLOCK_N, BLOCK_K, GROUP_SIZE,
-            HAS_ZEROS, HAS_GIDX, DTYPE, EMU_BF16, USE_ASM, not SCALE_ACC)
-        w = _fragment_tile(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N, BLOCK_K)
-        if EMU_BF16:
-            xt = xt.to(tl.float32)
-        if SCALE_ACC and GROUP_SIZE != 0:
-            acc += tl.dot(w, xt) * sv.to(tl.float32)[:, None]
-        else:
-            acc = tl.dot(w, xt, acc)
-            if ACC_FENCE:
-                acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32,
-                                                is_pure=True, pack=1)
+            words = tl.load(w_ptrs, eviction_policy="evict_first")
+            if EVEN_K:
+                xt = tl.load(x_ptrs, eviction_policy="evict_last")
+            else:
+                xt = tl.load(x_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0,
+                             eviction_policy="evict_last")
+            if PREFETCH_S:  # this tile's groups were loaded one iteration ago (latency hidden)
+                sv = s_nxt
+                zv = z_nxt
+                kn = tl.minimum(kt + 1, kt1 - 1) * BLOCK_K
+                s_nxt = _load_groups(s_ptr, rn, kn, stride_sn, BLOCK_K, GROUP_SIZE)
+                z_nxt = _load_groups(z_ptr, rn, kn, stride_sn, BLOCK_K, GROUP_SIZE)
+            else:
+                sv = _load_groups(s_ptr, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE, PAIRED_S)
+                zv = _load_groups(z_ptr, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE, PAIRED_S)
+            n0, n1, n2, n3, n4, n5, n6, n7 = _dequant_words(
+                words, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn, BLOCK_N, BLOCK_K, GROUP_SIZE,
+                HAS_ZEROS, HAS_GIDX, DTYPE, EMU_BF16, USE_ASM, not SCALE_ACC)
+            w = _fragment_tile(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N, BLOCK_K)
+            if EMU_BF16:
+                xt = xt.to(tl.float32)
+            if SCALE_ACC and GROUP_SIZE != 0:
+                acc += tl.dot(w, xt) * sv.to(tl.float32)[:, None]
+            else:
+                acc = tl.dot(w, xt, acc)
+                if ACC_FENCE:
+                    acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32,
+                                                    is_pure=True, pack=1)
         w_ptrs += W
         x_ptrs += BLOCK_K
     if SCALE_ACC and GROUP_SIZE == 0:

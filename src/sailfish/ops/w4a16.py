@@ -123,7 +123,7 @@ def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx):
             cfg = Config(bm, bn, bk, split, 8, warps, stages)
             # M <= 64: each tile with the scale on the fp32 product too, where it applies
             # (at M = 128 its per-tile FFMAs cost more than the multiplies it saves)
-            sa = M <= 64 and not general_gidx and (group_size == -1 or bk <= group_size)
+            sa = M <= 64 and not general_gidx and scale_acc_tile(bk, group_size)
             for c in (cfg, replace(cfg, scale_acc=True)) if sa else (cfg,):
                 if c not in seen and Kp % bk == 0:
                     seen.add(c)
@@ -161,8 +161,10 @@ def _check_config(cfg: Config, kp: int, m: int, group_size: int = -1, general_gi
         raise ValueError(f"config BLOCK_K={cfg.BLOCK_K} must divide the padded K={kp}")
     if cfg.SPLIT_K < 1 or cfg.SPLIT_K > kp // cfg.BLOCK_K:
         raise ValueError(f"config SPLIT_K={cfg.SPLIT_K} must lie in [1, {kp // cfg.BLOCK_K}]")
-    if cfg.scale_acc and not table and (cfg.kernel != "mma" or general_gidx or (group_size != -1 and cfg.BLOCK_K > group_size)):
-        raise ValueError(f"config scale_acc=True needs kernel='mma', BLOCK_K <= group_size and no general "
+    if cfg.scale_acc and not table and (cfg.kernel != "mma" or general_gidx
+                                        or not scale_acc_tile(cfg.BLOCK_K, group_size)):
+        raise ValueError(f"config scale_acc=True needs kernel='mma', BLOCK_K <= group_size (or = 2 * group_size "
+                         f">= 256) and no general "
                          f"g_idx; got kernel={cfg.kernel!r}, BLOCK_K={cfg.BLOCK_K}, group_size={group_size}, "
                          f"general g_idx={general_gidx}")
 
@@ -217,16 +219,23 @@ def paired_scales(cfg: Config) -> bool:
     return PAIRED_SCALES and cfg.BLOCK_N >= 32 * cfg.num_warps and cfg.BLOCK_M >= 32
 
 
+def scale_acc_tile(block_k: int, group_size: int) -> bool:
+    """Whether a K tile of block_k channels can take SCALE_ACC: per channel, one group per tile,
+    or two whole groups of >= 128 channels (each half tile is one 128-channel chunk or more of
+    the fragment order, kernels/w4a16._half_product)."""
+    return group_size == -1 or block_k <= group_size or (block_k == 2 * group_size and group_size >= 128)
+
+
 def scale_acc(cfg: Config, group_size: int, general_gidx: bool) -> bool:
     """Whether the mma kernel runs with SCALE_ACC (a config choice, Config.scale_acc): the
     scales multiply the fp32 product once per K tile (per channel: once at the end) instead
-    of every dequantized weight, 4 of the 13 fp16 asm instructions per word. Needs each K
-    tile inside one group and no general g_idx (_check_config refuses the rest). H200, same
+    of every dequantized weight, 4 of the 13 fp16 asm instructions per word. Needs K tiles of
+    one group or of two (scale_acc_tile) and no general g_idx (_check_config refuses the
+    rest). H200, same
     run, fenced (docs/perf_log.md v15): M = 32 8192x8192 25.1 -> 22.9 us, 14336x4096 23.1 ->
     20.8; slower where BLOCK_K 256 wins (M = 16 on the 70B shapes) and at M = 128 (64 FFMAs
     per K tile per thread), so the tuner decides."""
-    return (cfg.scale_acc and cfg.kernel == "mma" and not general_gidx
-            and (group_size == -1 or cfg.BLOCK_K <= group_size))
+    return cfg.scale_acc and cfg.kernel == "mma" and not general_gidx and scale_acc_tile(cfg.BLOCK_K, group_size)
 
 
 # Triton 3.6-3.8 leave the mma kernel's wgmmas (A in registers) in flight across the K loop's
