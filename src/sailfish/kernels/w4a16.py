@@ -362,7 +362,9 @@ def _w4a16_kernel(
     per group and tile (per channel: once at the end): a multiply per output element instead
     of per weight. With two groups per tile each half (one group, one 128-channel chunk of the
     fragment order: 16 words) is loaded, dequantized and multiplied on its own, and both
-    products are scaled and added after the two dots, so their wgmmas overlap.
+    products are scaled into the accumulator after the two dots (the PTX of Triton 3.6 and 3.9
+    still waits for each half's wgmmas before the next half's: the gain over BLOCK_K = 128 is
+    half the loop iterations and their per-tile overhead; docs/perf_log.md v16).
 
     ACC_FENCE (GPU, Triton < 3.9: ops/w4a16.py acc_fence): read the accumulator every K tile
     (an identity asm), so that its wgmmas complete inside the tile. Triton 3.6-3.8 leave them
@@ -403,7 +405,7 @@ def _w4a16_kernel(
         z_nxt = _load_groups(z_ptr, rn, kt0 * BLOCK_K, stride_sn, BLOCK_K, GROUP_SIZE)
     for kt in range(kt0, kt1):
         k0 = kt * BLOCK_K
-        if HALVES:  # both dots are issued before either product is read
+        if HALVES:
             p0, s0 = _half_product(w_ptrs, x_ptrs, s_ptr, z_ptr, gidx_ptr, rn, k0, K, stride_sn, BLOCK_N, HK,
                                    GROUP_SIZE, HAS_ZEROS, DTYPE, EMU_BF16, USE_ASM, EVEN_K, PAIRED_S)
             p1, s1 = _half_product(w_ptrs + HK // 8, x_ptrs + HK, s_ptr, z_ptr, gidx_ptr, rn, k0 + HK, K,
