@@ -97,6 +97,20 @@ def test_aligned():
     assert not aligned(t[4:])     # 8 bytes in
 
 
+def test_pdl_rule(monkeypatch):
+    """Programmatic dependent launch (the split-K reduce): never for the CPU (device index -1),
+    off with SAILFISH_PDL=0 and forced with =1 without asking the GPU; otherwise by compute
+    capability (sm_90+), read through a cached query."""
+    monkeypatch.setattr(launch_mod, "_capability", lambda i: (8, 0) if i == 0 else (9, 0))
+    monkeypatch.delenv("SAILFISH_PDL", raising=False)
+    assert not launch_mod.pdl(-1)
+    assert not launch_mod.pdl(0) and launch_mod.pdl(1)
+    monkeypatch.setenv("SAILFISH_PDL", "0")
+    assert not launch_mod.pdl(1)
+    monkeypatch.setenv("SAILFISH_PDL", "1")
+    assert launch_mod.pdl(0) and not launch_mod.pdl(-1)
+
+
 def test_pointers():
     t = torch.zeros(64, dtype=torch.float16)
     assert pointers(t, None, t[8:]) == (t.data_ptr(), None, t.data_ptr() + 16)
