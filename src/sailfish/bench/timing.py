@@ -114,20 +114,26 @@ def hbm_ceiling_gbps(nbytes: int = 2 << 30, reps: int = 10) -> float:
     """Device-to-device copy bandwidth, bytes read + written per second, in GB/s."""
     src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    for _ in range(2):
-        dst.copy_(src)
+    us = _event_median_us(lambda: dst.copy_(src), reps, warmup=2)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / us / 1e3
+
+
+def _event_median_us(fn, reps: int, warmup: int) -> float:
+    """Median time of fn() in us, each call timed alone with CUDA events after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        dst.copy_(src)
+        fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / statistics.median(times) / 1e9
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
 
 
 def tensor_core_peaks(size: int = 8192, reps: int = 10) -> dict:
@@ -148,20 +154,10 @@ def tensor_core_peaks(size: int = 8192, reps: int = 10) -> dict:
     for fam, fns in calls.items():
         for fn in fns:
             try:
-                for _ in range(3):
-                    fn()
-                torch.cuda.synchronize()
-                times = []
-                for _ in range(reps):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    fn()
-                    end.record()
-                    end.synchronize()
-                    times.append(start.elapsed_time(end) * 1e3)  # us
+                us = _event_median_us(fn, reps, warmup=3)
             except (RuntimeError, TypeError):  # an op this torch / GPU lacks
                 continue
-            out[fam] = max(out.get(fam, 0.0), 2.0 * size ** 3 / statistics.median(times))
+            out[fam] = max(out.get(fam, 0.0), 2.0 * size ** 3 / us)
     del a, b, a8, b8
     torch.cuda.empty_cache()
     return out

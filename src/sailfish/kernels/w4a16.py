@@ -323,24 +323,42 @@ def _word_order(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _load_tile(w_ptrs, x_ptrs, k0, K, TK: tl.constexpr, EVEN_K: tl.constexpr):
+    """The packed words and the x tile (TK channels from k0) of one K step of _w4a16_kernel."""
+    words = tl.load(w_ptrs, eviction_policy="evict_first")
+    if EVEN_K:
+        xt = tl.load(x_ptrs, eviction_policy="evict_last")
+    else:
+        xt = tl.load(x_ptrs, mask=(k0 + tl.arange(0, TK))[:, None] < K, other=0.0, eviction_policy="evict_last")
+    return words, xt
+
+
+@triton.jit
+def _tile_operands(words, xt, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn, BLOCK_N: tl.constexpr,
+                   TK: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr,
+                   DTYPE: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr, SCALED: tl.constexpr):
+    """The dot's operands of one K step: the dequantized weight tile in fragment order
+    (_dequant_words; SCALED=False: q - z) and x (fp32 under EMU_BF16, see common.py)."""
+    n0, n1, n2, n3, n4, n5, n6, n7 = _dequant_words(
+        words, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn, BLOCK_N, TK, GROUP_SIZE,
+        HAS_ZEROS, HAS_GIDX, DTYPE, EMU_BF16, USE_ASM, SCALED)
+    w = _fragment_tile(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N, TK)
+    if EMU_BF16:
+        xt = xt.to(tl.float32)
+    return w, xt
+
+
+@triton.jit
 def _half_product(w_ptrs, x_ptrs, s_ptr, z_ptr, gidx_ptr, rn, k0, K, stride_sn, BLOCK_N: tl.constexpr,
                   HK: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, DTYPE: tl.constexpr,
                   EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr, EVEN_K: tl.constexpr, PAIRED_S: tl.constexpr):
     """SCALE_ACC with two groups per K tile (_w4a16_kernel): the unscaled fp32 product of the
     half tile at k0 (HK = GROUP_SIZE channels, one group) and its group's scales (BLOCK_N,)."""
-    words = tl.load(w_ptrs, eviction_policy="evict_first")
-    if EVEN_K:
-        xt = tl.load(x_ptrs, eviction_policy="evict_last")
-    else:
-        xt = tl.load(x_ptrs, mask=(k0 + tl.arange(0, HK))[:, None] < K, other=0.0, eviction_policy="evict_last")
+    words, xt = _load_tile(w_ptrs, x_ptrs, k0, K, HK, EVEN_K)
     sv = _load_groups(s_ptr, rn, k0, stride_sn, HK, GROUP_SIZE, PAIRED_S)
     zv = _load_groups(z_ptr, rn, k0, stride_sn, HK, GROUP_SIZE, PAIRED_S)
-    n0, n1, n2, n3, n4, n5, n6, n7 = _dequant_words(
-        words, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn, BLOCK_N, HK, GROUP_SIZE,
-        HAS_ZEROS, False, DTYPE, EMU_BF16, USE_ASM, False)
-    w = _fragment_tile(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N, HK)
-    if EMU_BF16:
-        xt = xt.to(tl.float32)
+    w, xt = _tile_operands(words, xt, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn, BLOCK_N, HK, GROUP_SIZE,
+                           HAS_ZEROS, False, DTYPE, EMU_BF16, USE_ASM, False)
     return tl.dot(w, xt), sv.to(tl.float32)
 
 
@@ -414,12 +432,7 @@ def _w4a16_kernel(
             acc += p0 * s0[:, None]  # (two FFMAs per element)
             acc += p1 * s1[:, None]
         else:
-            words = tl.load(w_ptrs, eviction_policy="evict_first")
-            if EVEN_K:
-                xt = tl.load(x_ptrs, eviction_policy="evict_last")
-            else:
-                xt = tl.load(x_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0,
-                             eviction_policy="evict_last")
+            words, xt = _load_tile(w_ptrs, x_ptrs, k0, K, BLOCK_K, EVEN_K)
             if PREFETCH_S:  # this tile's groups were loaded one iteration ago (latency hidden)
                 sv = s_nxt
                 zv = z_nxt
@@ -429,12 +442,8 @@ def _w4a16_kernel(
             else:
                 sv = _load_groups(s_ptr, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE, PAIRED_S)
                 zv = _load_groups(z_ptr, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE, PAIRED_S)
-            n0, n1, n2, n3, n4, n5, n6, n7 = _dequant_words(
-                words, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn, BLOCK_N, BLOCK_K, GROUP_SIZE,
-                HAS_ZEROS, HAS_GIDX, DTYPE, EMU_BF16, USE_ASM, not SCALE_ACC)
-            w = _fragment_tile(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N, BLOCK_K)
-            if EMU_BF16:
-                xt = xt.to(tl.float32)
+            w, xt = _tile_operands(words, xt, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn, BLOCK_N, BLOCK_K,
+                                   GROUP_SIZE, HAS_ZEROS, HAS_GIDX, DTYPE, EMU_BF16, USE_ASM, not SCALE_ACC)
             if SCALE_ACC and GROUP_SIZE != 0:
                 acc += tl.dot(w, xt) * sv.to(tl.float32)[:, None]
             else:

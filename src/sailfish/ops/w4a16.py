@@ -299,8 +299,11 @@ class _GemmPlan:
 
         self.config = cfg
         even_k = K % cfg.BLOCK_K == 0
+        # PDL (ops/launch.py): the split-K GEMM lets the reduce launch at once, the reduce waits
+        chained = cfg.SPLIT_K > 1 and pdl(device_index)
         meta = dict(GROUP_SIZE=gs, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, EVEN_K=even_k, SPLIT_K=cfg.SPLIT_K,
-                    EMU_BF16=emu, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **cfg.launch())
+                    EMU_BF16=emu, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, PDL_EARLY=chained,
+                    **cfg.launch())
         if cfg.kernel == "gemv" and tensor_core_gemv:  # (takes no g_idx pointer)
             self.kind = "gemv_mma"
             text, constraints = (gemv_asm(bf16, has_zeros, even_k, gemv_pairs(cfg.BLOCK_N)) if mma_asm
@@ -320,12 +323,9 @@ class _GemmPlan:
             self.gemm = Launch(_w4a16_kernel, meta, device_index)
         self.reduce = None
         if cfg.SPLIT_K > 1:
-            # PDL (ops/launch.py): the GEMM lets the reduce launch at once, the reduce waits
-            on = pdl(device_index)
-            self.gemm.meta["PDL_EARLY"] = on
             self.reduce = Launch(_splitk_reduce_kernel, dict(SPLIT_K=cfg.SPLIT_K, HAS_BIAS=has_bias, EMU_BF16=emu,
-                                                             BLOCK=_REDUCE_BLOCK, num_warps=4,
-                                                             **(dict(PDL=True, launch_pdl=True) if on else {})),
+                                                             BLOCK=_REDUCE_BLOCK, num_warps=4, PDL=chained,
+                                                             **({"launch_pdl": True} if chained else {})),
                                  device_index)
 
     def bound(self) -> bool:
