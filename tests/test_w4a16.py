@@ -264,6 +264,26 @@ def test_scale_acc(gs, sym, dtype, cfg, device):
         assert torch.equal(y, y_pure)
 
 
+@pytest.mark.parametrize("cfg", [Config(16, 64, 128, 3, scale_acc=True), Config(32, 128, 128, 1, scale_acc=True)],
+                         ids=path_id)
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+def test_scale_prefetch_changes_no_bit(dtype, cfg, device, monkeypatch):
+    """PREFETCH_S (the next K tile's scales loaded one iteration early; on by default for
+    SCALE_ACC with one group per tile and no zero points) only moves loads: the outputs are
+    bit-equal with it off, including the last tile of each split-K slice (its prefetch
+    address is clamped to that tile)."""
+    import sailfish.ops.w4a16 as ops16
+
+    layer = make_layer(1152, 200, 128, True, "none", dtype, True, device)
+    x = torch.randn(9, 1152, device=device).to(dtype)
+    assert ops16.prefetch_scales(cfg, 128) and not ops16.prefetch_scales(cfg, 128, has_zeros=True)
+    assert not ops16.prefetch_scales(Config(16, 64, 256, 1, scale_acc=True), 128)  # two groups per tile
+    y_on = launch(layer, x, cfg)
+    monkeypatch.setattr(ops16, "SCALE_PREFETCH", "0")
+    assert not ops16.prefetch_scales(cfg, 128)
+    assert torch.equal(y_on, launch(layer, x, cfg))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel's wgmma pipelining, on the GPU")
 @pytest.mark.parametrize("cfg", [Config(64, 128, 128, 8, 8, 8, 4), Config(128, 128, 128, 2, 8, 8, 3),
                                  Config(64, 128, 128, 8, 8, 4, 4, scale_acc=True)], ids=path_id)

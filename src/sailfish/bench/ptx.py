@@ -58,10 +58,11 @@ class LoopStats:
 def compile_mma(block_m: int, block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int,
                 *, dtype: str = "fp16", group_size: int = 128, has_zeros: bool = False, use_asm: bool = True,
                 capability: int = 90, paired: bool = True, scale_acc: Optional[bool] = None,
-                acc_fence: Optional[bool] = None, pdl_early: bool = False):
+                acc_fence: Optional[bool] = None, pdl_early: bool = False, prefetch: Optional[bool] = None):
     """triton.compile of kernels/w4a16._w4a16_kernel for cuda:<capability>, specialised as the
     launcher is on a GPU (16-byte aligned pointers, N / K / strides divisible by 16).
-    pdl_early: the split-K variant that lets the reduce launch early (ops/launch.py pdl)."""
+    pdl_early: the split-K variant that lets the reduce launch early (ops/launch.py pdl).
+    prefetch: PREFETCH_S (None: the launcher's rule, ops/w4a16.prefetch_scales)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -76,11 +77,14 @@ def compile_mma(block_m: int, block_n: int, block_k: int, split_k: int, num_warp
     from ..tuning import Config
 
     cfg = Config(block_m, block_n, block_k, split_k, num_warps=num_warps, num_stages=num_stages)
+    sa = launcher_scale_acc(cfg, group_size, False) if scale_acc is None else scale_acc
+    cfg_sa = Config(block_m, block_n, block_k, split_k, num_warps=num_warps, num_stages=num_stages, scale_acc=sa)
     consts = dict(GROUP_SIZE=0 if group_size == -1 else group_size, HAS_ZEROS=has_zeros, HAS_GIDX=False,
                   HAS_BIAS=False, EVEN_K=True, SPLIT_K=split_k, EMU_BF16=False, USE_ASM=use_asm,
-                  PREFETCH_S=prefetch_scales(cfg, group_size), PAIRED_S=paired and paired_scales(cfg),
+                  PREFETCH_S=prefetch_scales(cfg_sa, group_size, False, has_zeros) if prefetch is None else prefetch,
+                  PAIRED_S=paired and paired_scales(cfg),
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
-                  SCALE_ACC=launcher_scale_acc(cfg, group_size, False) if scale_acc is None else scale_acc,
+                  SCALE_ACC=sa,
                   ACC_FENCE=use_asm and (launcher_acc_fence() if acc_fence is None else acc_fence),
                   PDL_EARLY=pdl_early)
     names = list(sig)

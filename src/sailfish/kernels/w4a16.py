@@ -349,17 +349,16 @@ def _tile_operands(words, xt, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn,
 
 
 @triton.jit
-def _half_product(w_ptrs, x_ptrs, s_ptr, z_ptr, gidx_ptr, rn, k0, K, stride_sn, BLOCK_N: tl.constexpr,
+def _half_product(w_ptrs, x_ptrs, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, K, stride_sn, BLOCK_N: tl.constexpr,
                   HK: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, DTYPE: tl.constexpr,
-                  EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr, EVEN_K: tl.constexpr, PAIRED_S: tl.constexpr):
+                  EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr, EVEN_K: tl.constexpr):
     """SCALE_ACC with two groups per K tile (_w4a16_kernel): the unscaled fp32 product of the
-    half tile at k0 (HK = GROUP_SIZE channels, one group) and its group's scales (BLOCK_N,)."""
+    half tile at k0 (HK = GROUP_SIZE channels, one group; sv / zv its group's scales and zero
+    points, (BLOCK_N,))."""
     words, xt = _load_tile(w_ptrs, x_ptrs, k0, K, HK, EVEN_K)
-    sv = _load_groups(s_ptr, rn, k0, stride_sn, HK, GROUP_SIZE, PAIRED_S)
-    zv = _load_groups(z_ptr, rn, k0, stride_sn, HK, GROUP_SIZE, PAIRED_S)
     w, xt = _tile_operands(words, xt, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn, BLOCK_N, HK, GROUP_SIZE,
                            HAS_ZEROS, False, DTYPE, EMU_BF16, USE_ASM, False)
-    return tl.dot(w, xt), sv.to(tl.float32)
+    return tl.dot(w, xt)
 
 
 @triton.jit
@@ -417,31 +416,36 @@ def _w4a16_kernel(
     w_ptrs = qw_ptr + rn[:, None] * stride_qn + (kt0 * W + tl.arange(0, HK // 8))[None, :]
     x_ptrs = x_ptr + rm[None, :] * stride_xm + (kt0 * BLOCK_K + offs_k)[:, None]
 
+    tl.static_assert(not (PREFETCH_S and HALVES), "PREFETCH_S needs one group per K tile")
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # PREFETCH_S (one group per K tile, ops/w4a16.prefetch_scales): the scales are loaded one
+    # K tile ahead. Zero points stay in the tile that uses them: prefetched, they feed the
+    # dequantization from a loop-carried layout and Triton 3.6 sends the tile through shared
+    # memory (ldmatrix in the K loop, bf16 asym BM 16 / BN 64; bench/ptx.py).
     if PREFETCH_S:
         s_nxt = _load_groups(s_ptr, rn, kt0 * BLOCK_K, stride_sn, BLOCK_K, GROUP_SIZE)
-        z_nxt = _load_groups(z_ptr, rn, kt0 * BLOCK_K, stride_sn, BLOCK_K, GROUP_SIZE)
     for kt in range(kt0, kt1):
         k0 = kt * BLOCK_K
         if HALVES:
-            p0, s0 = _half_product(w_ptrs, x_ptrs, s_ptr, z_ptr, gidx_ptr, rn, k0, K, stride_sn, BLOCK_N, HK,
-                                   GROUP_SIZE, HAS_ZEROS, DTYPE, EMU_BF16, USE_ASM, EVEN_K, PAIRED_S)
-            p1, s1 = _half_product(w_ptrs + HK // 8, x_ptrs + HK, s_ptr, z_ptr, gidx_ptr, rn, k0 + HK, K,
-                                   stride_sn, BLOCK_N, HK, GROUP_SIZE, HAS_ZEROS, DTYPE, EMU_BF16, USE_ASM,
-                                   EVEN_K, PAIRED_S)
-            acc += p0 * s0[:, None]  # (two FFMAs per element)
-            acc += p1 * s1[:, None]
+            s0 = _load_groups(s_ptr, rn, k0, stride_sn, HK, GROUP_SIZE, PAIRED_S)
+            s1 = _load_groups(s_ptr, rn, k0 + HK, stride_sn, HK, GROUP_SIZE, PAIRED_S)
+            z0 = _load_groups(z_ptr, rn, k0, stride_sn, HK, GROUP_SIZE, PAIRED_S)
+            z1 = _load_groups(z_ptr, rn, k0 + HK, stride_sn, HK, GROUP_SIZE, PAIRED_S)
+            p0 = _half_product(w_ptrs, x_ptrs, s0, z0, s_ptr, z_ptr, gidx_ptr, rn, k0, K, stride_sn, BLOCK_N, HK,
+                               GROUP_SIZE, HAS_ZEROS, DTYPE, EMU_BF16, USE_ASM, EVEN_K)
+            p1 = _half_product(w_ptrs + HK // 8, x_ptrs + HK, s1, z1, s_ptr, z_ptr, gidx_ptr, rn, k0 + HK, K,
+                               stride_sn, BLOCK_N, HK, GROUP_SIZE, HAS_ZEROS, DTYPE, EMU_BF16, USE_ASM, EVEN_K)
+            acc += p0 * s0.to(tl.float32)[:, None]  # (two FFMAs per element)
+            acc += p1 * s1.to(tl.float32)[:, None]
         else:
             words, xt = _load_tile(w_ptrs, x_ptrs, k0, K, BLOCK_K, EVEN_K)
-            if PREFETCH_S:  # this tile's groups were loaded one iteration ago (latency hidden)
+            if PREFETCH_S:  # this tile's scales were loaded one iteration ago (latency hidden)
                 sv = s_nxt
-                zv = z_nxt
                 kn = tl.minimum(kt + 1, kt1 - 1) * BLOCK_K
                 s_nxt = _load_groups(s_ptr, rn, kn, stride_sn, BLOCK_K, GROUP_SIZE)
-                z_nxt = _load_groups(z_ptr, rn, kn, stride_sn, BLOCK_K, GROUP_SIZE)
             else:
                 sv = _load_groups(s_ptr, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE, PAIRED_S)
-                zv = _load_groups(z_ptr, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE, PAIRED_S)
+            zv = _load_groups(z_ptr, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE, PAIRED_S)
             w, xt = _tile_operands(words, xt, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn, BLOCK_N, BLOCK_K,
                                    GROUP_SIZE, HAS_ZEROS, HAS_GIDX, DTYPE, EMU_BF16, USE_ASM, not SCALE_ACC)
             if SCALE_ACC and GROUP_SIZE != 0:

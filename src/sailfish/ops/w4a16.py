@@ -188,18 +188,31 @@ def w4a16_reference(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_feat
 DEQUANT_SLICE_BYTES = 128 << 20
 
 
-def prefetch_scales(cfg: Config, group_size: int) -> bool:
-    """Load the next K tile's scales one iteration early in the mma kernel (their loads are
-    too narrow for the cp.async pipeline). Only where BLOCK_N >= 32 * num_warps and the group
-    size is not 64: otherwise Triton (3.6 and 3.9) sends the dequantized tile through shared
-    memory again (regA probe; `python -m sailfish.bench.ptx --group-size 64`).
-    Off by default: measured slower where it matters (H200, same run, tuned: 8192x57344
-    M = 2 / 16 117 / 117 us with it, 103 / 101 us without; 4096x4096 9.0 vs 9.6 us).
-    SAILFISH_SCALE_PREFETCH=1 turns it on, to measure it again."""
-    return SCALE_PREFETCH and cfg.BLOCK_N >= 32 * cfg.num_warps and group_size != 64
+def prefetch_scales(cfg: Config, group_size: int, general_gidx: bool = False, has_zeros: bool = False) -> bool:
+    """Load the next K tile's scales one iteration early in the mma kernel (a 2-byte load is
+    too narrow for the cp.async pipeline, so one issued in the tile that uses it stalls it).
+    - SCALE_ACC with one group per K tile (BLOCK_K <= group size) and no zero points: on.
+      ncu (H100, 8192x57344 M = 16 g128, BM 16 / BN 64 / BK 256) put 37% of the warps' stall
+      samples on the scale's fp16 -> fp32 convert waiting for its load. H200, same run, table
+      tiles, off -> on: fp16 g128 M = 32 / 64 on BLOCK_K 128 tiles 1.03-1.09x (8192x8192
+      M = 32 21.9 -> 20.2 us, 8192x57344 M = 64 153.0 -> 144.9), M = 16 0.99-1.04x.
+      Not with two groups per tile (BLOCK_K 256 halves: 0.98-1.00x) nor with zero points
+      (they stay synchronous in the dequantization, bf16 asym 0.97-1.03x); docs/perf_log.md v17.
+    - Without SCALE_ACC (the scale enters the dequantization): off. Only possible where
+      BLOCK_N >= 32 * num_warps and the group size is not 64 (else Triton 3.6 and 3.9 send
+      the dequantized tile through shared memory: regA probe, `python -m sailfish.bench.ptx
+      --group-size 64`), and measured slower there (H200, same run, tuned: 8192x57344 M = 2 /
+      16 117 / 117 us with it, 103 / 101 us without; 4096x4096 9.0 vs 9.6 us).
+    SAILFISH_SCALE_PREFETCH=0 turns it off everywhere, =1 on wherever possible (to measure)."""
+    if SCALE_PREFETCH == "0":
+        return False
+    if scale_acc(cfg, group_size, general_gidx):
+        one_group = 0 < cfg.BLOCK_K <= group_size
+        return one_group and (SCALE_PREFETCH == "1" or not has_zeros)
+    return SCALE_PREFETCH == "1" and cfg.BLOCK_N >= 32 * cfg.num_warps and group_size != 64
 
 
-SCALE_PREFETCH = os.environ.get("SAILFISH_SCALE_PREFETCH", "0") == "1"
+SCALE_PREFETCH = os.environ.get("SAILFISH_SCALE_PREFETCH", "auto")
 
 
 # The mma kernel loads the per-group scales (and zeros) as int32 pairs of two adjacent groups,
@@ -318,7 +331,8 @@ class _GemmPlan:
         else:
             self.kind = "mma"
             meta.update(HAS_GIDX=has_gidx, USE_ASM=asm, GROUP_M=cfg.GROUP_M,
-                        PREFETCH_S=prefetch_scales(cfg, group_size), PAIRED_S=paired and paired_scales(cfg),
+                        PREFETCH_S=prefetch_scales(cfg, group_size, has_gidx, has_zeros),
+                        PAIRED_S=paired and paired_scales(cfg),
                         SCALE_ACC=scale_acc(cfg, group_size, has_gidx), ACC_FENCE=device_index >= 0 and acc_fence())
             self.gemm = Launch(_w4a16_kernel, meta, device_index)
         self.reduce = None
