@@ -74,11 +74,13 @@ def compile_mma(block_m: int, block_n: int, block_k: int, split_k: int, num_warp
     from ..ops.w4a16 import paired_scales, prefetch_scales
     from ..ops.w4a16 import acc_fence as launcher_acc_fence
     from ..ops.w4a16 import scale_acc as launcher_scale_acc
+    from dataclasses import replace
+
     from ..tuning import Config
 
     cfg = Config(block_m, block_n, block_k, split_k, num_warps=num_warps, num_stages=num_stages)
     sa = launcher_scale_acc(cfg, group_size, False) if scale_acc is None else scale_acc
-    cfg_sa = Config(block_m, block_n, block_k, split_k, num_warps=num_warps, num_stages=num_stages, scale_acc=sa)
+    cfg_sa = replace(cfg, scale_acc=sa)
     consts = dict(GROUP_SIZE=0 if group_size == -1 else group_size, HAS_ZEROS=has_zeros, HAS_GIDX=False,
                   HAS_BIAS=False, EVEN_K=True, SPLIT_K=split_k, EMU_BF16=False, USE_ASM=use_asm,
                   PREFETCH_S=prefetch_scales(cfg_sa, group_size, False, has_zeros) if prefetch is None else prefetch,
