@@ -1,7 +1,14 @@
-"""Test helpers: tolerances, random 4-bit weights, act-order group indices."""
+"""Test helpers: tolerances, random 4-bit weights, act-order group indices, per-element
+error bounds, compile checks in a child process."""
+import os
+import subprocess
+import sys
 from typing import Optional
 
+import pytest
 import torch
+
+import sailfish
 
 from sailfish.formats.int4 import QuantizedWeight, num_groups
 
@@ -142,3 +149,15 @@ def assert_close_per_element(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     (+ bias) up to elementwise_bound."""
     msg = check_per_element(y, x, w, bias)
     assert msg is None, msg
+
+
+def run_compile_child(code: str, tmp_path) -> None:
+    """Run `code` in a fresh Python without TRITON_INTERPRET (this process's kernels are
+    interpreted), compiling into tmp_path; it must exit 0 and print "checked"."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    src_dir = os.path.dirname(os.path.dirname(sailfish.__file__))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src_dir, env.get("PYTHONPATH")]))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "checked" in r.stdout, (r.stdout + r.stderr)[-3000:]

@@ -2,15 +2,10 @@
 
 On CPU these run the Triton kernels in the interpreter (tests/conftest.py), on CUDA on the GPU.
 """
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from helpers import DTYPE_NAMES, TOL, make_g_idx, random_quantized, rel_err
-import sailfish
+from helpers import DTYPE_NAMES, TOL, make_g_idx, random_quantized, rel_err, run_compile_child
 from sailfish import Config, QuantLinear
 from sailfish.ops import use_triton
 from sailfish.ops.w4a16 import gemv_on_tensor_cores, w4a16_launch
@@ -446,15 +441,3 @@ def test_split_k_chain_compiles_with_pdl(tmp_path):
     for sm_90 without a GPU; on an sm_90 GPU every split-K test runs the chain with PDL on
     (the default there), e.g. test_long_k_loop_is_deterministic."""
     run_compile_child(_PDL_CHILD, tmp_path)
-
-
-def run_compile_child(code: str, tmp_path) -> None:
-    """Run `code` in a fresh Python without TRITON_INTERPRET (this process's kernels are
-    interpreted), compiling into tmp_path; it must exit 0 and print "checked"."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    src_dir = os.path.dirname(os.path.dirname(sailfish.__file__))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src_dir, env.get("PYTHONPATH")]))
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0 and "checked" in r.stdout, (r.stdout + r.stderr)[-3000:]

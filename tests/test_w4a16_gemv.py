@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import DTYPE_NAMES, assert_close_per_element, make_g_idx, random_quantized
-from test_w4a16 import run_compile_child
+from helpers import run_compile_child
 from sailfish import Config, QuantLinear
 from sailfish.ops import w4a16 as ops16
 from sailfish.ops.w4a16 import gemv_on_tensor_cores, w4a16_launch

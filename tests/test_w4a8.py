@@ -15,7 +15,7 @@ import torch
 
 import sailfish
 
-from helpers import DTYPE_NAMES, TOL, rel_err
+from helpers import DTYPE_NAMES, TOL, rel_err, run_compile_child
 from sailfish import Config, QuantLinear, QuantLinearW4A8, quantize_model
 from sailfish.formats.nibbles import pack_nibbles
 from sailfish.formats.qqq import (QQQWeight, codes_to_int8, natural_to_fragment_order_w4a8,
@@ -783,10 +783,4 @@ def test_mma_tile_stays_in_registers(tmp_path):
     int8 wgmma (s32.s8.s8; fp8 variant: f32.e4m3.e4m3) from registers, with no ldmatrix and no
     st.shared of the weight tile (bench/ptx.py). A layout or compiler change that brings a
     round trip back fails here."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    src_dir = os.path.dirname(os.path.dirname(sailfish.__file__))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src_dir, env.get("PYTHONPATH")]))
-    r = subprocess.run([sys.executable, "-c", _PTX_CHILD], env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0 and "checked" in r.stdout, (r.stdout + r.stderr)[-3000:]
+    run_compile_child(_PTX_CHILD, tmp_path)

@@ -1,6 +1,8 @@
-"""Probe (not part of the package; Hopper GPU; Triton 3.6 and 3.9): a Gluon W4A16 kernel with
-explicit wgmma waits, measured against the shipped Triton kernel in one process
-(docs/perf_log.md v17).
+"""Probe (not part of the package; Hopper GPU; Triton 3.6 and 3.9): the first Gluon W4A16 kernel,
+one 128-channel chunk per wgmma wait, measured against the shipped Triton kernel in one process
+(docs/perf_log.md v17). The package's kernel (kernels/w4a16_gluon.py, v18) issues two chunks per
+wait instead; this probe keeps the variant that ptxas serializes, and shares the package's
+layouts and dequantization.
 
     PYTHONPATH=src python benchmarks/probes/gluon_w4a16_probe.py compile   # no GPU needed: PTX / ptxas
     PYTHONPATH=src python benchmarks/probes/gluon_w4a16_probe.py ab 16,64 128,-1 400   # GPU: M, group sizes, s
@@ -34,58 +36,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
                                                              warpgroup_mma_init, warpgroup_mma_wait)
 
-from sailfish.kernels.w4a16 import _ASM_BF16_Q, _ASM_F16_Q
-
-# names that differ between Triton 3.6 and 3.9
-_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
-_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+from sailfish.kernels.w4a16_gluon import _async_load, _barrier, _chunk_weights
+from sailfish.kernels.w4a16_gluon import layouts as _package_layouts
 
 
-def layouts(BLOCK_M, BLOCK_N, num_warps=4):
-    """The kernel's layouts for one warpgroup: the wgmma accumulator (BLOCK_N, BLOCK_M), the packed
-    words (BLOCK_N, 16) of one chunk, owned as wgmma's register A fragment needs them (row 16w +
-    8h + g, words 4t..4t+3 to lane 4g + t of warp w), the A operand, x's and the words' copy
-    layouts and their shared-memory layouts."""
-    R = BLOCK_N // 64
-    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
-    reg = [[0, 1], [0, 2], [8, 0]] + [[64 << i, 0] for i in range(R.bit_length() - 1)]
-    words = gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-                                       warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BLOCK_N, 16])
-    dot_a = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    x_blk = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[num_warps, 1],
-                             order=[1, 0])
-    x_smem = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    w_blk = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4], warps_per_cta=[num_warps, 1],
-                             order=[1, 0])
-    w_smem = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    return mma, words, dot_a, x_blk, x_smem, w_blk, w_smem
-
-
-@gluon.jit
-def _join8(n0, n1, n2, n3, n4, n5, n6, n7):
-    return gl.join(gl.join(gl.join(n0, n4), gl.join(n2, n6)), gl.join(gl.join(n1, n5), gl.join(n3, n7)))
-
-
-@gluon.jit
-def _chunk_weights(words, DT: gl.constexpr, BLOCK_N: gl.constexpr, DOT_A: gl.constexpr):
-    """(BLOCK_N, 16) packed words of one 128-channel chunk -> (BLOCK_N, 128) q - 8 in DOT_A."""
-    if DT == gl.float16:
-        z2 = gl.full(words.shape, 0x64086408, gl.int32, layout=words.type.layout)
-        z16 = gl.full(words.shape, -729754496, gl.int32, layout=words.type.layout)
-        n0, n1, n2, n3, n4, n5, n6, n7 = gl.inline_asm_elementwise(
-            _ASM_F16_Q, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, z2, z16],
-            dtype=(gl.float16,) * 8, is_pure=True, pack=1)
-    else:
-        z2 = gl.full(words.shape, 0x43084308, gl.int32, layout=words.type.layout)
-        n0, n1, n2, n3, n4, n5, n6, n7 = gl.inline_asm_elementwise(
-            _ASM_BF16_Q, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, z2],
-            dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
-    q = _join8(n0, n1, n2, n3, n4, n5, n6, n7)           # (n, w, e, h, r0)
-    q = gl.reshape(q, (BLOCK_N, 4, 4, 2, 2, 2))          # (n, t, a, e, h, r0)
-    q = gl.permute(q, (0, 2, 5, 4, 1, 3))                # (n, a, r0, h, t, e)
-    q = gl.reshape(q, (BLOCK_N, 128))
-    return gl.convert_layout(q, DOT_A)
-
+def layouts(BLOCK_M, BLOCK_N):
+    """The package kernel's layouts (kernels/w4a16_gluon.layouts), as a tuple."""
+    d = _package_layouts(BLOCK_M, BLOCK_N)
+    return tuple(d[k] for k in ("MMA", "WORDS", "DOT_A", "X_BLK", "X_SMEM", "W_BLK", "W_SMEM"))
 
 @gluon.jit
 def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, y_ptr, ws_ptr, M, N, K, stride_xm, stride_ym, stride_qn, stride_sn,

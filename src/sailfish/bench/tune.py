@@ -48,7 +48,7 @@ def _w4a16_family(k, n, group_size, sym, dtype):
         return x, x.float() @ l.dequantize().T
 
     def candidates(m):
-        problem = dict(M=m, N=n, Kp=kp, group_size=group_size, general_gidx=False)
+        problem = dict(M=m, N=n, Kp=kp, group_size=group_size, general_gidx=False, has_zeros=not sym)
         dev = torch.device("cuda")
         return [_w4a16_heuristic(device=dev, **problem), *_w4a16_candidates(device=dev, **problem)]
 

@@ -33,7 +33,7 @@ def _tensor_core_gemv(M: int, group_size: int, general_gidx: bool) -> bool:
     return GEMV_MMA and M <= 8 and (group_size == -1 or group_size % K_CHUNK == 0) and not general_gidx
 
 
-def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx) -> Config:
+def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=False) -> Config:
     sms = sm_count(device.index or 0) if device.type == "cuda" else 132
     if _tensor_core_gemv(M, group_size, general_gidx):
         # tensor-core GEMV, H200 (GPU_CHECK.sh of issue 9, 8 Llama shapes): at M = 1, 16 rows x
@@ -76,8 +76,29 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx) -> Config:
     return Config(bm, bn, bk, split, 8, warps, stages)
 
 
-def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx):
+def _gluon_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros):
+    """The Hopper Gluon kernel's tiles (kernels/w4a16_gluon.py) for 8 < M <= 32, where it can
+    run. H200, same run, M = 16 g128 (.scratch sweep, docs/perf_log.md v18): BLOCK_N 64 with
+    3 stages was the best tile on all 8 Llama shapes (4 CTAs per SM at ~121 registers; 4 or 6
+    stages cost occupancy, BLOCK_N 128 was 1.1-1.4x slower); the split-K that fills the SMs
+    ~3-4 times decides the rest, so the non-power-of-two splits 3 and 6 are tried too."""
+    if (not 8 < M <= 32 or general_gidx or has_zeros or not (group_size == -1 or group_size % K_CHUNK == 0)
+            or Kp % GLUON_STEP or not gluon_device(device.index or 0)):
+        return
     sms = sm_count(device.index or 0)
+    bm = 16 if M <= 16 else 32
+    steps = Kp // GLUON_STEP
+    for bn, stages in ((64, 3), (64, 4), (128, 3)):
+        tiles = -(-M // bm) * -(-N // bn)
+        for split in (1, 2, 3, 4, 6, 8):
+            if gluon_split_ok(split, steps) and tiles * split <= 8 * sms:
+                yield Config(bm, bn, GLUON_STEP, split, 8, 4, stages, kernel="gluon")
+
+
+def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros=False):
+    sms = sm_count(device.index or 0)
+    yield from _gluon_candidates(device=device, M=M, N=N, Kp=Kp, group_size=group_size, general_gidx=general_gidx,
+                                 has_zeros=has_zeros)
     if _tensor_core_gemv(M, group_size, general_gidx):
         # the tensor-core GEMV (gemv_on_tensor_cores): BLOCK_N 16 runs one 16-row mma block
         # per asm element, >= 32 two (x loaded once for both); num_stages 1 / 2: without /
@@ -151,8 +172,10 @@ def _check_config(cfg: Config, kp: int, m: int, group_size: int = -1, general_gi
     if cfg.BLOCK_K % K_CHUNK:
         raise ValueError(f"config BLOCK_K={cfg.BLOCK_K} must be a multiple of {K_CHUNK} "
                          "(whole chunks of the fragment-order weight layout)")
-    if cfg.kernel not in ("mma", "gemv", "dequant"):
-        raise ValueError(f"config kernel={cfg.kernel!r} is not one of 'mma', 'gemv', 'dequant'")
+    if cfg.kernel not in ("mma", "gemv", "dequant", "gluon"):
+        raise ValueError(f"config kernel={cfg.kernel!r} is not one of 'mma', 'gemv', 'dequant', 'gluon'")
+    if cfg.kernel == "gluon":
+        _check_gluon_config(cfg, kp)
     if cfg.kernel == "gemv" and cfg.BLOCK_M < m:
         raise ValueError(f"config kernel='gemv' needs BLOCK_M >= M, got BLOCK_M={cfg.BLOCK_M}, M={m}")
     if cfg.kernel == "mma" and cfg.BLOCK_M < 16:
@@ -167,6 +190,27 @@ def _check_config(cfg: Config, kp: int, m: int, group_size: int = -1, general_gi
                          f">= 256) and no general "
                          f"g_idx; got kernel={cfg.kernel!r}, BLOCK_K={cfg.BLOCK_K}, group_size={group_size}, "
                          f"general g_idx={general_gidx}")
+
+
+def _check_gluon_config(cfg: Config, kp: int) -> None:
+    """The tiles kernels/w4a16_gluon.py compiles: one warpgroup, BLOCK_K = one K step of two
+    128-channel chunks, BLOCK_M 16-64 (wgmma's N), BLOCK_N 64 or 128 (wgmma's M per warp
+    group; 256 would not fit the registers), a ring of >= 2 steps, every split non-empty."""
+    if cfg.BLOCK_K != GLUON_STEP:
+        raise ValueError(f"config kernel='gluon' needs BLOCK_K={GLUON_STEP}, got {cfg.BLOCK_K}")
+    if cfg.BLOCK_M not in (16, 32, 64):
+        raise ValueError(f"config kernel='gluon' needs BLOCK_M in (16, 32, 64), got {cfg.BLOCK_M}")
+    if cfg.BLOCK_N not in (64, 128):
+        raise ValueError(f"config kernel='gluon' needs BLOCK_N in (64, 128), got {cfg.BLOCK_N}")
+    if cfg.num_warps != 4:
+        raise ValueError(f"config kernel='gluon' needs num_warps=4 (one warpgroup), got {cfg.num_warps}")
+    if cfg.num_stages < 2:
+        raise ValueError(f"config kernel='gluon' needs num_stages >= 2 (the cp.async ring), got {cfg.num_stages}")
+    if cfg.scale_acc:
+        raise ValueError("config kernel='gluon' takes no scale_acc (it always scales the fp32 products)")
+    if not gluon_split_ok(cfg.SPLIT_K, kp // GLUON_STEP):
+        raise ValueError(f"config kernel='gluon' SPLIT_K={cfg.SPLIT_K} leaves a split of the {kp // GLUON_STEP} "
+                         f"K steps empty (split k takes steps [k * ceil(steps / SPLIT_K), ...))")
 
 
 # ----------------------------------------------------------------------------------
@@ -277,6 +321,52 @@ def _has_bf16x2(device_index: int) -> bool:
 GEMV_MMA = os.environ.get("SAILFISH_GEMV_MMA", "1") == "1"
 
 
+# The 'gluon' configs run the Hopper Gluon kernel (kernels/w4a16_gluon.py) wherever it applies
+# (gluon_applies) and its Triton twin (gluon_twin) elsewhere: the CPU interpreter, other GPUs,
+# zero points, a general g_idx, K % 256 != 0. SAILFISH_GLUON=0 runs the twin everywhere and
+# keeps the Gluon tiles out of the tuner's candidates (to compare).
+GLUON = os.environ.get("SAILFISH_GLUON", "1") == "1"
+GLUON_STEP = 2 * K_CHUNK  # channels per K step of the Gluon kernel (its BLOCK_K)
+
+
+def gluon_split_ok(split: int, steps: int) -> bool:
+    """Every one of `split` splits of `steps` K steps gets one at least (the Gluon kernel gives
+    split k the steps from k * ceil(steps / split))."""
+    return 1 <= split <= steps and (split - 1) * -(-steps // split) < steps
+
+
+@lru_cache(maxsize=None)
+def gluon_device(device_index: int) -> bool:
+    """An sm_90 GPU (Gluon's Hopper warpgroup_mma) and a Triton whose Gluon the kernel
+    compiles with (3.6 to 3.9 are tested), unless SAILFISH_GLUON=0."""
+    if not GLUON or device_index < 0 or not torch.cuda.is_available():
+        return False
+    if torch.cuda.get_device_capability(device_index) != (9, 0):
+        return False
+    try:
+        from ..kernels import w4a16_gluon  # noqa: F401
+    except Exception:  # noqa: BLE001 - a Triton without Gluon or with another Gluon API
+        return False
+    return True
+
+
+def gluon_twin(cfg: Config) -> Config:
+    """The Triton config that computes what a 'gluon' config does: the same tile, split and
+    K step (two 128-channel halves with the scale on each fp32 product, SCALE_ACC)."""
+    return replace(cfg, kernel="mma", scale_acc=True)
+
+
+def gluon_applies(x: torch.Tensor, qweight: torch.Tensor, group_size: int, has_zeros: bool, general_gidx: bool,
+                  use_asm: bool) -> bool:
+    """Whether a 'gluon' config runs the Gluon kernel: a Hopper GPU (gluon_device), the asm
+    dequantization allowed, symmetric weights, groups of whole 128-channel chunks (or per
+    channel), no general g_idx, K a multiple of its 256-channel step, and x and the words
+    16-byte aligned (its cp.async copies 16 bytes per thread)."""
+    return (use_asm and x.is_cuda and not has_zeros and not general_gidx
+            and (group_size == -1 or group_size % K_CHUNK == 0) and x.shape[1] % GLUON_STEP == 0
+            and x.data_ptr() % 16 == 0 and qweight.data_ptr() % 16 == 0 and gluon_device(x.device.index))
+
+
 def gemv_on_tensor_cores(cfg: Config, x: torch.Tensor, gs: int, general_gidx: bool) -> bool:
     """Whether a 'gemv' config runs the tensor-core GEMV: M <= 8 (the 8 columns of an
     m16n8k16 B tile), groups of whole 128-channel chunks (per channel, 128, 256, ...), no
@@ -297,7 +387,7 @@ _REDUCE_BLOCK = 1024
 
 
 class _GemmPlan:
-    """The fused paths ("gemv", "mma") of one W4A16 problem on one GPU: its config and the
+    """The fused paths ("gemv", "mma", "gluon") of one W4A16 problem on one GPU: its config and the
     bound kernels (GEMM, split-K reduce; ops/launch.py). w4a16_launch builds one per call
     on the slow path and keeps it in W4A16_TUNER.plans under its plan key (below) once its
     kernels are bound, so that a steady-state call skips the tuner and Triton's binding."""
@@ -306,18 +396,29 @@ class _GemmPlan:
 
     def __init__(self, cfg: Config, device_index: int, *, gs: int, has_zeros: bool, has_gidx: bool,
                  has_bias: bool, emu: bool, asm: bool, mma_asm: bool, tensor_core_gemv: bool,
-                 paired: bool, bf16: bool, K: int, group_size: int):
+                 paired: bool, bf16: bool, K: int, group_size: int, gluon: bool = False):
         from ..kernels.w4a16 import (_splitk_reduce_kernel, _w4a16_gemv_kernel, _w4a16_gemv_mma_kernel,
                                      _w4a16_kernel, gemv_asm, gemv_pairs, gemv_warps)
 
+        if cfg.kernel == "gluon" and not gluon:  # (gluon_applies)
+            cfg = gluon_twin(cfg)
         self.config = cfg
         even_k = K % cfg.BLOCK_K == 0
         # PDL (ops/launch.py): the split-K GEMM lets the reduce launch at once, the reduce waits
-        chained = cfg.SPLIT_K > 1 and pdl(device_index)
+        # (not after the Gluon kernel, which does not release it early)
+        chained = cfg.SPLIT_K > 1 and pdl(device_index) and cfg.kernel != "gluon"
         meta = dict(GROUP_SIZE=gs, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, EVEN_K=even_k, SPLIT_K=cfg.SPLIT_K,
                     EMU_BF16=emu, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, PDL_EARLY=chained,
                     **cfg.launch())
-        if cfg.kernel == "gemv" and tensor_core_gemv:  # (takes no g_idx pointer)
+        if cfg.kernel == "gluon":  # (takes no zeros / g_idx pointers)
+            from ..kernels.w4a16_gluon import layouts, w4a16_gluon_kernel
+
+            self.kind = "gluon"
+            self.gemm = Launch(w4a16_gluon_kernel, dict(
+                GROUP_CHUNKS=gs // K_CHUNK, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K, BLOCK_M=cfg.BLOCK_M,
+                BLOCK_N=cfg.BLOCK_N, STAGES=cfg.num_stages, num_warps=4, **layouts(cfg.BLOCK_M, cfg.BLOCK_N)),
+                device_index)
+        elif cfg.kernel == "gemv" and tensor_core_gemv:  # (takes no g_idx pointer)
             self.kind = "gemv_mma"
             text, constraints = (gemv_asm(bf16, has_zeros, even_k, gemv_pairs(cfg.BLOCK_N)) if mma_asm
                                  else ("", ""))
@@ -360,6 +461,9 @@ class _GemmPlan:
         sym = out.stride(0)
         if kind == "gemv_mma":
             self.gemm((tiles_n, split), x, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym, sqn, ssn)
+        elif kind == "gluon":
+            self.gemm((-(-M // cfg.BLOCK_M) * tiles_n, split), x, qweight, scales, bias, y, ws, M, N, K, K, sym, sqn,
+                      ssn)
         else:
             grid = (tiles_n, split) if kind == "gemv" else (-(-M // cfg.BLOCK_M) * tiles_n, split)
             self.gemm(grid, x, qweight, scales, z_arg, sorted_g_idx, bias, y, ws, M, N, K, K, sym, sqn, ssn)
@@ -452,7 +556,9 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                          has_gidx=sorted_g_idx is not None, has_bias=bias is not None, emu=emu, asm=asm,
                          mma_asm=use_asm and _has_mma_asm(x),
                          tensor_core_gemv=gemv_on_tensor_cores(cfg, x, gs, sorted_g_idx is not None),
-                         paired=pairable, bf16=x.dtype == torch.bfloat16, K=K, group_size=group_size)
+                         paired=pairable, bf16=x.dtype == torch.bfloat16, K=K, group_size=group_size,
+                         gluon=cfg.kernel == "gluon" and gluon_applies(x, qweight, group_size, zeros is not None,
+                                                                       sorted_g_idx is not None, use_asm))
         plan(out, out, x, qweight, scales, z_arg, sorted_g_idx, bias, M, N, K, sqn, ssn)
         return plan
 
@@ -466,7 +572,7 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 config = W4A16_TUNER.get(key_str, x.device, scratch_runner(run, y),
                                          fallback_key=problem_key("w4a16", Kp, N, M, "any"), memo_key=memo,
                                          M=mb, N=N, Kp=Kp, group_size=group_size,
-                                         general_gidx=sorted_g_idx is not None)
+                                         general_gidx=sorted_g_idx is not None, has_zeros=zeros is not None)
                 _check_config(config, Kp, M, group_size, sorted_g_idx is not None, table=True)
         else:
             _check_config(config, Kp, M, group_size, sorted_g_idx is not None)

@@ -1,0 +1,233 @@
+"""W4A16 on Hopper in Gluon: symmetric 4-bit weights (per channel or groups of 128, 256, ...),
+fp16/bf16 activations, the weight as wgmma's register A operand with every layout and every
+wgmma wait explicit. Hopper (sm_90a) and Triton's Gluon only: ops/w4a16.py runs the portable
+Triton mma kernel (its twin, kernels/w4a16._w4a16_kernel with SCALE_ACC) everywhere else,
+including the CPU interpreter, which does not run Gluon.
+
+Why a second kernel (docs/perf_log.md v17/v18): in plain Triton a grouped tile either
+multiplies every dequantized weight by its scale (4 of the 13 fp16 asm instructions per
+word) or waits for each K tile's own wgmma before scaling its product in, and the compiler
+chooses the waits. Here one K step is two 128-channel chunks: both chunks' wgmmas are issued
+(A = the chunk's weights from registers, B = x from shared memory), then one wait(0), then
+acc += p0 * s0 + p1 * s1. The two wgmmas overlap each other and, because nothing reads an
+accumulator of a wgmma in flight, ptxas keeps them asynchronous (one chunk per wait, with the
+previous product scaled in after wait(1), was serialized by ptxas, C7514: probe
+benchmarks/probes/gluon_w4a16_probe.py). Measured with the probe's pair variant on an H200,
+M = 16 g128, same run: 8192x57344 94.6 -> 81.5 us, 28672x8192 56.0 -> 46.2 us against the
+re-tuned Triton tiles.
+
+Data path per K step (no shared-memory trip of the dequantized tile):
+- cp.async ring of STAGES steps: per chunk, the (BLOCK_N, 16) packed words (fragment order,
+  formats.int4.PackedW4, evict-first) and the (BLOCK_M, 128) x tile (128-byte swizzle, wgmma's
+  B operand as it is);
+- the words are read back from shared memory in WORDS, a linear layout that gives lane
+  4g + t of warp w the words 4t..4t+3 of rows 16w + g and 16w + 8 + g, which is where wgmma's
+  A fragment wants their 32 channels; the unscaled asm dequantization (q - 8 exactly, as the
+  Triton kernel's SCALE_ACC path) then a join / reshape / permute that the compiler lowers to
+  register renames, and a convert_layout to the A operand layout that is register-only (the
+  compile test checks the PTX loop for shared stores);
+- per channel the two wgmmas chain into the accumulator and the scale multiplies it once at
+  the end.
+Output: y in x's dtype (+ bias), or with SPLIT_K > 1 fp32 partial sums for the package's
+fixed-order reduce (kernels/w4a16._splitk_reduce_kernel), as the Triton kernel.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
+                                                             warpgroup_mma_init, warpgroup_mma_wait)
+
+from .w4a16 import _ASM_BF16_Q, _ASM_F16_Q
+
+# names that differ between Triton 3.6 and 3.9
+_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+CHUNK = 128  # channels per wgmma (one chunk of the fragment order)
+STEP = 2 * CHUNK  # channels per K step
+NUM_WARPS = 4  # one warpgroup
+_CHUNK = gl.constexpr(CHUNK)
+_STEP = gl.constexpr(STEP)
+
+
+@lru_cache(maxsize=None)
+def layouts(BLOCK_M: int, BLOCK_N: int) -> dict:
+    """The kernel's layout constexprs for one warpgroup and a (BLOCK_N, BLOCK_M) accumulator."""
+    R = BLOCK_N // 64
+    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    # registers: words +1, +2 of a lane, row +8, then the 64-row blocks; lanes: words +4, +8
+    # (t), rows +1, +2, +4 (g); warps: rows +16, +32
+    reg = [[0, 1], [0, 2], [8, 0]] + [[64 << i, 0] for i in range(R.bit_length() - 1)]
+    words = gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+                                       warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BLOCK_N, 16])
+    return dict(
+        MMA=mma, WORDS=words,
+        DOT_A=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
+        X_BLK=gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[NUM_WARPS, 1],
+                               order=[1, 0]),
+        X_SMEM=gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2),
+        W_BLK=gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4], warps_per_cta=[NUM_WARPS, 1],
+                               order=[1, 0]),
+        W_SMEM=gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]),
+    )
+
+
+@gluon.jit
+def _join8(n0, n1, n2, n3, n4, n5, n6, n7):
+    return gl.join(gl.join(gl.join(n0, n4), gl.join(n2, n6)), gl.join(gl.join(n1, n5), gl.join(n3, n7)))
+
+
+@gluon.jit
+def _chunk_weights(words, DT: gl.constexpr, BLOCK_N: gl.constexpr, DOT_A: gl.constexpr):
+    """(BLOCK_N, 16) packed words of one chunk -> (BLOCK_N, 128) q - 8 in DOT_A (exact)."""
+    if DT == gl.float16:
+        z2 = gl.full(words.shape, 0x64086408, gl.int32, layout=words.type.layout)
+        z16 = gl.full(words.shape, -729754496, gl.int32, layout=words.type.layout)
+        n0, n1, n2, n3, n4, n5, n6, n7 = gl.inline_asm_elementwise(
+            _ASM_F16_Q, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, z2, z16],
+            dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+    else:
+        z2 = gl.full(words.shape, 0x43084308, gl.int32, layout=words.type.layout)
+        n0, n1, n2, n3, n4, n5, n6, n7 = gl.inline_asm_elementwise(
+            _ASM_BF16_Q, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, z2],
+            dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+    # nibble 4e + 2h + r0 of word 16c + 4t + a is channel 32a + 16r0 + 8h + 2t + e of chunk c
+    q = _join8(n0, n1, n2, n3, n4, n5, n6, n7)           # (n, w, e, h, r0)
+    q = gl.reshape(q, (BLOCK_N, 4, 4, 2, 2, 2))          # (n, t, a, e, h, r0)
+    q = gl.permute(q, (0, 2, 5, 4, 1, 3))                # (n, a, r0, h, t, e)
+    q = gl.reshape(q, (BLOCK_N, _CHUNK))
+    return gl.convert_layout(q, DOT_A)
+
+
+@gluon.jit
+def _load_step(w_buf, x_buf, slot, w_ptrs, x_ptrs, step, ok):
+    """cp.async the two chunks of K step `step` into ring slot `slot` (one commit group)."""
+    _async_load(w_buf.index(2 * slot), w_ptrs + step * 32, mask=ok, eviction_policy="evict_first")
+    _async_load(w_buf.index(2 * slot + 1), w_ptrs + (step * 32 + 16), mask=ok, eviction_policy="evict_first")
+    _async_load(x_buf.index(2 * slot), x_ptrs + step * _STEP, mask=ok)
+    _async_load(x_buf.index(2 * slot + 1), x_ptrs + (step * _STEP + _CHUNK), mask=ok)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _step_scales(s_base, step, GROUP_CHUNKS: gl.constexpr):
+    """The fp32 scales of the two chunks of K step `step`, rows of the accumulator."""
+    s0 = gl.load(s_base + (2 * step) // GROUP_CHUNKS).to(gl.float32)
+    s1 = gl.load(s_base + (2 * step + 1) // GROUP_CHUNKS).to(gl.float32)
+    return s0, s1
+
+
+@gluon.jit
+def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_xm, stride_ym, stride_qn,
+                       stride_sn, GROUP_CHUNKS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       MMA: gl.constexpr, WORDS: gl.constexpr, DOT_A: gl.constexpr, X_BLK: gl.constexpr,
+                       X_SMEM: gl.constexpr, W_BLK: gl.constexpr, W_SMEM: gl.constexpr):
+    """y (M, N) = x (M, K) @ W^T for W = scale * (q - 8). GROUP_CHUNKS: chunks per scale group
+    (0: per channel). K % 256 == 0; split k takes K steps [k * ceil(steps / SPLIT_K), ...), none
+    empty (the launcher checks both); program (tile, split)."""
+    DT: gl.constexpr = x_ptr.dtype.element_ty
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    # the M tiles of one N tile are adjacent programs: they read the same weight tile at about
+    # the same time, so HBM delivers it once (L2) when M spans several BLOCK_M
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    pid_n = pid // tiles_m
+    pid_m = pid % tiles_m
+    steps = K // _STEP
+    per = gl.cdiv(steps, SPLIT_K)
+    first = pid_k * per
+    n = gl.minimum(per, steps - first)  # K steps of this split (>= 1: the launcher checks)
+
+    # words of rows wn, 16 per chunk (16 bytes per thread); rows past N read row n % N
+    wn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, W_BLK))
+    wn = (wn % N).to(gl.int64)
+    ww = gl.arange(0, 16, layout=gl.SliceLayout(0, W_BLK))
+    w_ptrs = qw_ptr + wn[:, None] * stride_qn + (first * 32 + ww)[None, :]
+    # x rows past M read row m % M (their outputs are masked)
+    xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, X_BLK))
+    xm = (xm % M).to(gl.int64)
+    xk = gl.arange(0, _CHUNK, layout=gl.SliceLayout(0, X_BLK))
+    x_ptrs = x_ptr + xm[:, None] * stride_xm + (first * _STEP + xk)[None, :]
+    # scales: rows of the accumulator
+    an = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    s_base = s_ptr + (an % N).to(gl.int64) * stride_sn
+
+    x_buf = gl.allocate_shared_memory(DT, [2 * STAGES, BLOCK_M, _CHUNK], X_SMEM)
+    w_buf = gl.allocate_shared_memory(gl.int32, [2 * STAGES, BLOCK_N, 16], W_SMEM)
+    for s in gl.static_range(STAGES - 1):
+        _load_step(w_buf, x_buf, s, w_ptrs, x_ptrs, s, s < n)
+
+    acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA)
+    if GROUP_CHUNKS > 0:
+        zero = warpgroup_mma_init(gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA))
+        sn0, sn1 = _step_scales(s_base, first, GROUP_CHUNKS)
+    for i in range(n):
+        async_copy.wait_group(STAGES - 2)  # step i's group has landed
+        _barrier()  # ... for every thread, and every thread is done with step i - 1's slot
+        # refill step i - 1's slot (its wgmmas retired in step i - 1's wait(0))
+        nxt = i + STAGES - 1
+        _load_step(w_buf, x_buf, nxt % STAGES, w_ptrs, x_ptrs, nxt, nxt < n)
+        slot = i % STAGES
+        w0 = _chunk_weights(w_buf.index(2 * slot).load(WORDS), DT, BLOCK_N, DOT_A)
+        w1 = _chunk_weights(w_buf.index(2 * slot + 1).load(WORDS), DT, BLOCK_N, DOT_A)
+        fence_async_shared()
+        x0 = x_buf.index(2 * slot).permute((1, 0))
+        x1 = x_buf.index(2 * slot + 1).permute((1, 0))
+        if GROUP_CHUNKS > 0:
+            s0 = sn0
+            s1 = sn1
+            # the next step's scales, a step early (a 2-byte load stalls the step that uses it)
+            sn0, sn1 = _step_scales(s_base, first + gl.minimum(i + 1, n - 1), GROUP_CHUNKS)
+            p0 = warpgroup_mma(w0, x0, zero, use_acc=False, is_async=True)
+            p1 = warpgroup_mma(w1, x1, zero, use_acc=False, is_async=True)
+            p0, p1, w0, w1 = warpgroup_mma_wait(num_outstanding=0, deps=(p0, p1, w0, w1))
+            acc += p0 * s0[:, None] + p1 * s1[:, None]
+        else:
+            acc = warpgroup_mma(w0, x0, acc, is_async=True)
+            acc = warpgroup_mma(w1, x1, acc, is_async=True)
+            acc, w0, w1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0, w1))
+    async_copy.wait_group(0)
+    if GROUP_CHUNKS == 0:
+        acc = acc * gl.load(s_base).to(gl.float32)[:, None]
+
+    om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+    mask = (om < M)[None, :] & (an < N)[:, None]
+    om = om.to(gl.int64)
+    on = an.to(gl.int64)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += gl.load(bias_ptr + an, mask=an < N, other=0.0).to(gl.float32)[:, None]
+        gl.store(y_ptr + om[None, :] * stride_ym + on[:, None], acc.to(DT), mask=mask)
+    else:
+        gl.store(ws_ptr + (pid_k * M + om[None, :]) * N + on[:, None], acc, mask=mask)
+
+
+def compile_sm90(BLOCK_M: int = 16, BLOCK_N: int = 64, STAGES: int = 3, group_size: int = 128, SPLIT_K: int = 1,
+                 dtype: str = "fp16", has_bias: bool = False):
+    """triton.compile of the kernel for sm_90a without a GPU (PTX / SASS checks, tests).
+    Needs a process in which the Triton interpreter has not run (it patches the frontend)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    ty = "*fp16" if dtype == "fp16" else "*bf16"
+    sig = {"x_ptr": ty, "qw_ptr": "*i32", "s_ptr": ty, "bias_ptr": ty if has_bias else "constexpr", "y_ptr": ty,
+           "ws_ptr": "*fp32" if SPLIT_K > 1 else "constexpr", "M": "i32", "N": "i32", "K": "i32",
+           "stride_xm": "i32", "stride_ym": "i32", "stride_qn": "i32", "stride_sn": "i32"}
+    consts = dict(GROUP_CHUNKS=0 if group_size == -1 else group_size // CHUNK, HAS_BIAS=has_bias, SPLIT_K=SPLIT_K,
+                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, **layouts(BLOCK_M, BLOCK_N))
+    if not has_bias:
+        consts["bias_ptr"] = None
+    if SPLIT_K == 1:
+        consts["ws_ptr"] = None
+    sig.update({k: "constexpr" for k in consts})
+    names = list(sig)
+    aligned = ("x_ptr", "qw_ptr", "s_ptr", "bias_ptr", "y_ptr", "ws_ptr", "N", "K", "stride_xm", "stride_ym",
+               "stride_qn")
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned if sig[a] != "constexpr"}
+    src = GluonASTSource(fn=w4a16_gluon_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})

@@ -1,0 +1,197 @@
+"""The Hopper Gluon W4A16 kernel (kernels/w4a16_gluon.py) and its Triton twin.
+
+A 'gluon' config runs the Gluon kernel on an sm_90 GPU and the twin (ops/w4a16.gluon_twin:
+the mma kernel with the same tile, K step and split, scales on the fp32 products) anywhere
+else, including the CPU interpreter, which cannot run Gluon. On the CPU these tests run the
+twin and compile the Gluon kernel for sm_90a (PTX / SASS checks); on an H100 / H200 they
+run the Gluon kernel itself against the reference, per element.
+"""
+import pytest
+import torch
+
+from helpers import DTYPE_NAMES, assert_close_per_element, random_quantized, run_compile_child
+from sailfish import Config, QuantLinear
+from sailfish.ops import w4a16 as ops16
+from sailfish.ops.w4a16 import gluon_split_ok, gluon_twin, w4a16_launch
+
+F16, BF16 = torch.float16, torch.bfloat16
+
+
+def _on_hopper() -> bool:
+    return torch.cuda.is_available() and ops16.gluon_device(torch.cuda.current_device())
+
+
+def _layer(k, n, gs, dtype, bias, device, sym=True):
+    qw = random_quantized(k, n, gs, sym, dtype, None, device)
+    b = torch.randn(n, device=device).to(dtype) if bias else None
+    return QuantLinear.from_quantized(qw, b)
+
+
+def _launch(layer, x, cfg, use_asm=True):
+    return w4a16_launch(x, layer.qweight, layer.scales, layer.zeros, layer.perm, layer.sorted_g_idx, layer.bias,
+                        layer.in_features, layer.group_size, config=cfg, use_asm=use_asm)
+
+
+# M, K, N, group size, dtype, bias, config: M not a multiple of BLOCK_M, N not of BLOCK_N,
+# per channel and groups of 128 / 256, split-K with even, uneven and power-of-two splits
+CASES = [
+    (16, 1024, 192, 128, F16, False, Config(16, 64, 256, 1, 8, 4, 3, kernel="gluon")),
+    (5, 1024, 200, 128, F16, True, Config(16, 64, 256, 2, 8, 4, 2, kernel="gluon")),
+    (16, 1536, 128, -1, F16, True, Config(16, 128, 256, 3, 8, 4, 3, kernel="gluon")),
+    (30, 2048, 136, 256, BF16, False, Config(32, 64, 256, 4, 8, 4, 4, kernel="gluon")),
+    (48, 1280, 64, 128, BF16, True, Config(32, 64, 256, 5, 8, 4, 2, kernel="gluon")),
+    (64, 768, 320, -1, BF16, False, Config(64, 64, 256, 1, 8, 4, 3, kernel="gluon")),
+    (17, 1792, 256, 128, F16, True, Config(16, 128, 256, 4, 8, 4, 2, kernel="gluon")),
+]
+
+
+def _case_id(c):
+    m, k, n, gs, dt, bias, cfg = c
+    return f"M{m}-K{k}-N{n}-g{gs}-{DTYPE_NAMES[dt]}{'-bias' if bias else ''}-bm{cfg.BLOCK_M}bn{cfg.BLOCK_N}sk{cfg.SPLIT_K}"
+
+
+@pytest.mark.parametrize("m,k,n,gs,dtype,bias,cfg", CASES, ids=[_case_id(c) for c in CASES])
+def test_gluon_config_matches_reference(m, k, n, gs, dtype, bias, cfg, device):
+    """Every element within the fp32-accumulation bound of the exact product (helpers):
+    the Gluon kernel on Hopper, its twin elsewhere."""
+    layer = _layer(k, n, gs, dtype, bias, device)
+    x = torch.randn(m, k, device=device).to(dtype)
+    y = _launch(layer, x, cfg)
+    assert y.shape == (m, n) and y.dtype == dtype
+    # the exact s * (q - 8): both kernels scale the fp32 products, no weight is rounded
+    assert_close_per_element(y, x, layer.quantized_weight().dequantize(rounded=False), layer.bias)
+
+
+@pytest.mark.parametrize("sym,k", [(False, 1024), (True, 1152)], ids=["zero-points", "K%256"])
+def test_gluon_config_falls_back_to_its_twin(sym, k, device):
+    """Where the Gluon kernel does not apply (zero points, K not a multiple of its 256-channel
+    step; on the CPU: always) a 'gluon' config gives exactly what its twin gives."""
+    layer = _layer(k, 192, 128, F16, True, device, sym=sym)
+    x = torch.randn(16, k, device=device).to(F16)
+    cfg = Config(16, 64, 256, 2, 8, 4, 3, kernel="gluon")
+    assert not ops16.gluon_applies(x, layer.qweight, 128, not sym, False, True)
+    twin = gluon_twin(cfg)
+    assert twin.kernel == "mma" and twin.scale_acc and twin.BLOCK_K == 256
+    assert torch.equal(_launch(layer, x, cfg), _launch(layer, x, twin))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Gluon kernel's dispatch, on a GPU")
+def test_gluon_kernel_is_used_on_hopper():
+    """On an sm_90 GPU the plan of a 'gluon' config launches the Gluon kernel; elsewhere its
+    twin (kind 'mma')."""
+    layer = _layer(1024, 256, 128, F16, False, "cuda")
+    x = torch.randn(16, 1024, device="cuda", dtype=F16)
+    cfg = Config(16, 64, 256, 2, 8, 4, 3, kernel="gluon")
+    plan = ops16._GemmPlan(cfg, 0, gs=128, has_zeros=False, has_gidx=False, has_bias=False, emu=False, asm=True,
+                           mma_asm=True, tensor_core_gemv=False, paired=True, bf16=False, K=1024, group_size=128,
+                           gluon=ops16.gluon_applies(x, layer.qweight, 128, False, False, True))
+    assert plan.kind == ("gluon" if _on_hopper() else "mma")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="determinism of the compiled kernel, on the GPU")
+def test_gluon_split_k_is_deterministic():
+    """Split-K partial sums reduced in a fixed order: the same bits on every call."""
+    layer = _layer(8192, 1024, 128, F16, True, "cuda")
+    x = torch.randn(16, 8192, device="cuda", dtype=F16)
+    cfg = Config(16, 64, 256, 6, 8, 4, 3, kernel="gluon")
+    first = _launch(layer, x, cfg)
+    for _ in range(5):
+        assert torch.equal(_launch(layer, x, cfg), first)
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (Config(16, 64, 128, 1, 8, 4, 3, kernel="gluon"), "BLOCK_K=256"),
+    (Config(8, 64, 256, 1, 8, 4, 3, kernel="gluon"), "BLOCK_M in"),
+    (Config(16, 256, 256, 1, 8, 4, 3, kernel="gluon"), "BLOCK_N in"),
+    (Config(16, 64, 256, 1, 8, 8, 3, kernel="gluon"), "num_warps=4"),
+    (Config(16, 64, 256, 1, 8, 4, 1, kernel="gluon"), "num_stages >= 2"),
+    (Config(16, 64, 256, 1, 8, 4, 3, kernel="gluon", scale_acc=True), "scale_acc"),
+    (Config(16, 64, 256, 3, 8, 4, 3, kernel="gluon"), "SPLIT_K=3 leaves a split"),
+])
+def test_bad_gluon_config(cfg, match, device):
+    layer = _layer(1024, 128, 128, F16, False, device)  # 4 K steps: 3 splits of 2 leave one empty
+    x = torch.randn(16, 1024, device=device).to(F16)
+    with pytest.raises(ValueError, match=match):
+        _launch(layer, x, cfg)
+
+
+def test_gluon_split_ok():
+    """gluon_split_ok against counting the steps of every split as the kernel does."""
+    for steps in range(1, 40):
+        for split in range(1, 12):
+            per = -(-steps // split)
+            sizes = [min(per, steps - k * per) for k in range(split)]
+            assert gluon_split_ok(split, steps) == (split <= steps and min(sizes) >= 1), (steps, split)
+
+
+def test_gluon_candidates_are_valid(monkeypatch):
+    """The tuner's Gluon tiles pass the launcher's checks, and none is offered where the
+    kernel cannot run (zero points, a general g_idx, group 64, M outside 9..32)."""
+    monkeypatch.setattr(ops16, "gluon_device", lambda index: True)
+    monkeypatch.setattr(ops16, "sm_count", lambda index: 132)
+    dev = torch.device("cuda", 0)
+    seen = 0
+    for kp, n in [(4096, 6144), (14336, 4096), (28672, 8192), (8192, 57344), (1024, 128)]:
+        for m in (16, 32):
+            for cfg in ops16._gluon_candidates(device=dev, M=m, N=n, Kp=kp, group_size=128, general_gidx=False,
+                                               has_zeros=False):
+                ops16._check_config(cfg, kp, m, 128)
+                seen += 1
+    assert seen > 0
+    base = dict(device=dev, N=4096, Kp=4096)
+    for kw in (dict(M=16, group_size=128, general_gidx=False, has_zeros=True),
+               dict(M=16, group_size=128, general_gidx=True, has_zeros=False),
+               dict(M=16, group_size=64, general_gidx=False, has_zeros=False),
+               dict(M=64, group_size=128, general_gidx=False, has_zeros=False),
+               dict(M=8, group_size=-1, general_gidx=False, has_zeros=False)):
+        assert not list(ops16._gluon_candidates(**base, **kw)), kw
+    monkeypatch.setattr(ops16, "gluon_device", lambda index: False)
+    assert not list(ops16._gluon_candidates(**base, M=16, group_size=128, general_gidx=False, has_zeros=False))
+
+
+_GLUON_CHILD = r"""
+import re
+import triton
+from triton.backends.nvidia.compiler import get_ptxas
+from sailfish.bench.ptx import k_loop_stats, sass, wgmma_register_hazard
+from sailfish.kernels.w4a16_gluon import compile_sm90
+import subprocess, tempfile
+p = get_ptxas(90) if callable(get_ptxas) else None
+ptxas = getattr(p, "path", None) or p[0]
+cases = [dict(group_size=128), dict(group_size=-1, has_bias=True), dict(group_size=256, dtype="bf16", SPLIT_K=2),
+         dict(BLOCK_M=32, group_size=128, STAGES=4), dict(BLOCK_M=64, group_size=-1),
+         dict(BLOCK_N=128, group_size=128, SPLIT_K=3)]
+bad = []
+for kw in cases:
+    k = compile_sm90(**kw)
+    st = k_loop_stats(k.asm["ptx"])
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(k.asm["ptx"]); f.flush()
+        rep = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True)
+    rep = rep.stdout + rep.stderr
+    waits = re.findall(r"wgmma.wait_group.sync.aligned (\d+)", k.asm["ptx"])
+    why = []
+    if st is None or st.st_shared or st.ldmatrix or not st.wgmma_a_in_registers:
+        why.append(f"K loop {st}")
+    if set(waits) != {"0"}:
+        why.append(f"waits {waits}")
+    if "serialized" in rep:
+        why.append("ptxas serializes the wgmmas: " + rep[rep.index("serialized") - 80:][:300])
+    if wgmma_register_hazard(sass(k.asm["cubin"])):
+        why.append("wgmma register hazard")
+    if why:
+        bad.append((kw, why))
+assert not bad, bad
+print("checked", triton.__version__, len(cases))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
+def test_gluon_kernel_compiles_for_sm90(tmp_path):
+    """The kernel's point, checked on the compiler's output for sm_90a: in the K loop no
+    shared-memory store or ldmatrix (the dequantized tile goes to wgmma from registers), A
+    in registers, only wait(0) (both chunks' wgmmas in flight together), ptxas keeps them
+    asynchronous (no C7514 serialization) and the SASS has no wgmma register hazard
+    (bench/ptx.py). In a child process: the interpreter in this one patches the frontend."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    run_compile_child(_GLUON_CHILD, tmp_path)
