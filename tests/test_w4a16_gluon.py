@@ -41,6 +41,8 @@ CASES = [
     (30, 2048, 136, 256, BF16, False, Config(32, 64, 256, 4, 8, 4, 4, kernel="gluon")),
     (48, 1280, 64, 128, BF16, True, Config(32, 64, 256, 5, 8, 4, 2, kernel="gluon")),
     (64, 768, 320, -1, BF16, False, Config(64, 64, 256, 1, 8, 4, 3, kernel="gluon")),
+    (40, 1024, 384, 128, F16, True, Config(64, 128, 256, 2, 8, 8, 3, kernel="gluon")),
+    (16, 2048, 200, -1, BF16, False, Config(16, 128, 256, 1, 8, 8, 2, kernel="gluon")),
     (17, 1792, 256, 128, F16, True, Config(16, 128, 256, 4, 8, 4, 2, kernel="gluon")),
 ]
 
@@ -103,7 +105,8 @@ def test_gluon_split_k_is_deterministic():
     (Config(16, 64, 128, 1, 8, 4, 3, kernel="gluon"), "BLOCK_K=256"),
     (Config(8, 64, 256, 1, 8, 4, 3, kernel="gluon"), "BLOCK_M in"),
     (Config(16, 256, 256, 1, 8, 4, 3, kernel="gluon"), "BLOCK_N in"),
-    (Config(16, 64, 256, 1, 8, 8, 3, kernel="gluon"), "num_warps=4"),
+    (Config(16, 64, 256, 1, 8, 8, 3, kernel="gluon"), "num_warps 4"),
+    (Config(16, 128, 256, 1, 8, 2, 3, kernel="gluon"), "num_warps 4"),
     (Config(16, 64, 256, 1, 8, 4, 1, kernel="gluon"), "num_stages >= 2"),
     (Config(16, 64, 256, 1, 8, 4, 3, kernel="gluon", scale_acc=True), "scale_acc"),
     (Config(16, 64, 256, 3, 8, 4, 3, kernel="gluon"), "SPLIT_K=3 leaves a split"),
@@ -132,7 +135,7 @@ def test_gluon_candidates_are_valid(monkeypatch):
     dev = torch.device("cuda", 0)
     seen = 0
     for kp, n in [(4096, 6144), (14336, 4096), (28672, 8192), (8192, 57344), (1024, 128)]:
-        for m in (16, 32):
+        for m in (16, 32, 64):
             for cfg in ops16._gluon_candidates(device=dev, M=m, N=n, Kp=kp, group_size=128, general_gidx=False,
                                                has_zeros=False):
                 ops16._check_config(cfg, kp, m, 128)
@@ -142,7 +145,7 @@ def test_gluon_candidates_are_valid(monkeypatch):
     for kw in (dict(M=16, group_size=128, general_gidx=False, has_zeros=True),
                dict(M=16, group_size=128, general_gidx=True, has_zeros=False),
                dict(M=16, group_size=64, general_gidx=False, has_zeros=False),
-               dict(M=64, group_size=128, general_gidx=False, has_zeros=False),
+               dict(M=128, group_size=128, general_gidx=False, has_zeros=False),
                dict(M=8, group_size=-1, general_gidx=False, has_zeros=False)):
         assert not list(ops16._gluon_candidates(**base, **kw)), kw
     monkeypatch.setattr(ops16, "gluon_device", lambda index: False)
@@ -160,7 +163,8 @@ p = get_ptxas(90) if callable(get_ptxas) else None
 ptxas = getattr(p, "path", None) or p[0]
 cases = [dict(group_size=128), dict(group_size=-1, has_bias=True), dict(group_size=256, dtype="bf16", SPLIT_K=2),
          dict(BLOCK_M=32, group_size=128, STAGES=4), dict(BLOCK_M=64, group_size=-1),
-         dict(BLOCK_N=128, group_size=128, SPLIT_K=3)]
+         dict(BLOCK_N=128, group_size=128, SPLIT_K=3), dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, SPLIT_K=2),
+         dict(BLOCK_N=128, num_warps=8, group_size=-1)]
 bad = []
 for kw in cases:
     k = compile_sm90(**kw)
@@ -182,6 +186,10 @@ for kw in cases:
     if why:
         bad.append((kw, why))
 assert not bad, bad
+# split-K under PDL: the GEMM releases the reduce once, at its start; off: nothing emitted
+ptx = compile_sm90(SPLIT_K=2, pdl_early=True).asm["ptx"]
+assert ptx.count("griddepcontrol.launch_dependents") == 1 and "griddepcontrol.wait" not in ptx
+assert "griddepcontrol" not in compile_sm90(SPLIT_K=2).asm["ptx"]
 print("checked", triton.__version__, len(cases))
 """
 
@@ -192,6 +200,7 @@ def test_gluon_kernel_compiles_for_sm90(tmp_path):
     shared-memory store or ldmatrix (the dequantized tile goes to wgmma from registers), A
     in registers, only wait(0) (both chunks' wgmmas in flight together), ptxas keeps them
     asynchronous (no C7514 serialization) and the SASS has no wgmma register hazard
-    (bench/ptx.py). In a child process: the interpreter in this one patches the frontend."""
+    (bench/ptx.py); with PDL the split-K GEMM releases its reduce. In a child process: the
+    interpreter in this one patches the frontend."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     run_compile_child(_GLUON_CHILD, tmp_path)

@@ -41,6 +41,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
                                                              warpgroup_mma_init, warpgroup_mma_wait)
 
+from triton.language.extra.cuda import gdc_launch_dependents
+
 from .w4a16 import _ASM_BF16_Q, _ASM_F16_Q
 
 # names that differ between Triton 3.6 and 3.9
@@ -49,28 +51,31 @@ _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_g
 
 CHUNK = 128  # channels per wgmma (one chunk of the fragment order)
 STEP = 2 * CHUNK  # channels per K step
-NUM_WARPS = 4  # one warpgroup
+NUM_WARPS = 4  # one warpgroup; 8: two, sharing the x tile (BLOCK_N >= 128; M = 33..64 tiles)
 _CHUNK = gl.constexpr(CHUNK)
 _STEP = gl.constexpr(STEP)
 
 
 @lru_cache(maxsize=None)
-def layouts(BLOCK_M: int, BLOCK_N: int) -> dict:
-    """The kernel's layout constexprs for one warpgroup and a (BLOCK_N, BLOCK_M) accumulator."""
-    R = BLOCK_N // 64
-    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
-    # registers: words +1, +2 of a lane, row +8, then the 64-row blocks; lanes: words +4, +8
-    # (t), rows +1, +2, +4 (g); warps: rows +16, +32
-    reg = [[0, 1], [0, 2], [8, 0]] + [[64 << i, 0] for i in range(R.bit_length() - 1)]
+def layouts(BLOCK_M: int, BLOCK_N: int, num_warps: int = NUM_WARPS) -> dict:
+    """The kernel's layout constexprs for a (BLOCK_N, BLOCK_M) accumulator over num_warps // 4
+    warpgroups (each multiplies its own 64-row slices by the one x tile)."""
+    groups = num_warps // 4
+    R = BLOCK_N // (64 * groups)  # 64-row slices per warpgroup
+    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16])
+    # registers: words +1, +2 of a lane, row +8, then the row slices; lanes: words +4, +8 (t),
+    # rows +1, +2, +4 (g); warps: rows +16, +32, then the warpgroups (+64, ...)
+    reg = [[0, 1], [0, 2], [8, 0]] + [[(64 * groups) << i, 0] for i in range(R.bit_length() - 1)]
+    warps = [[16, 0], [32, 0]] + [[64 << i, 0] for i in range(groups.bit_length() - 1)]
     words = gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-                                       warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BLOCK_N, 16])
+                                       warp_bases=warps, block_bases=[], shape=[BLOCK_N, 16])
     return dict(
         MMA=mma, WORDS=words,
         DOT_A=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
-        X_BLK=gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[NUM_WARPS, 1],
+        X_BLK=gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[num_warps, 1],
                                order=[1, 0]),
         X_SMEM=gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2),
-        W_BLK=gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4], warps_per_cta=[NUM_WARPS, 1],
+        W_BLK=gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4], warps_per_cta=[num_warps, 1],
                                order=[1, 0]),
         W_SMEM=gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]),
     )
@@ -124,12 +129,14 @@ def _step_scales(s_base, step, GROUP_CHUNKS: gl.constexpr):
 @gluon.jit
 def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_xm, stride_ym, stride_qn,
                        stride_sn, GROUP_CHUNKS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL_EARLY: gl.constexpr,
                        MMA: gl.constexpr, WORDS: gl.constexpr, DOT_A: gl.constexpr, X_BLK: gl.constexpr,
                        X_SMEM: gl.constexpr, W_BLK: gl.constexpr, W_SMEM: gl.constexpr):
     """y (M, N) = x (M, K) @ W^T for W = scale * (q - 8). GROUP_CHUNKS: chunks per scale group
     (0: per channel). K % 256 == 0; split k takes K steps [k * ceil(steps / SPLIT_K), ...), none
     empty (the launcher checks both); program (tile, split)."""
+    if PDL_EARLY:  # split-K: the reduce may launch now, it waits for the partial sums (kernels/common.py)
+        gdc_launch_dependents()
     DT: gl.constexpr = x_ptr.dtype.element_ty
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
@@ -208,7 +215,7 @@ def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, s
 
 
 def compile_sm90(BLOCK_M: int = 16, BLOCK_N: int = 64, STAGES: int = 3, group_size: int = 128, SPLIT_K: int = 1,
-                 dtype: str = "fp16", has_bias: bool = False):
+                 dtype: str = "fp16", has_bias: bool = False, num_warps: int = NUM_WARPS, pdl_early: bool = False):
     """triton.compile of the kernel for sm_90a without a GPU (PTX / SASS checks, tests).
     Needs a process in which the Triton interpreter has not run (it patches the frontend)."""
     from triton.backends.compiler import GPUTarget
@@ -219,7 +226,7 @@ def compile_sm90(BLOCK_M: int = 16, BLOCK_N: int = 64, STAGES: int = 3, group_si
            "ws_ptr": "*fp32" if SPLIT_K > 1 else "constexpr", "M": "i32", "N": "i32", "K": "i32",
            "stride_xm": "i32", "stride_ym": "i32", "stride_qn": "i32", "stride_sn": "i32"}
     consts = dict(GROUP_CHUNKS=0 if group_size == -1 else group_size // CHUNK, HAS_BIAS=has_bias, SPLIT_K=SPLIT_K,
-                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, **layouts(BLOCK_M, BLOCK_N))
+                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, PDL_EARLY=pdl_early, **layouts(BLOCK_M, BLOCK_N, num_warps))
     if not has_bias:
         consts["bias_ptr"] = None
     if SPLIT_K == 1:
@@ -230,4 +237,4 @@ def compile_sm90(BLOCK_M: int = 16, BLOCK_N: int = 64, STAGES: int = 3, group_si
                "stride_qn")
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned if sig[a] != "constexpr"}
     src = GluonASTSource(fn=w4a16_gluon_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})

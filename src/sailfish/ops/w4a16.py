@@ -77,22 +77,28 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=Fa
 
 
 def _gluon_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros):
-    """The Hopper Gluon kernel's tiles (kernels/w4a16_gluon.py) for 8 < M <= 32, where it can
-    run. H200, same run, M = 16 g128 (.scratch sweep, docs/perf_log.md v18): BLOCK_N 64 with
-    3 stages was the best tile on all 8 Llama shapes (4 CTAs per SM at ~121 registers; 4 or 6
-    stages cost occupancy, BLOCK_N 128 was 1.1-1.4x slower); the split-K that fills the SMs
-    ~3-4 times decides the rest, so the non-power-of-two splits 3 and 6 are tried too."""
-    if (not 8 < M <= 32 or general_gidx or has_zeros or not (group_size == -1 or group_size % K_CHUNK == 0)
+    """The Hopper Gluon kernel's tiles (kernels/w4a16_gluon.py) for 8 < M <= 64, where it can
+    run. Same runs, g128 (docs/perf_log.md v18): at M = 16 / 32, BLOCK_N 64 with 3 stages (4
+    CTAs per SM at ~121 registers) was the best Gluon tile on all 8 Llama shapes on the H200;
+    4 or 6 stages cost occupancy, BLOCK_N 128 over one warpgroup (spills) or two (8 warps
+    sharing x) was 1.05-1.4x slower. At M = 64 only BLOCK_M 64 / BLOCK_N 128 over 8 warps
+    came close to the Triton tiles (4096x4096 1.10x, 14336x4096 1.04x of them, elsewhere
+    slower). The split-K that fills the SMs ~3-4 times decides the rest, so the splits 3 and
+    6 are tried too."""
+    if (not 8 < M <= 64 or general_gidx or has_zeros or not (group_size == -1 or group_size % K_CHUNK == 0)
             or Kp % GLUON_STEP or not gluon_device(device.index or 0)):
         return
     sms = sm_count(device.index or 0)
-    bm = 16 if M <= 16 else 32
     steps = Kp // GLUON_STEP
-    for bn, stages in ((64, 3), (64, 4), (128, 3)):
+    if M <= 32:
+        tiles_ = [(16 if M <= 16 else 32, 64, 4, 3), (16 if M <= 16 else 32, 64, 4, 4)]
+    else:
+        tiles_ = [(64, 128, 8, 3)]
+    for bm, bn, warps, stages in tiles_:
         tiles = -(-M // bm) * -(-N // bn)
         for split in (1, 2, 3, 4, 6, 8):
             if gluon_split_ok(split, steps) and tiles * split <= 8 * sms:
-                yield Config(bm, bn, GLUON_STEP, split, 8, 4, stages, kernel="gluon")
+                yield Config(bm, bn, GLUON_STEP, split, 8, warps, stages, kernel="gluon")
 
 
 def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros=False):
@@ -193,17 +199,19 @@ def _check_config(cfg: Config, kp: int, m: int, group_size: int = -1, general_gi
 
 
 def _check_gluon_config(cfg: Config, kp: int) -> None:
-    """The tiles kernels/w4a16_gluon.py compiles: one warpgroup, BLOCK_K = one K step of two
-    128-channel chunks, BLOCK_M 16-64 (wgmma's N), BLOCK_N 64 or 128 (wgmma's M per warp
-    group; 256 would not fit the registers), a ring of >= 2 steps, every split non-empty."""
+    """The tiles kernels/w4a16_gluon.py compiles: one or two warpgroups, BLOCK_K = one K step
+    of two 128-channel chunks, BLOCK_M 16-64 (wgmma's N), BLOCK_N 64 or 128 (64 rows per
+    warpgroup and slice; 256 would not fit the registers), a ring of >= 2 steps, every split
+    non-empty."""
     if cfg.BLOCK_K != GLUON_STEP:
         raise ValueError(f"config kernel='gluon' needs BLOCK_K={GLUON_STEP}, got {cfg.BLOCK_K}")
     if cfg.BLOCK_M not in (16, 32, 64):
         raise ValueError(f"config kernel='gluon' needs BLOCK_M in (16, 32, 64), got {cfg.BLOCK_M}")
     if cfg.BLOCK_N not in (64, 128):
         raise ValueError(f"config kernel='gluon' needs BLOCK_N in (64, 128), got {cfg.BLOCK_N}")
-    if cfg.num_warps != 4:
-        raise ValueError(f"config kernel='gluon' needs num_warps=4 (one warpgroup), got {cfg.num_warps}")
+    if cfg.num_warps not in (4, 8) or cfg.BLOCK_N < 16 * cfg.num_warps:
+        raise ValueError(f"config kernel='gluon' needs num_warps 4 (one warpgroup) or 8 (two, BLOCK_N >= 128), "
+                         f"got num_warps={cfg.num_warps}, BLOCK_N={cfg.BLOCK_N}")
     if cfg.num_stages < 2:
         raise ValueError(f"config kernel='gluon' needs num_stages >= 2 (the cp.async ring), got {cfg.num_stages}")
     if cfg.scale_acc:
@@ -405,8 +413,7 @@ class _GemmPlan:
         self.config = cfg
         even_k = K % cfg.BLOCK_K == 0
         # PDL (ops/launch.py): the split-K GEMM lets the reduce launch at once, the reduce waits
-        # (not after the Gluon kernel, which does not release it early)
-        chained = cfg.SPLIT_K > 1 and pdl(device_index) and cfg.kernel != "gluon"
+        chained = cfg.SPLIT_K > 1 and pdl(device_index)
         meta = dict(GROUP_SIZE=gs, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, EVEN_K=even_k, SPLIT_K=cfg.SPLIT_K,
                     EMU_BF16=emu, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, PDL_EARLY=chained,
                     **cfg.launch())
@@ -416,7 +423,8 @@ class _GemmPlan:
             self.kind = "gluon"
             self.gemm = Launch(w4a16_gluon_kernel, dict(
                 GROUP_CHUNKS=gs // K_CHUNK, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K, BLOCK_M=cfg.BLOCK_M,
-                BLOCK_N=cfg.BLOCK_N, STAGES=cfg.num_stages, num_warps=4, **layouts(cfg.BLOCK_M, cfg.BLOCK_N)),
+                BLOCK_N=cfg.BLOCK_N, STAGES=cfg.num_stages, PDL_EARLY=chained, num_warps=cfg.num_warps,
+                **layouts(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_warps)),
                 device_index)
         elif cfg.kernel == "gemv" and tensor_core_gemv:  # (takes no g_idx pointer)
             self.kind = "gemv_mma"
