@@ -146,7 +146,10 @@ def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros=F
     for bm, bn, bk, warps, stages in space:
         tiles = -(-M // bm) * -(-N // bn)
         s0 = split_k_for(tiles, Kp // bk, sms)
-        for split in sorted({1, s0, min(2 * s0, Kp // bk)}):
+        # and split 3: H200, same run, 8192x10240 g128 (160 tiles of 64 x 128 at M = 128), split
+        # 3 vs the best power of two: M = 64 40.2 -> 32.2 us, M = 128 68.9 -> 60.2, M = 256
+        # 120.9 -> 116.2 (docs/perf_log.md v18)
+        for split in sorted({1, s0, min(2 * s0, Kp // bk), min(3, Kp // bk)}):
             cfg = Config(bm, bn, bk, split, 8, warps, stages)
             # M <= 64: each tile with the scale on the fp32 product too, where it applies
             # (at M = 128 its per-tile FFMAs cost more than the multiplies it saves)
