@@ -40,8 +40,10 @@ M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 @dataclass(frozen=True)
 class Config:
     """One launch choice. `kernel` names the path within a family (W4A16: "mma" tensor-core
-    tiles, "gemv" CUDA-core M=1, "dequant" = dequantize to a transient half-precision
-    weight, then cuBLAS); the block sizes are that path's tile shape."""
+    tiles, "gemv" M <= 8 (tensor cores or CUDA cores), "gluon" the Hopper Gluon kernel (its
+    Triton twin elsewhere; BLOCK_K = 256, num_stages = its ring depth), "dequant" = dequantize
+    to a transient half-precision weight, then cuBLAS); the block sizes are that path's tile
+    shape."""
     BLOCK_M: int
     BLOCK_N: int
     BLOCK_K: int
