@@ -6,10 +6,12 @@ else, including the CPU interpreter, which cannot run Gluon. On the CPU these te
 twin and compile the Gluon kernel for sm_90a (PTX / SASS checks); on an H100 / H200 they
 run the Gluon kernel itself against the reference, per element.
 """
+import dataclasses
+
 import pytest
 import torch
 
-from helpers import DTYPE_NAMES, assert_close_per_element, random_quantized, run_compile_child
+from helpers import DTYPE_NAMES, assert_close_per_element, make_g_idx, random_quantized, run_compile_child
 from sailfish import Config, QuantLinear
 from sailfish.ops import w4a16 as ops16
 from sailfish.ops.w4a16 import gluon_split_ok, gluon_twin, w4a16_launch
@@ -21,8 +23,8 @@ def _on_hopper() -> bool:
     return torch.cuda.is_available() and ops16.gluon_device(torch.cuda.current_device())
 
 
-def _layer(k, n, gs, dtype, bias, device, sym=True):
-    qw = random_quantized(k, n, gs, sym, dtype, None, device)
+def _layer(k, n, gs, dtype, bias, device, sym=True, gidx="none"):
+    qw = random_quantized(k, n, gs, sym, dtype, make_g_idx(gidx, k, gs, device), device)
     b = torch.randn(n, device=device).to(dtype) if bias else None
     return QuantLinear.from_quantized(qw, b)
 
@@ -32,31 +34,37 @@ def _launch(layer, x, cfg, use_asm=True):
                         layer.in_features, layer.group_size, config=cfg, use_asm=use_asm)
 
 
-# M, K, N, group size, dtype, bias, config: M not a multiple of BLOCK_M, N not of BLOCK_N,
-# per channel and groups of 128 / 256, split-K with even, uneven and power-of-two splits
+# M, K, N, group size, symmetric, dtype, bias, config: M not a multiple of BLOCK_M, N not of
+# BLOCK_N, per channel and groups of 128 / 256, zero points (0..16), split-K with even, uneven
+# and power-of-two splits, one and two warpgroups
 CASES = [
-    (16, 1024, 192, 128, F16, False, Config(16, 64, 256, 1, 8, 4, 3, kernel="gluon")),
-    (5, 1024, 200, 128, F16, True, Config(16, 64, 256, 2, 8, 4, 2, kernel="gluon")),
-    (16, 1536, 128, -1, F16, True, Config(16, 128, 256, 3, 8, 4, 3, kernel="gluon")),
-    (30, 2048, 136, 256, BF16, False, Config(32, 64, 256, 4, 8, 4, 4, kernel="gluon")),
-    (48, 1280, 64, 128, BF16, True, Config(32, 64, 256, 5, 8, 4, 2, kernel="gluon")),
-    (64, 768, 320, -1, BF16, False, Config(64, 64, 256, 1, 8, 4, 3, kernel="gluon")),
-    (40, 1024, 384, 128, F16, True, Config(64, 128, 256, 2, 8, 8, 3, kernel="gluon")),
-    (16, 2048, 200, -1, BF16, False, Config(16, 128, 256, 1, 8, 8, 2, kernel="gluon")),
-    (17, 1792, 256, 128, F16, True, Config(16, 128, 256, 4, 8, 4, 2, kernel="gluon")),
+    (16, 1024, 192, 128, True, F16, False, Config(16, 64, 256, 1, 8, 4, 3, kernel="gluon")),
+    (5, 1024, 200, 128, True, F16, True, Config(16, 64, 256, 2, 8, 4, 2, kernel="gluon")),
+    (16, 1536, 128, -1, True, F16, True, Config(16, 128, 256, 3, 8, 4, 3, kernel="gluon")),
+    (30, 2048, 136, 256, True, BF16, False, Config(32, 64, 256, 4, 8, 4, 4, kernel="gluon")),
+    (48, 1280, 64, 128, True, BF16, True, Config(32, 64, 256, 5, 8, 4, 2, kernel="gluon")),
+    (64, 768, 320, -1, True, BF16, False, Config(64, 64, 256, 1, 8, 4, 3, kernel="gluon")),
+    (40, 1024, 384, 128, True, F16, True, Config(64, 128, 256, 2, 8, 8, 3, kernel="gluon")),
+    (16, 2048, 200, -1, True, BF16, False, Config(16, 128, 256, 1, 8, 8, 2, kernel="gluon")),
+    (17, 1792, 256, 128, True, F16, True, Config(16, 128, 256, 4, 8, 4, 2, kernel="gluon")),
+    (16, 2048, 192, 128, False, BF16, True, Config(16, 64, 256, 3, 8, 4, 3, kernel="gluon")),
+    (9, 1024, 200, 256, False, F16, False, Config(16, 64, 256, 1, 8, 4, 2, kernel="gluon")),
+    (32, 1536, 136, -1, False, BF16, True, Config(32, 64, 256, 2, 8, 4, 3, kernel="gluon")),
+    (64, 1024, 256, 128, False, F16, False, Config(64, 128, 256, 1, 8, 8, 3, kernel="gluon")),
 ]
 
 
 def _case_id(c):
-    m, k, n, gs, dt, bias, cfg = c
-    return f"M{m}-K{k}-N{n}-g{gs}-{DTYPE_NAMES[dt]}{'-bias' if bias else ''}-bm{cfg.BLOCK_M}bn{cfg.BLOCK_N}sk{cfg.SPLIT_K}"
+    m, k, n, gs, sym, dt, bias, cfg = c
+    return (f"M{m}-K{k}-N{n}-g{gs}-{'sym' if sym else 'asym'}-{DTYPE_NAMES[dt]}{'-bias' if bias else ''}"
+            f"-bm{cfg.BLOCK_M}bn{cfg.BLOCK_N}w{cfg.num_warps}sk{cfg.SPLIT_K}")
 
 
-@pytest.mark.parametrize("m,k,n,gs,dtype,bias,cfg", CASES, ids=[_case_id(c) for c in CASES])
-def test_gluon_config_matches_reference(m, k, n, gs, dtype, bias, cfg, device):
+@pytest.mark.parametrize("m,k,n,gs,sym,dtype,bias,cfg", CASES, ids=[_case_id(c) for c in CASES])
+def test_gluon_config_matches_reference(m, k, n, gs, sym, dtype, bias, cfg, device):
     """Every element within the fp32-accumulation bound of the exact product (helpers):
     the Gluon kernel on Hopper, its twin elsewhere."""
-    layer = _layer(k, n, gs, dtype, bias, device)
+    layer = _layer(k, n, gs, dtype, bias, device, sym=sym)
     x = torch.randn(m, k, device=device).to(dtype)
     y = _launch(layer, x, cfg)
     assert y.shape == (m, n) and y.dtype == dtype
@@ -64,17 +72,19 @@ def test_gluon_config_matches_reference(m, k, n, gs, dtype, bias, cfg, device):
     assert_close_per_element(y, x, layer.quantized_weight().dequantize(rounded=False), layer.bias)
 
 
-@pytest.mark.parametrize("sym,k", [(False, 1024), (True, 1152)], ids=["zero-points", "K%256"])
-def test_gluon_config_falls_back_to_its_twin(sym, k, device):
-    """Where the Gluon kernel does not apply (zero points, K not a multiple of its 256-channel
-    step; on the CPU: always) a 'gluon' config gives exactly what its twin gives."""
-    layer = _layer(k, 192, 128, F16, True, device, sym=sym)
+@pytest.mark.parametrize("gidx,k", [("gidx", 1024), ("none", 1152)], ids=["general-g_idx", "K%256"])
+def test_gluon_config_falls_back_to_its_twin(gidx, k, device):
+    """Where the Gluon kernel does not apply (a general g_idx, K not a multiple of its
+    256-channel step; on the CPU: always) a 'gluon' config gives exactly what its twin gives."""
+    layer = _layer(k, 192, 128, F16, True, device, sym=False, gidx=gidx)
     x = torch.randn(16, k, device=device).to(F16)
     cfg = Config(16, 64, 256, 2, 8, 4, 3, kernel="gluon")
-    assert not ops16.gluon_applies(x, layer.qweight, 128, not sym, False, True)
+    assert not ops16.gluon_applies(x, layer.qweight, 128, True, layer.sorted_g_idx is not None, True)
     twin = gluon_twin(cfg)
     assert twin.kernel == "mma" and twin.scale_acc and twin.BLOCK_K == 256
-    assert torch.equal(_launch(layer, x, cfg), _launch(layer, x, twin))
+    # (a general g_idx takes no SCALE_ACC: the twin tile runs without it, as table configs do)
+    expect = _launch(layer, x, twin if gidx == "none" else dataclasses.replace(twin, scale_acc=False))
+    assert torch.equal(_launch(layer, x, cfg), expect)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Gluon kernel's dispatch, on a GPU")
@@ -129,7 +139,7 @@ def test_gluon_split_ok():
 
 def test_gluon_candidates_are_valid(monkeypatch):
     """The tuner's Gluon tiles pass the launcher's checks, and none is offered where the
-    kernel cannot run (zero points, a general g_idx, group 64, M outside 9..32)."""
+    kernel cannot run (a general g_idx, group 64, M outside 9..64)."""
     monkeypatch.setattr(ops16, "gluon_device", lambda index: True)
     monkeypatch.setattr(ops16, "sm_count", lambda index: 132)
     dev = torch.device("cuda", 0)
@@ -142,8 +152,8 @@ def test_gluon_candidates_are_valid(monkeypatch):
                 seen += 1
     assert seen > 0
     base = dict(device=dev, N=4096, Kp=4096)
-    for kw in (dict(M=16, group_size=128, general_gidx=False, has_zeros=True),
-               dict(M=16, group_size=128, general_gidx=True, has_zeros=False),
+    assert list(ops16._gluon_candidates(**base, M=16, group_size=128, general_gidx=False, has_zeros=True))
+    for kw in (dict(M=16, group_size=128, general_gidx=True, has_zeros=False),
                dict(M=16, group_size=64, general_gidx=False, has_zeros=False),
                dict(M=128, group_size=128, general_gidx=False, has_zeros=False),
                dict(M=8, group_size=-1, general_gidx=False, has_zeros=False)):
@@ -162,6 +172,7 @@ import subprocess, tempfile
 p = get_ptxas(90) if callable(get_ptxas) else None
 ptxas = getattr(p, "path", None) or p[0]
 cases = [dict(group_size=128), dict(group_size=-1, has_bias=True), dict(group_size=256, dtype="bf16", SPLIT_K=2),
+         dict(group_size=128, has_zeros=True, dtype="bf16"), dict(group_size=-1, has_zeros=True),
          dict(BLOCK_M=32, group_size=128, STAGES=4), dict(BLOCK_M=64, group_size=-1),
          dict(BLOCK_N=128, group_size=128, SPLIT_K=3), dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, SPLIT_K=2),
          dict(BLOCK_N=128, num_warps=8, group_size=-1)]

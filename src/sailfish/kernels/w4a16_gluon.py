@@ -1,6 +1,6 @@
-"""W4A16 on Hopper in Gluon: symmetric 4-bit weights (per channel or groups of 128, 256, ...),
-fp16/bf16 activations, the weight as wgmma's register A operand with every layout and every
-wgmma wait explicit. Hopper (sm_90a) and Triton's Gluon only: ops/w4a16.py runs the portable
+"""W4A16 on Hopper in Gluon: 4-bit weights, symmetric or with zero points, per channel or in
+groups of 128, 256, ...; fp16/bf16 activations; the weight as wgmma's register A operand with
+every layout and every wgmma wait explicit. Hopper (sm_90a) and Triton's Gluon only: ops/w4a16.py runs the portable
 Triton mma kernel (its twin, kernels/w4a16._w4a16_kernel with SCALE_ACC) everywhere else,
 including the CPU interpreter, which does not run Gluon.
 
@@ -26,6 +26,11 @@ Data path per K step (no shared-memory trip of the dequantized tile):
   Triton kernel's SCALE_ACC path) then a join / reshape / permute that the compiler lowers to
   register renames, and a convert_layout to the A operand layout that is register-only (the
   compile test checks the PTX loop for shared stores);
+- zero points: a chunk lies inside one group, so its zero point per row enters the asm's magic
+  constants (q - z exactly, no extra instruction). H200, 8192x57344 M = 16 bf16 asymmetric
+  against fp16 symmetric at 84-85 us: the q - 8 product plus (8 - z) * sum_k x, the x sums
+  taken from the shared x tile, 132 us; (q - 8) + (8 - z) added to the dequantized values,
+  103 us; see docs/perf_log.md v18 for the constants' variant;
 - per channel the two wgmmas chain into the accumulator and the scale multiplies it once at
   the end.
 Output: y in x's dtype (+ bias), or with SPLIT_K > 1 fp32 partial sums for the package's
@@ -87,16 +92,32 @@ def _join8(n0, n1, n2, n3, n4, n5, n6, n7):
 
 
 @gluon.jit
-def _chunk_weights(words, DT: gl.constexpr, BLOCK_N: gl.constexpr, DOT_A: gl.constexpr):
-    """(BLOCK_N, 16) packed words of one chunk -> (BLOCK_N, 128) q - 8 in DOT_A (exact)."""
+def _pair16(v):
+    """(2-byte float tensor) -> int32 with its bits in both halves (the asm's x2 operands)."""
+    b = v.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    return b | (b << 16)
+
+
+@gluon.jit
+def _chunk_weights(words, DT: gl.constexpr, BLOCK_N: gl.constexpr, DOT_A: gl.constexpr, z=None):
+    """(BLOCK_N, 16) packed words of one chunk -> (BLOCK_N, 128) q - z in DOT_A, exact
+    (|q - z| <= 16); z: None (8) or the chunk's zero point per row (BLOCK_N,) fp32 in the rows
+    of the words' layout, which enters the asm's magic constants (no extra instruction)."""
     if DT == gl.float16:
-        z2 = gl.full(words.shape, 0x64086408, gl.int32, layout=words.type.layout)
-        z16 = gl.full(words.shape, -729754496, gl.int32, layout=words.type.layout)
+        if z is None:
+            z2 = gl.full(words.shape, 0x64086408, gl.int32, layout=words.type.layout)
+            z16 = gl.full(words.shape, -729754496, gl.int32, layout=words.type.layout)
+        else:  # (1024 + z) pair and the odd nibbles' -(64 + z) pair, as kernels/w4a16._dequant_words
+            z2 = gl.broadcast(_pair16((z + 1024.0).to(gl.float16))[:, None], words)[0]
+            z16 = gl.broadcast(_pair16((-64.0 - z).to(gl.float16))[:, None], words)[0]
         n0, n1, n2, n3, n4, n5, n6, n7 = gl.inline_asm_elementwise(
             _ASM_F16_Q, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, z2, z16],
             dtype=(gl.float16,) * 8, is_pure=True, pack=1)
     else:
-        z2 = gl.full(words.shape, 0x43084308, gl.int32, layout=words.type.layout)
+        if z is None:
+            z2 = gl.full(words.shape, 0x43084308, gl.int32, layout=words.type.layout)
+        else:  # (128 + z) pair in bf16
+            z2 = gl.broadcast(_pair16((z + 128.0).to(gl.bfloat16))[:, None], words)[0]
         n0, n1, n2, n3, n4, n5, n6, n7 = gl.inline_asm_elementwise(
             _ASM_BF16_Q, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, z2],
             dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
@@ -120,21 +141,37 @@ def _load_step(w_buf, x_buf, slot, w_ptrs, x_ptrs, step, ok):
 
 @gluon.jit
 def _step_scales(s_base, step, GROUP_CHUNKS: gl.constexpr):
-    """The fp32 scales of the two chunks of K step `step`, rows of the accumulator."""
+    """The fp32 scales (or zero points) of the two chunks of K step `step`, rows of the
+    accumulator."""
     s0 = gl.load(s_base + (2 * step) // GROUP_CHUNKS).to(gl.float32)
     s1 = gl.load(s_base + (2 * step + 1) // GROUP_CHUNKS).to(gl.float32)
     return s0, s1
 
 
 @gluon.jit
-def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_xm, stride_ym, stride_qn,
-                       stride_sn, GROUP_CHUNKS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr,
+def _step_zeros(z_base, step, GROUP_CHUNKS: gl.constexpr):
+    """The fp32 zero points of the two chunks of K step `step` (z_base: rows of the words'
+    layout)."""
+    if GROUP_CHUNKS > 0:
+        z0 = gl.load(z_base + (2 * step) // GROUP_CHUNKS).to(gl.float32)
+        z1 = gl.load(z_base + (2 * step + 1) // GROUP_CHUNKS).to(gl.float32)
+    else:
+        z0 = gl.load(z_base).to(gl.float32)
+        z1 = z0
+    return z0, z1
+
+
+@gluon.jit
+def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_xm, stride_ym,
+                       stride_qn, stride_sn, GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr,
+                       HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL_EARLY: gl.constexpr,
                        MMA: gl.constexpr, WORDS: gl.constexpr, DOT_A: gl.constexpr, X_BLK: gl.constexpr,
                        X_SMEM: gl.constexpr, W_BLK: gl.constexpr, W_SMEM: gl.constexpr):
-    """y (M, N) = x (M, K) @ W^T for W = scale * (q - 8). GROUP_CHUNKS: chunks per scale group
-    (0: per channel). K % 256 == 0; split k takes K steps [k * ceil(steps / SPLIT_K), ...), none
-    empty (the launcher checks both); program (tile, split)."""
+    """y (M, N) = x (M, K) @ W^T for W = scale * (q - z), z = 8 or (HAS_ZEROS) the group's zero
+    point. GROUP_CHUNKS: chunks per scale group (0: per channel). K % 256 == 0; split k takes
+    K steps [k * ceil(steps / SPLIT_K), ...), none empty (the launcher checks both); program
+    (tile, split)."""
     if PDL_EARLY:  # split-K: the reduce may launch now, it waits for the partial sums (kernels/common.py)
         gdc_launch_dependents()
     DT: gl.constexpr = x_ptr.dtype.element_ty
@@ -163,6 +200,10 @@ def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, s
     # scales: rows of the accumulator
     an = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     s_base = s_ptr + (an % N).to(gl.int64) * stride_sn
+    if HAS_ZEROS:  # zero points (the scales' shape), rows of the words' layout
+        zn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WORDS))
+        z_base = z_ptr + (zn % N).to(gl.int64) * stride_sn
+        zn0, zn1 = _step_zeros(z_base, first, GROUP_CHUNKS)
 
     x_buf = gl.allocate_shared_memory(DT, [2 * STAGES, BLOCK_M, _CHUNK], X_SMEM)
     w_buf = gl.allocate_shared_memory(gl.int32, [2 * STAGES, BLOCK_N, 16], W_SMEM)
@@ -180,8 +221,16 @@ def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, s
         nxt = i + STAGES - 1
         _load_step(w_buf, x_buf, nxt % STAGES, w_ptrs, x_ptrs, nxt, nxt < n)
         slot = i % STAGES
-        w0 = _chunk_weights(w_buf.index(2 * slot).load(WORDS), DT, BLOCK_N, DOT_A)
-        w1 = _chunk_weights(w_buf.index(2 * slot + 1).load(WORDS), DT, BLOCK_N, DOT_A)
+        if HAS_ZEROS:
+            z0 = zn0
+            z1 = zn1
+            # the next step's zero points, a step early (as the scales)
+            zn0, zn1 = _step_zeros(z_base, first + gl.minimum(i + 1, n - 1), GROUP_CHUNKS)
+            w0 = _chunk_weights(w_buf.index(2 * slot).load(WORDS), DT, BLOCK_N, DOT_A, z0)
+            w1 = _chunk_weights(w_buf.index(2 * slot + 1).load(WORDS), DT, BLOCK_N, DOT_A, z1)
+        else:
+            w0 = _chunk_weights(w_buf.index(2 * slot).load(WORDS), DT, BLOCK_N, DOT_A)
+            w1 = _chunk_weights(w_buf.index(2 * slot + 1).load(WORDS), DT, BLOCK_N, DOT_A)
         fence_async_shared()
         x0 = x_buf.index(2 * slot).permute((1, 0))
         x1 = x_buf.index(2 * slot + 1).permute((1, 0))
@@ -215,25 +264,27 @@ def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, s
 
 
 def compile_sm90(BLOCK_M: int = 16, BLOCK_N: int = 64, STAGES: int = 3, group_size: int = 128, SPLIT_K: int = 1,
-                 dtype: str = "fp16", has_bias: bool = False, num_warps: int = NUM_WARPS, pdl_early: bool = False):
+                 dtype: str = "fp16", has_bias: bool = False, num_warps: int = NUM_WARPS, pdl_early: bool = False,
+                 has_zeros: bool = False):
     """triton.compile of the kernel for sm_90a without a GPU (PTX / SASS checks, tests).
     Needs a process in which the Triton interpreter has not run (it patches the frontend)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     ty = "*fp16" if dtype == "fp16" else "*bf16"
-    sig = {"x_ptr": ty, "qw_ptr": "*i32", "s_ptr": ty, "bias_ptr": ty if has_bias else "constexpr", "y_ptr": ty,
-           "ws_ptr": "*fp32" if SPLIT_K > 1 else "constexpr", "M": "i32", "N": "i32", "K": "i32",
+    sig = {"x_ptr": ty, "qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "bias_ptr": ty if has_bias else "constexpr",
+           "y_ptr": ty, "ws_ptr": "*fp32" if SPLIT_K > 1 else "constexpr", "M": "i32", "N": "i32", "K": "i32",
            "stride_xm": "i32", "stride_ym": "i32", "stride_qn": "i32", "stride_sn": "i32"}
-    consts = dict(GROUP_CHUNKS=0 if group_size == -1 else group_size // CHUNK, HAS_BIAS=has_bias, SPLIT_K=SPLIT_K,
-                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, PDL_EARLY=pdl_early, **layouts(BLOCK_M, BLOCK_N, num_warps))
+    consts = dict(GROUP_CHUNKS=0 if group_size == -1 else group_size // CHUNK, HAS_ZEROS=has_zeros,
+                  HAS_BIAS=has_bias, SPLIT_K=SPLIT_K, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
+                  PDL_EARLY=pdl_early, **layouts(BLOCK_M, BLOCK_N, num_warps))
     if not has_bias:
         consts["bias_ptr"] = None
     if SPLIT_K == 1:
         consts["ws_ptr"] = None
     sig.update({k: "constexpr" for k in consts})
     names = list(sig)
-    aligned = ("x_ptr", "qw_ptr", "s_ptr", "bias_ptr", "y_ptr", "ws_ptr", "N", "K", "stride_xm", "stride_ym",
+    aligned = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "y_ptr", "ws_ptr", "N", "K", "stride_xm", "stride_ym",
                "stride_qn")
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned if sig[a] != "constexpr"}
     src = GluonASTSource(fn=w4a16_gluon_kernel, signature=sig, constexprs=consts, attrs=attrs)

@@ -85,7 +85,7 @@ def _gluon_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros):
     came close to the Triton tiles (4096x4096 1.10x, 14336x4096 1.04x of them, elsewhere
     slower). The split-K that fills the SMs ~3-4 times decides the rest, so the splits 3 and
     6 are tried too."""
-    if (not 8 < M <= 64 or general_gidx or has_zeros or not (group_size == -1 or group_size % K_CHUNK == 0)
+    if (not 8 < M <= 64 or general_gidx or not (group_size == -1 or group_size % K_CHUNK == 0)
             or Kp % GLUON_STEP or not gluon_device(device.index or 0)):
         return
     sms = sm_count(device.index or 0)
@@ -334,7 +334,7 @@ GEMV_MMA = os.environ.get("SAILFISH_GEMV_MMA", "1") == "1"
 
 # The 'gluon' configs run the Hopper Gluon kernel (kernels/w4a16_gluon.py) wherever it applies
 # (gluon_applies) and its Triton twin (gluon_twin) elsewhere: the CPU interpreter, other GPUs,
-# zero points, a general g_idx, K % 256 != 0. SAILFISH_GLUON=0 runs the twin everywhere and
+# a general g_idx, K % 256 != 0. SAILFISH_GLUON=0 runs the twin everywhere and
 # keeps the Gluon tiles out of the tuner's candidates (to compare).
 GLUON = os.environ.get("SAILFISH_GLUON", "1") == "1"
 GLUON_STEP = 2 * K_CHUNK  # channels per K step of the Gluon kernel (its BLOCK_K)
@@ -370,10 +370,10 @@ def gluon_twin(cfg: Config) -> Config:
 def gluon_applies(x: torch.Tensor, qweight: torch.Tensor, group_size: int, has_zeros: bool, general_gidx: bool,
                   use_asm: bool) -> bool:
     """Whether a 'gluon' config runs the Gluon kernel: a Hopper GPU (gluon_device), the asm
-    dequantization allowed, symmetric weights, groups of whole 128-channel chunks (or per
-    channel), no general g_idx, K a multiple of its 256-channel step, and x and the words
+    dequantization allowed, groups of whole 128-channel chunks (or per channel), no general
+    g_idx, K a multiple of its 256-channel step, and x and the words
     16-byte aligned (its cp.async copies 16 bytes per thread)."""
-    return (use_asm and x.is_cuda and not has_zeros and not general_gidx
+    return (use_asm and x.is_cuda and not general_gidx
             and (group_size == -1 or group_size % K_CHUNK == 0) and x.shape[1] % GLUON_STEP == 0
             and x.data_ptr() % 16 == 0 and qweight.data_ptr() % 16 == 0 and gluon_device(x.device.index))
 
@@ -420,13 +420,14 @@ class _GemmPlan:
         meta = dict(GROUP_SIZE=gs, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, EVEN_K=even_k, SPLIT_K=cfg.SPLIT_K,
                     EMU_BF16=emu, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, PDL_EARLY=chained,
                     **cfg.launch())
-        if cfg.kernel == "gluon":  # (takes no zeros / g_idx pointers)
+        if cfg.kernel == "gluon":  # (takes no g_idx pointer)
             from ..kernels.w4a16_gluon import layouts, w4a16_gluon_kernel
 
             self.kind = "gluon"
             self.gemm = Launch(w4a16_gluon_kernel, dict(
-                GROUP_CHUNKS=gs // K_CHUNK, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K, BLOCK_M=cfg.BLOCK_M,
-                BLOCK_N=cfg.BLOCK_N, STAGES=cfg.num_stages, PDL_EARLY=chained, num_warps=cfg.num_warps,
+                GROUP_CHUNKS=gs // K_CHUNK, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
+                BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, STAGES=cfg.num_stages, PDL_EARLY=chained,
+                num_warps=cfg.num_warps,
                 **layouts(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_warps)),
                 device_index)
         elif cfg.kernel == "gemv" and tensor_core_gemv:  # (takes no g_idx pointer)
@@ -473,8 +474,8 @@ class _GemmPlan:
         if kind == "gemv_mma":
             self.gemm((tiles_n, split), x, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym, sqn, ssn)
         elif kind == "gluon":
-            self.gemm((-(-M // cfg.BLOCK_M) * tiles_n, split), x, qweight, scales, bias, y, ws, M, N, K, K, sym, sqn,
-                      ssn)
+            self.gemm((-(-M // cfg.BLOCK_M) * tiles_n, split), x, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym,
+                      sqn, ssn)
         else:
             grid = (tiles_n, split) if kind == "gemv" else (-(-M // cfg.BLOCK_M) * tiles_n, split)
             self.gemm(grid, x, qweight, scales, z_arg, sorted_g_idx, bias, y, ws, M, N, K, K, sym, sqn, ssn)
