@@ -166,7 +166,7 @@ _GLUON_CHILD = r"""
 import re
 import triton
 from triton.backends.nvidia.compiler import get_ptxas
-from sailfish.bench.ptx import k_loop_stats, sass, wgmma_register_hazard
+from sailfish.bench.ptx import k_loop_stats, sass, shipped_mma_configs, wgmma_register_hazard
 from sailfish.kernels.w4a16_gluon import compile_sm90
 import subprocess, tempfile
 p = get_ptxas(90) if callable(get_ptxas) else None
@@ -176,6 +176,12 @@ cases = [dict(group_size=128), dict(group_size=-1, has_bias=True), dict(group_si
          dict(BLOCK_M=32, group_size=128, STAGES=4), dict(BLOCK_M=64, group_size=-1),
          dict(BLOCK_N=128, group_size=128, SPLIT_K=3), dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, SPLIT_K=2),
          dict(BLOCK_N=128, num_warps=8, group_size=-1)]
+# every Gluon tile of the shipped tables, as fp16 g128 and as bf16 g128 with zero points
+for _, c in shipped_mma_configs("gluon"):
+    tile = dict(BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, STAGES=c.num_stages, SPLIT_K=c.SPLIT_K, num_warps=c.num_warps,
+                pdl_early=c.SPLIT_K > 1)
+    cases += [dict(tile), dict(tile, dtype="bf16", has_zeros=True)]
+assert len(cases) > 12, "no Gluon tile in the shipped tables"
 bad = []
 for kw in cases:
     k = compile_sm90(**kw)
@@ -207,11 +213,12 @@ print("checked", triton.__version__, len(cases))
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
 def test_gluon_kernel_compiles_for_sm90(tmp_path):
-    """The kernel's point, checked on the compiler's output for sm_90a: in the K loop no
-    shared-memory store or ldmatrix (the dequantized tile goes to wgmma from registers), A
-    in registers, only wait(0) (both chunks' wgmmas in flight together), ptxas keeps them
-    asynchronous (no C7514 serialization) and the SASS has no wgmma register hazard
-    (bench/ptx.py); with PDL the split-K GEMM releases its reduce. In a child process: the
-    interpreter in this one patches the frontend."""
+    """The kernel's point, checked on the compiler's output for sm_90a, for a format matrix
+    and every Gluon tile of the shipped tables: in the K loop no shared-memory store or
+    ldmatrix (the dequantized tile goes to wgmma from registers), A in registers, only
+    wait(0) (both chunks' wgmmas in flight together), ptxas keeps them asynchronous (no C7514
+    serialization) and the SASS has no wgmma register hazard (bench/ptx.py); with PDL the
+    split-K GEMM releases its reduce. In a child process: the interpreter in this one
+    patches the frontend."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     run_compile_child(_GLUON_CHILD, tmp_path)
