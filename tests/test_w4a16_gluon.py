@@ -79,7 +79,7 @@ def test_gluon_config_falls_back_to_its_twin(gidx, k, device):
     layer = _layer(k, 192, 128, F16, True, device, sym=False, gidx=gidx)
     x = torch.randn(16, k, device=device).to(F16)
     cfg = Config(16, 64, 256, 2, 8, 4, 3, kernel="gluon")
-    assert not ops16.gluon_applies(x, layer.qweight, 128, True, layer.sorted_g_idx is not None, True)
+    assert not ops16.gluon_applies(x, layer.qweight, 128, layer.sorted_g_idx is not None, True)
     twin = gluon_twin(cfg)
     assert twin.kernel == "mma" and twin.scale_acc and twin.BLOCK_K == 256
     # (a general g_idx takes no SCALE_ACC: the twin tile runs without it, as table configs do)
@@ -96,7 +96,7 @@ def test_gluon_kernel_is_used_on_hopper():
     cfg = Config(16, 64, 256, 2, 8, 4, 3, kernel="gluon")
     plan = ops16._GemmPlan(cfg, 0, gs=128, has_zeros=False, has_gidx=False, has_bias=False, emu=False, asm=True,
                            mma_asm=True, tensor_core_gemv=False, paired=True, bf16=False, K=1024, group_size=128,
-                           gluon=ops16.gluon_applies(x, layer.qweight, 128, False, False, True))
+                           gluon=ops16.gluon_applies(x, layer.qweight, 128, False, True))
     assert plan.kind == ("gluon" if _on_hopper() else "mma")
 
 

@@ -78,7 +78,7 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=Fa
 
 def _gluon_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros):
     """The Hopper Gluon kernel's tiles (kernels/w4a16_gluon.py) for 8 < M <= 64, where it can
-    run. Same runs, g128 (docs/perf_log.md v18): at M = 16 / 32, BLOCK_N 64 with 3 stages (4
+    run (with or without zero points). Same runs, g128 (docs/perf_log.md v18): at M = 16 / 32, BLOCK_N 64 with 3 stages (4
     CTAs per SM at ~121 registers) was the best Gluon tile on all 8 Llama shapes on the H200;
     4 or 6 stages cost occupancy, BLOCK_N 128 over one warpgroup (spills) or two (8 warps
     sharing x) was 1.05-1.4x slower. At M = 64 only BLOCK_M 64 / BLOCK_N 128 over 8 warps
@@ -367,8 +367,7 @@ def gluon_twin(cfg: Config) -> Config:
     return replace(cfg, kernel="mma", scale_acc=True)
 
 
-def gluon_applies(x: torch.Tensor, qweight: torch.Tensor, group_size: int, has_zeros: bool, general_gidx: bool,
-                  use_asm: bool) -> bool:
+def gluon_applies(x: torch.Tensor, qweight: torch.Tensor, group_size: int, general_gidx: bool, use_asm: bool) -> bool:
     """Whether a 'gluon' config runs the Gluon kernel: a Hopper GPU (gluon_device), the asm
     dequantization allowed, groups of whole 128-channel chunks (or per channel), no general
     g_idx, K a multiple of its 256-channel step, and x and the words
@@ -569,7 +568,7 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                          mma_asm=use_asm and _has_mma_asm(x),
                          tensor_core_gemv=gemv_on_tensor_cores(cfg, x, gs, sorted_g_idx is not None),
                          paired=pairable, bf16=x.dtype == torch.bfloat16, K=K, group_size=group_size,
-                         gluon=cfg.kernel == "gluon" and gluon_applies(x, qweight, group_size, zeros is not None,
+                         gluon=cfg.kernel == "gluon" and gluon_applies(x, qweight, group_size,
                                                                        sorted_g_idx is not None, use_asm))
         plan(out, out, x, qweight, scales, z_arg, sorted_g_idx, bias, M, N, K, sqn, ssn)
         return plan
