@@ -207,6 +207,9 @@ assert not bad, bad
 ptx = compile_sm90(SPLIT_K=2, pdl_early=True).asm["ptx"]
 assert ptx.count("griddepcontrol.launch_dependents") == 1 and "griddepcontrol.wait" not in ptx
 assert "griddepcontrol" not in compile_sm90(SPLIT_K=2).asm["ptx"]
+# the CLI's report of the same (python -m sailfish.bench.ptx --gluon)
+from sailfish.bench.ptx import main
+assert main(["--gluon", "--hazard", "--config", "16,64,256,3,4,3", "--zeros", "--dtype", "bf16"]) == 0
 print("checked", triton.__version__, len(cases))
 """
 

@@ -6,6 +6,7 @@ memory, and does wgmma take it from registers?
     python -m sailfish.bench.ptx --config 16,128,256,1,4,3 --dtype bf16 --group-size 32
     python -m sailfish.bench.ptx --family w4a8 --group-size -1   # the W4A8 int8 kernel
     python -m sailfish.bench.ptx --gemv               # the tensor-core GEMV: SASS instructions per weight
+    python -m sailfish.bench.ptx --gluon --hazard     # the shipped tiles of the Hopper Gluon kernel
 
 Per config it prints the PTX K-loop counts (st.shared / ldmatrix / bar.sync / wgmma) and the
 verdict `no-fp16-smem` or `fp16-smem-roundtrip`. tests/test_w4a16.py runs the same check on
@@ -364,6 +365,33 @@ def shipped_mma_configs(kernel: str = "mma"):
     return [(gpu, cfg) for cfg, gpu in seen.items()]
 
 
+def _main_gluon(cfgs, args) -> int:
+    """The Gluon kernel's K loop for each config: shared-memory stores / ldmatrix (0: the weights
+    never leave registers), wgmma A in registers, the wait_group depths (only 0), and with
+    --hazard the SASS register-hazard check."""
+    from ..kernels.w4a16_gluon import compile_sm90
+
+    bad = 0
+    for gpu, cfg in cfgs:
+        k = compile_sm90(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_stages, args.group_size, cfg.SPLIT_K, args.dtype,
+                         num_warps=cfg.num_warps, pdl_early=cfg.SPLIT_K > 1, has_zeros=args.zeros)
+        st = k_loop_stats(k.asm["ptx"])
+        waits = sorted(set(re.findall(r"wgmma.wait_group.sync.aligned (\d+)", k.asm["ptx"])))
+        ok = st is not None and not st.st_shared and not st.ldmatrix and st.wgmma_a_in_registers and waits == ["0"]
+        verdict = "weights in registers" if ok else "SHARED-MEMORY TRIP OR OTHER WAITS"
+        if args.hazard:
+            hz = wgmma_register_hazard(sass(k.asm["cubin"]))
+            ok = ok and not hz
+            verdict += ", WGMMA-REGISTER-HAZARD" if hz else ", no register hazard"
+        bad += not ok
+        print(f"[{gpu}] BM={cfg.BLOCK_M} BN={cfg.BLOCK_N} split={cfg.SPLIT_K} w={cfg.num_warps} "
+              f"ring={cfg.num_stages}: {st} waits={waits} [{verdict}]")
+        if args.dump:
+            with open(args.dump, "w") as f:
+                f.write(k.asm["ptx"])
+    return 1 if bad else 0
+
+
 def _main_gemv(cfgs, args) -> int:
     """--gemv: SASS instructions per weight of the tensor-core GEMV's K loop, and its lane order."""
     bad = 0
@@ -400,6 +428,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gemv", action="store_true",
                     help="the M <= 8 tensor-core GEMV instead (default configs: the shipped 'gemv' ones): "
                          "SASS instructions per weight in its K loop and its lane-order check")
+    ap.add_argument("--gluon", action="store_true",
+                    help="the Hopper Gluon W4A16 kernel instead (default configs: the shipped 'gluon' ones; "
+                         "--group-size, --dtype, --zeros apply): its K loop and wgmma waits")
     args = ap.parse_args(argv)
     from ..tuning import Config
 
@@ -414,9 +445,11 @@ def main(argv=None) -> int:
         cfgs = [(args.family, Config(*t[:3], SPLIT_K=t[3], num_warps=t[4], num_stages=t[5])) for t in W4A8_TILES
                 if args.family == "w4a8" or args.group_size == -1 or t[2] <= args.group_size]
     else:
-        cfgs = shipped_mma_configs("gemv" if args.gemv else "mma")
+        cfgs = shipped_mma_configs("gemv" if args.gemv else "gluon" if args.gluon else "mma")
     if args.gemv:
         return _main_gemv(cfgs, args)
+    if args.gluon:
+        return _main_gluon(cfgs, args)
     bad = 0
     for gpu, cfg in cfgs:
         tile = (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.SPLIT_K, cfg.num_warps, cfg.num_stages)
