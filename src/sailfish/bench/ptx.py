@@ -379,17 +379,23 @@ def _main_gluon(cfgs, args) -> int:
         waits = sorted(set(re.findall(r"wgmma.wait_group.sync.aligned (\d+)", k.asm["ptx"])))
         ok = st is not None and not st.st_shared and not st.ldmatrix and st.wgmma_a_in_registers and waits == ["0"]
         verdict = "weights in registers" if ok else "SHARED-MEMORY TRIP OR OTHER WAITS"
-        if args.hazard:
-            hz = wgmma_register_hazard(sass(k.asm["cubin"]))
-            ok = ok and not hz
-            verdict += ", WGMMA-REGISTER-HAZARD" if hz else ", no register hazard"
-        bad += not ok
+        hz, verdict = _hazard_and_dump(k, args, verdict)
+        bad += not ok or hz
         print(f"[{gpu}] BM={cfg.BLOCK_M} BN={cfg.BLOCK_N} split={cfg.SPLIT_K} w={cfg.num_warps} "
               f"ring={cfg.num_stages}: {st} waits={waits} [{verdict}]")
-        if args.dump:
-            with open(args.dump, "w") as f:
-                f.write(k.asm["ptx"])
     return 1 if bad else 0
+
+
+def _hazard_and_dump(k, args, verdict: str):
+    """(hazard found, verdict) with --hazard's SASS check appended; --dump writes the PTX."""
+    hz = False
+    if args.hazard:
+        hz = wgmma_register_hazard(sass(k.asm["cubin"]))
+        verdict += ", WGMMA-REGISTER-HAZARD" if hz else ", no register hazard"
+    if args.dump:
+        with open(args.dump, "w") as f:
+            f.write(k.asm["ptx"])
+    return hz, verdict
 
 
 def _main_gemv(cfgs, args) -> int:
@@ -468,16 +474,10 @@ def main(argv=None) -> int:
             continue
         kind = {"w4a8": "int8", "w4a8-fp8": "fp8"}.get(args.family, "fp16")
         verdict = f"{kind}-smem-roundtrip" if st.roundtrip else f"no-{kind}-smem"
-        bad += st.roundtrip
-        if args.hazard:
-            hz = wgmma_register_hazard(sass(k.asm["cubin"]))
-            bad += hz
-            verdict += ", WGMMA-REGISTER-HAZARD" if hz else ", no register hazard"
+        hz, verdict = _hazard_and_dump(k, args, verdict)
+        bad += st.roundtrip or hz
         print(f"{tag}: st.shared={st.st_shared} ldmatrix={st.ldmatrix} bar.sync={st.bar_sync} "
               f"wgmma={st.wgmma} A-in-registers={st.wgmma_a_in_registers} [{verdict}]")
-        if args.dump:
-            with open(args.dump, "w") as f:
-                f.write(k.asm["ptx"])
     return 1 if bad else 0
 
 
