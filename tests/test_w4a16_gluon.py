@@ -225,3 +225,29 @@ def test_gluon_kernel_compiles_for_sm90(tmp_path):
     patches the frontend."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     run_compile_child(_GLUON_CHILD, tmp_path)
+
+
+def test_heuristic_takes_gluon_for_large_weights_at_m16(monkeypatch):
+    """Without a table entry, M = 9..16 on an sm_90 GPU with Gluon takes the Gluon tile for
+    weights of >= 4096 x 8192 (where the tuner chose it on every such Llama shape), with a
+    split that fills the SMs about 3 times; smaller weights, other M and a general g_idx keep
+    the Triton tiles; every choice passes the launcher's checks."""
+    monkeypatch.setattr(ops16, "gluon_device", lambda index: True)
+    monkeypatch.setattr(ops16, "sm_count", lambda index: 132)
+    dev = torch.device("cuda", 0)
+
+    def pick(m, n, kp, gs=128, gidx=False):
+        cfg = ops16._w4a16_heuristic(device=dev, M=m, N=n, Kp=kp, group_size=gs, general_gidx=gidx)
+        ops16._check_config(cfg, kp, m, gs, gidx)
+        return cfg
+
+    for (kp, n), split in {(8192, 57344): 1, (8192, 8192): 3, (8192, 10240): 3, (14336, 4096): 6}.items():
+        cfg = pick(16, n, kp)
+        assert (cfg.kernel, cfg.BLOCK_M, cfg.BLOCK_N, cfg.SPLIT_K) == ("gluon", 16, 64, split), (kp, n, cfg)
+    assert pick(12, 8192, 8192, gs=-1).kernel == "gluon"
+    assert pick(16, 4096, 4096).kernel == "mma"
+    assert pick(32, 8192, 8192).kernel == "mma"
+    assert pick(16, 8192, 8192, gs=64).kernel == "mma"
+    assert pick(16, 8192, 8192, gidx=True).kernel == "mma"
+    monkeypatch.setattr(ops16, "gluon_device", lambda index: False)
+    assert pick(16, 8192, 8192).kernel == "mma"

@@ -59,6 +59,17 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=Fa
         return Config(1, 16, bk, split_k_for(tiles, Kp // bk, sms), 8, 4, 4, kernel="gemv")
     if M >= 1024 and device.type == "cuda":  # dequantize + cuBLAS beats the fused tiles here
         return Config(1, 64, 256, 1, 8, 4, 1, kernel="dequant")
+    steps = Kp // GLUON_STEP
+    if (8 < M <= 16 and N * Kp >= (1 << 25) and not general_gidx and (group_size == -1 or group_size % K_CHUNK == 0)
+            and Kp % GLUON_STEP == 0 and device.type == "cuda" and gluon_device(device.index or 0)):
+        # the Gluon kernel (where it applies: a 'gluon' config elsewhere runs its twin). Tuned
+        # on the H200 at M = 16, it was the best config on the 6 Llama shapes of >= 4096 x 8192
+        # weights (BM 16 / BN 64 / 3 steps, 1.00-1.22x the best Triton tile) and slower on the
+        # two smaller ones; its split was the smallest filling the SMs ~3 times (tiles x split
+        # >= 2.9 x SMs: 14336x4096 6-8, 8192x8192 and 8192x10240 3, 8192x57344 1)
+        tiles = -(-N // 64)
+        split = next((s for s in (1, 2, 3, 4, 6, 8) if gluon_split_ok(s, steps) and tiles * s >= 2.9 * sms), 1)
+        return Config(16, 64, GLUON_STEP, split, 8, 4, 3, kernel="gluon")
     # fragment-order tiles (shared/probes/regA_probe.py on H200, untuned): BM 16 / BN 128 /
     # BK 256 / 3 stages was the best probe tile at M <= 16, BK 128 / 4 stages at M = 64
     if M <= 16:
