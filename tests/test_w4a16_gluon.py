@@ -7,6 +7,7 @@ twin and compile the Gluon kernel for sm_90a (PTX / SASS checks); on an H100 / H
 run the Gluon kernel itself against the reference, per element.
 """
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -251,3 +252,46 @@ def test_heuristic_takes_gluon_for_large_weights_at_m16(monkeypatch):
     assert pick(16, 8192, 8192, gidx=True).kernel == "mma"
     monkeypatch.setattr(ops16, "gluon_device", lambda index: False)
     assert pick(16, 8192, 8192).kernel == "mma"
+
+
+def test_gluon_compile_failure_falls_back_to_the_twin(monkeypatch, device):
+    """A Triton whose Gluon does not compile the kernel (an API change past the tested 3.6-3.9)
+    gives a warning and the twin's result, and the Gluon kernel is not tried again; other
+    errors are raised."""
+    from triton.compiler.errors import CompilationError
+
+    import sailfish.kernels.w4a16_gluon as gk
+
+    class Broken:
+        params = None
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise CompilationError(None, None, "stand-in for an incompatible Gluon")
+            return launch
+
+    monkeypatch.setattr(gk, "w4a16_gluon_kernel", Broken())
+    monkeypatch.setattr(ops16, "GLUON", True)
+    monkeypatch.setattr(ops16, "gluon_applies", lambda *a: ops16.GLUON)
+    layer = _layer(1024, 192, 128, F16, True, device)
+    x = torch.randn(16, 1024, device=device).to(F16)
+    cfg = Config(16, 64, 256, 2, 8, 4, 3, kernel="gluon")
+    with pytest.warns(RuntimeWarning, match="Gluon W4A16 kernel does not compile"):
+        y = _launch(layer, x, cfg)
+    assert not ops16.GLUON
+    assert torch.equal(y, _launch(layer, x, gluon_twin(cfg)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second attempt, no second warning
+        assert torch.equal(_launch(layer, x, cfg), y)
+    ops16.gluon_device.cache_clear()
+
+    class Failing(Broken):
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("a launch error")
+            return launch
+
+    monkeypatch.setattr(gk, "w4a16_gluon_kernel", Failing())
+    monkeypatch.setattr(ops16, "GLUON", True)
+    with pytest.raises(RuntimeError, match="a launch error"):
+        _launch(layer, x, cfg)

@@ -89,10 +89,10 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=Fa
 
 def _gluon_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros):
     """The Hopper Gluon kernel's tiles (kernels/w4a16_gluon.py) for 8 < M <= 64, where it can
-    run (with or without zero points). Same runs, g128 (docs/perf_log.md v18): at M = 16 / 32, BLOCK_N 64 with 3 stages (4
-    CTAs per SM at ~121 registers) was the best Gluon tile on all 8 Llama shapes on the H200;
-    4 or 6 stages cost occupancy, BLOCK_N 128 over one warpgroup (spills) or two (8 warps
-    sharing x) was 1.05-1.4x slower. At M = 64 only BLOCK_M 64 / BLOCK_N 128 over 8 warps
+    run (with or without zero points). Same runs, g128 (docs/perf_log.md v18): at M = 16 / 32,
+    BLOCK_N 64 with 3 stages (4 CTAs per SM at ~121 registers) was the best Gluon tile on all
+    8 Llama shapes on the H200; 4 or 6 stages cost occupancy, BLOCK_N 128 over one warpgroup
+    (spills) or two (8 warps sharing x) was 1.05-1.4x slower. At M = 64 only BLOCK_M 64 / BLOCK_N 128 over 8 warps
     came close to the Triton tiles (4096x4096 1.10x, 14336x4096 1.04x of them, elsewhere
     slower). The split-K that fills the SMs ~3-4 times decides the rest, so the splits 3 and
     6 are tried too."""
@@ -372,6 +372,27 @@ def gluon_device(device_index: int) -> bool:
     return True
 
 
+def _gluon_compile_failed(err: Exception) -> bool:
+    """Whether `err` is the Gluon kernel failing to compile (a Triton whose Gluon differs from
+    the tested 3.6-3.9); if so, warn once and run every 'gluon' config as its twin from now on
+    (a CUDA or launch error is not this, and is raised)."""
+    global GLUON
+    from triton.compiler.errors import CompilationError
+
+    if not isinstance(err, CompilationError):
+        return False
+    import warnings
+
+    import triton
+
+    GLUON = False
+    gluon_device.cache_clear()
+    warnings.warn(f"sailfish: the Gluon W4A16 kernel does not compile with Triton {triton.__version__} "
+                  f"({type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}); "
+                  "its configs run as their Triton twins from now on", RuntimeWarning, stacklevel=4)
+    return True
+
+
 def gluon_twin(cfg: Config) -> Config:
     """The Triton config that computes what a 'gluon' config does: the same tile, split and
     K step (two 128-channel halves with the scale on each fp32 product, SCALE_ACC)."""
@@ -574,14 +595,23 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                          dict(GROUP_SIZE=gs, HAS_ZEROS=zeros is not None, HAS_GIDX=sorted_g_idx is not None,
                               EMU_BF16=emu, USE_ASM=asm))
             return None
-        plan = _GemmPlan(cfg, x.get_device(), gs=gs, has_zeros=zeros is not None,
-                         has_gidx=sorted_g_idx is not None, has_bias=bias is not None, emu=emu, asm=asm,
-                         mma_asm=use_asm and _has_mma_asm(x),
-                         tensor_core_gemv=gemv_on_tensor_cores(cfg, x, gs, sorted_g_idx is not None),
-                         paired=pairable, bf16=x.dtype == torch.bfloat16, K=K, group_size=group_size,
-                         gluon=cfg.kernel == "gluon" and gluon_applies(x, qweight, group_size,
-                                                                       sorted_g_idx is not None, use_asm))
-        plan(out, out, x, qweight, scales, z_arg, sorted_g_idx, bias, M, N, K, sqn, ssn)
+        def build() -> _GemmPlan:
+            return _GemmPlan(cfg, x.get_device(), gs=gs, has_zeros=zeros is not None,
+                             has_gidx=sorted_g_idx is not None, has_bias=bias is not None, emu=emu, asm=asm,
+                             mma_asm=use_asm and _has_mma_asm(x),
+                             tensor_core_gemv=gemv_on_tensor_cores(cfg, x, gs, sorted_g_idx is not None),
+                             paired=pairable, bf16=x.dtype == torch.bfloat16, K=K, group_size=group_size,
+                             gluon=cfg.kernel == "gluon" and gluon_applies(x, qweight, group_size,
+                                                                           sorted_g_idx is not None, use_asm))
+
+        plan = build()
+        try:
+            plan(out, out, x, qweight, scales, z_arg, sorted_g_idx, bias, M, N, K, sqn, ssn)
+        except Exception as e:  # noqa: BLE001 - only a Gluon compile failure is handled
+            if plan.kind != "gluon" or not _gluon_compile_failed(e):
+                raise
+            plan = build()  # (the twin, from now on)
+            plan(out, out, x, qweight, scales, z_arg, sorted_g_idx, bias, M, N, K, sqn, ssn)
         return plan
 
     with device_of(x):
