@@ -1,8 +1,8 @@
 """W4A16 on Hopper in Gluon: 4-bit weights, symmetric or with zero points, per channel or in
 groups of 128, 256, ...; fp16/bf16 activations; the weight as wgmma's register A operand with
-every layout and every wgmma wait explicit. Hopper (sm_90a) and Triton's Gluon only: ops/w4a16.py runs the portable
-Triton mma kernel (its twin, kernels/w4a16._w4a16_kernel with SCALE_ACC) everywhere else,
-including the CPU interpreter, which does not run Gluon.
+every layout and every wgmma wait explicit. Hopper (sm_90a) and Triton's Gluon only:
+ops/w4a16.py runs the portable Triton mma kernel (its twin, kernels/w4a16._w4a16_kernel with
+SCALE_ACC) everywhere else, including the CPU interpreter, which does not run Gluon.
 
 Why a second kernel (docs/perf_log.md v17/v18): in plain Triton a grouped tile either
 multiplies every dequantized weight by its scale (4 of the 13 fp16 asm instructions per
@@ -30,7 +30,7 @@ Data path per K step (no shared-memory trip of the dequantized tile):
   constants (q - z exactly, no extra instruction). H200, 8192x57344 M = 16 bf16 asymmetric
   against fp16 symmetric at 84-85 us: the q - 8 product plus (8 - z) * sum_k x, the x sums
   taken from the shared x tile, 132 us; (q - 8) + (8 - z) added to the dequantized values,
-  103 us; see docs/perf_log.md v18 for the constants' variant;
+  103 us; the constants, 96 us (docs/perf_log.md v18);
 - per channel the two wgmmas chain into the accumulator and the scale multiplies it once at
   the end.
 Output: y in x's dtype (+ bias), or with SPLIT_K > 1 fp32 partial sums for the package's
@@ -45,7 +45,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
                                                              warpgroup_mma_init, warpgroup_mma_wait)
-
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from .w4a16 import _ASM_BF16_Q, _ASM_F16_Q
