@@ -139,25 +139,16 @@ def _load_step(w_buf, x_buf, slot, w_ptrs, x_ptrs, step, ok):
 
 
 @gluon.jit
-def _step_scales(s_base, step, GROUP_CHUNKS: gl.constexpr):
-    """The fp32 scales (or zero points) of the two chunks of K step `step`, rows of the
-    accumulator."""
-    s0 = gl.load(s_base + (2 * step) // GROUP_CHUNKS).to(gl.float32)
-    s1 = gl.load(s_base + (2 * step + 1) // GROUP_CHUNKS).to(gl.float32)
-    return s0, s1
-
-
-@gluon.jit
-def _step_zeros(z_base, step, GROUP_CHUNKS: gl.constexpr):
-    """The fp32 zero points of the two chunks of K step `step` (z_base: rows of the words'
-    layout)."""
+def _step_scales(base, step, GROUP_CHUNKS: gl.constexpr):
+    """The fp32 scales or zero points of the two chunks of K step `step` (base: one pointer per
+    row, in the layout the caller wants them in); per channel (GROUP_CHUNKS 0) the row's one."""
     if GROUP_CHUNKS > 0:
-        z0 = gl.load(z_base + (2 * step) // GROUP_CHUNKS).to(gl.float32)
-        z1 = gl.load(z_base + (2 * step + 1) // GROUP_CHUNKS).to(gl.float32)
+        v0 = gl.load(base + (2 * step) // GROUP_CHUNKS).to(gl.float32)
+        v1 = gl.load(base + (2 * step + 1) // GROUP_CHUNKS).to(gl.float32)
     else:
-        z0 = gl.load(z_base).to(gl.float32)
-        z1 = z0
-    return z0, z1
+        v0 = gl.load(base).to(gl.float32)
+        v1 = v0
+    return v0, v1
 
 
 @gluon.jit
@@ -202,7 +193,7 @@ def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, 
     if HAS_ZEROS:  # zero points (the scales' shape), rows of the words' layout
         zn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WORDS))
         z_base = z_ptr + (zn % N).to(gl.int64) * stride_sn
-        zn0, zn1 = _step_zeros(z_base, first, GROUP_CHUNKS)
+        zn0, zn1 = _step_scales(z_base, first, GROUP_CHUNKS)
 
     x_buf = gl.allocate_shared_memory(DT, [2 * STAGES, BLOCK_M, _CHUNK], X_SMEM)
     w_buf = gl.allocate_shared_memory(gl.int32, [2 * STAGES, BLOCK_N, 16], W_SMEM)
@@ -220,16 +211,15 @@ def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, 
         nxt = i + STAGES - 1
         _load_step(w_buf, x_buf, nxt % STAGES, w_ptrs, x_ptrs, nxt, nxt < n)
         slot = i % STAGES
+        z0 = None
+        z1 = None
         if HAS_ZEROS:
             z0 = zn0
             z1 = zn1
             # the next step's zero points, a step early (as the scales)
-            zn0, zn1 = _step_zeros(z_base, first + gl.minimum(i + 1, n - 1), GROUP_CHUNKS)
-            w0 = _chunk_weights(w_buf.index(2 * slot).load(WORDS), DT, BLOCK_N, DOT_A, z0)
-            w1 = _chunk_weights(w_buf.index(2 * slot + 1).load(WORDS), DT, BLOCK_N, DOT_A, z1)
-        else:
-            w0 = _chunk_weights(w_buf.index(2 * slot).load(WORDS), DT, BLOCK_N, DOT_A)
-            w1 = _chunk_weights(w_buf.index(2 * slot + 1).load(WORDS), DT, BLOCK_N, DOT_A)
+            zn0, zn1 = _step_scales(z_base, first + gl.minimum(i + 1, n - 1), GROUP_CHUNKS)
+        w0 = _chunk_weights(w_buf.index(2 * slot).load(WORDS), DT, BLOCK_N, DOT_A, z0)
+        w1 = _chunk_weights(w_buf.index(2 * slot + 1).load(WORDS), DT, BLOCK_N, DOT_A, z1)
         fence_async_shared()
         x0 = x_buf.index(2 * slot).permute((1, 0))
         x1 = x_buf.index(2 * slot + 1).permute((1, 0))

@@ -59,16 +59,16 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=Fa
         return Config(1, 16, bk, split_k_for(tiles, Kp // bk, sms), 8, 4, 4, kernel="gemv")
     if M >= 1024 and device.type == "cuda":  # dequantize + cuBLAS beats the fused tiles here
         return Config(1, 64, 256, 1, 8, 4, 1, kernel="dequant")
-    steps = Kp // GLUON_STEP
-    if (8 < M <= 16 and N * Kp >= (1 << 25) and not general_gidx and (group_size == -1 or group_size % K_CHUNK == 0)
-            and Kp % GLUON_STEP == 0 and device.type == "cuda" and gluon_device(device.index or 0)):
+    if (8 < M <= 16 and N * Kp >= (1 << 25) and gluon_format(group_size, general_gidx, Kp)
+            and device.type == "cuda" and gluon_device(device.index or 0)):
         # the Gluon kernel (where it applies: a 'gluon' config elsewhere runs its twin). Tuned
         # on the H200 at M = 16, it was the best config on the 6 Llama shapes of >= 4096 x 8192
         # weights (BM 16 / BN 64 / 3 steps, 1.00-1.22x the best Triton tile) and slower on the
         # two smaller ones; its split was the smallest filling the SMs ~3 times (tiles x split
         # >= 2.9 x SMs: 14336x4096 6-8, 8192x8192 and 8192x10240 3, 8192x57344 1)
         tiles = -(-N // 64)
-        split = next((s for s in (1, 2, 3, 4, 6, 8) if gluon_split_ok(s, steps) and tiles * s >= 2.9 * sms), 1)
+        split = next((s for s in (1, 2, 3, 4, 6, 8) if gluon_split_ok(s, Kp // GLUON_STEP) and tiles * s >= 2.9 * sms),
+                     1)
         return Config(16, 64, GLUON_STEP, split, 8, 4, 3, kernel="gluon")
     # fragment-order tiles (shared/probes/regA_probe.py on H200, untuned): BM 16 / BN 128 /
     # BK 256 / 3 stages was the best probe tile at M <= 16, BK 128 / 4 stages at M = 64
@@ -96,8 +96,7 @@ def _gluon_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros):
     came close to the Triton tiles (4096x4096 1.10x, 14336x4096 1.04x of them, elsewhere
     slower). The split-K that fills the SMs ~3-4 times decides the rest, so the splits 3 and
     6 are tried too."""
-    if (not 8 < M <= 64 or general_gidx or not (group_size == -1 or group_size % K_CHUNK == 0)
-            or Kp % GLUON_STEP or not gluon_device(device.index or 0)):
+    if not (8 < M <= 64 and gluon_format(group_size, general_gidx, Kp) and gluon_device(device.index or 0)):
         return
     sms = sm_count(device.index or 0)
     steps = Kp // GLUON_STEP
@@ -351,6 +350,12 @@ GLUON = os.environ.get("SAILFISH_GLUON", "1") == "1"
 GLUON_STEP = 2 * K_CHUNK  # channels per K step of the Gluon kernel (its BLOCK_K)
 
 
+def gluon_format(group_size: int, general_gidx: bool, k: int) -> bool:
+    """The weight formats and K the Gluon kernel takes: groups of whole 128-channel chunks (or
+    per channel), no general g_idx, K a multiple of its 256-channel step."""
+    return not general_gidx and (group_size == -1 or group_size % K_CHUNK == 0) and k % GLUON_STEP == 0
+
+
 def gluon_split_ok(split: int, steps: int) -> bool:
     """Every one of `split` splits of `steps` K steps gets one at least (the Gluon kernel gives
     split k the steps from k * ceil(steps / split))."""
@@ -401,11 +406,9 @@ def gluon_twin(cfg: Config) -> Config:
 
 def gluon_applies(x: torch.Tensor, qweight: torch.Tensor, group_size: int, general_gidx: bool, use_asm: bool) -> bool:
     """Whether a 'gluon' config runs the Gluon kernel: a Hopper GPU (gluon_device), the asm
-    dequantization allowed, groups of whole 128-channel chunks (or per channel), no general
-    g_idx, K a multiple of its 256-channel step, and x and the words
+    dequantization allowed, a format it takes (gluon_format, with x's K), and x and the words
     16-byte aligned (its cp.async copies 16 bytes per thread)."""
-    return (use_asm and x.is_cuda and not general_gidx
-            and (group_size == -1 or group_size % K_CHUNK == 0) and x.shape[1] % GLUON_STEP == 0
+    return (use_asm and x.is_cuda and gluon_format(group_size, general_gidx, x.shape[1])
             and x.data_ptr() % 16 == 0 and qweight.data_ptr() % 16 == 0 and gluon_device(x.device.index))
 
 
@@ -504,12 +507,12 @@ class _GemmPlan:
         sym = out.stride(0)
         if kind == "gemv_mma":
             self.gemm((tiles_n, split), x, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym, sqn, ssn)
-        elif kind == "gluon":
-            self.gemm((-(-M // cfg.BLOCK_M) * tiles_n, split), x, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym,
-                      sqn, ssn)
         else:
             grid = (tiles_n, split) if kind == "gemv" else (-(-M // cfg.BLOCK_M) * tiles_n, split)
-            self.gemm(grid, x, qweight, scales, z_arg, sorted_g_idx, bias, y, ws, M, N, K, K, sym, sqn, ssn)
+            if kind == "gluon":  # (no g_idx pointer)
+                self.gemm(grid, x, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym, sqn, ssn)
+            else:
+                self.gemm(grid, x, qweight, scales, z_arg, sorted_g_idx, bias, y, ws, M, N, K, K, sym, sqn, ssn)
         if split > 1:
             self.reduce((-(-(M * N) // _REDUCE_BLOCK), 1), ws, bias, y, M, N, sym)
 
