@@ -32,8 +32,8 @@ def launch(layer, x, cfg, use_asm=True):
                         p.in_features, p.group_size, config=cfg, use_asm=use_asm)
 
 
-def gemv(bm, bn, bk, split=1, warps=4):
-    return Config(bm, bn, bk, split, 8, warps, 1, kernel="gemv")
+def gemv(bm, bn, bk, split=1, warps=4, scale_acc=False):
+    return Config(bm, bn, bk, split, 8, warps, 1, kernel="gemv", scale_acc=scale_acc)
 
 
 # BLOCK_N 16 runs one row pair per asm element, >= 32 two; K = 784 (Kp 1024) leaves a K tail
@@ -48,12 +48,17 @@ CASES = [
     (2, 784, 40, 128, False, BF16, True, gemv(2, 32, 256, 2)),
     (3, 512, 24, 128, True, F16, False, gemv(4, 16, 128)),
     (8, 400, 48, -1, True, BF16, True, gemv(8, 32, 128)),
+    # scale_acc (each chunk's fp32 product scaled once per row)
+    (1, 784, 40, 128, False, BF16, True, gemv(1, 32, 128, 3, scale_acc=True)),
+    (1, 1024, 72, 256, True, F16, False, gemv(1, 16, 512, 1, 8, scale_acc=True)),
+    (3, 784, 40, -1, False, F16, True, gemv(4, 32, 256, 2, scale_acc=True)),
 ]
 
 
 def case_id(m, k, n, gs, sym, dtype, bias, cfg):
     return (f"M{m}-K{k}-N{n}-g{gs}-{'sym' if sym else 'asym'}-{DTYPE_NAMES[dtype]}{'-bias' if bias else ''}"
-            f"-BM{cfg.BLOCK_M}-BN{cfg.BLOCK_N}-BK{cfg.BLOCK_K}-SK{cfg.SPLIT_K}-w{cfg.num_warps}")
+            f"-BM{cfg.BLOCK_M}-BN{cfg.BLOCK_N}-BK{cfg.BLOCK_K}-SK{cfg.SPLIT_K}-w{cfg.num_warps}"
+            f"{'-sa' if cfg.scale_acc else ''}")
 
 
 @pytest.mark.parametrize("m,k,n,gs,sym,dtype,bias,cfg", CASES, ids=[case_id(*c) for c in CASES])
@@ -63,16 +68,19 @@ def test_gemv_mma_per_element(m, k, n, gs, sym, dtype, bias, cfg, device):
     assert gemv_on_tensor_cores(cfg, x, 0 if gs == -1 else gs, False)
     y = launch(layer, x, cfg)
     assert y.shape == (m, n) and y.dtype == dtype
-    assert_close_per_element(y, x, layer.dequantize(), layer.bias)
+    # (scale_acc multiplies by the exact s * (q - z), not by its rounding to the dtype)
+    assert_close_per_element(y, x, layer.quantized_weight().dequantize(rounded=not cfg.scale_acc), layer.bias)
     if cfg.SPLIT_K > 1:  # split-K stays deterministic
         assert torch.equal(y, launch(layer, x, cfg))
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=DTYPE_NAMES.get)
-@pytest.mark.parametrize("cfg", [gemv(8, 16, 128), gemv(8, 32, 256, 1, 2), gemv(1, 32, 256)],
-                         ids=["pairs1", "pairs2", "M1"])
+@pytest.mark.parametrize("cfg", [gemv(8, 16, 128), gemv(8, 32, 256, 1, 2), gemv(1, 32, 256),
+                                 gemv(1, 32, 256, scale_acc=True)],
+                         ids=["pairs1", "pairs2", "M1", "M1-scale_acc"])
 def test_gemv_mma_one_hot_is_exact(cfg, dtype, device):
-    """x rows = unit vectors: y[m, n] must be W_eff[n, k_m] bit for bit (one exact product).
+    """x rows = unit vectors: y[m, n] must be W_eff[n, k_m] bit for bit (one exact product;
+    with scale_acc s * (q - z) in fp32, rounded once at the store: the same number).
     Covers every channel position of a 128-channel chunk (all nibbles, words and lanes) in
     both B modes (M = 1 broadcasts x to every column, M > 1 puts row m in column m), so a
     wrong lane order, nibble or x pair fails here on the GPU."""
@@ -121,14 +129,15 @@ def test_gemv_mma_switch(monkeypatch, device):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the mma.sync asm runs on CUDA only")
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=DTYPE_NAMES.get)
-@pytest.mark.parametrize("cfg", [gemv(1, 16, 1024, 1, 8), gemv(2, 64, 512, 4)], ids=["BN16", "M2-BN64-split"])
+@pytest.mark.parametrize("cfg", [gemv(1, 16, 1024, 1, 8), gemv(2, 64, 512, 4), gemv(1, 32, 512, 2, scale_acc=True)],
+                         ids=["BN16", "M2-BN64-split", "BN32-split-scale_acc"])
 def test_gemv_mma_asm_and_twin_at_k28672(cfg, dtype):
     """The asm and the pure-Triton twin (use_asm=False) on the GPU, at the largest Llama K:
     both within the per-element bound (their fp32 sums differ in order, so not bit-equal)."""
     k, n = 28672, 256
     layer = make_layer(k, n, 128, dtype == BF16, dtype, True, "cuda")
     x = torch.randn(min(cfg.BLOCK_M, 3), k, device="cuda").to(dtype)
-    w = layer.dequantize()
+    w = layer.quantized_weight().dequantize(rounded=not cfg.scale_acc)
     for use_asm in (True, False):
         assert_close_per_element(launch(layer, x, cfg, use_asm), x, w, layer.bias)
 
@@ -141,9 +150,12 @@ cfgs = [(c.BLOCK_M, c.BLOCK_N, c.BLOCK_K, c.SPLIT_K, c.num_warps, c.num_stages)
 cfgs += [(1, 64, 512, 1, 4, 1), (1, 128, 256, 1, 4, 2), (4, 32, 256, 2, 4, 2)]
 bad = []
 for c in cfgs:
-    for kw in (dict(), dict(dtype="bf16", has_zeros=True), dict(group_size=-1)):
+    for kw in (dict(), dict(dtype="bf16", has_zeros=True), dict(group_size=-1), dict(scale_acc=True),
+               dict(dtype="bf16", has_zeros=True, scale_acc=True)):
         loop = gemv_loop(*c, **kw)
         limit = 2.5 if c[1] >= 32 else 2.75  # fp16 / bf16 asym alike; see the test's docstring
+        if kw.get("scale_acc"):  # 4 instructions per word fewer
+            limit -= 0.5
         if not loop.lane_order or loop.per_weight > (limit + (0.5 if kw.get("dtype") == "bf16" else 0)):
             bad.append((c, kw, loop.per_weight, loop.lane_order))
 print("checked", len(cfgs))
@@ -157,7 +169,8 @@ def test_gemv_mma_compiles_to_the_lane_order_it_needs(tmp_path):
     mma asm runs in the lane order it assumes (else its results are wrong on the GPU), and
     the K loop's SASS stays within its instruction budget per weight (fp16: 13 dequantization
     instructions + 1 mma per word of 8 weights = 1.75, plus loads and addressing; bf16 has no
-    high-nibble trick: 15 + 1). A compiler or layout change that breaks either fails here."""
+    high-nibble trick: 15 + 1; scale_acc 4 fewer per word: 1.72-2.08 measured for fp16 on
+    Triton 3.6 and 3.9). A compiler or layout change that breaks either fails here."""
     run_compile_child(_PTX_CHILD, tmp_path)
 
 
@@ -172,7 +185,9 @@ def test_gemv_candidates_are_valid(m, gs, general, monkeypatch):
                                                 general_gidx=general) if c.kernel == "gemv"]
     assert cands
     for c in cands:
-        ops16._check_config(c, kp, m)
+        ops16._check_config(c, kp, m, gs, general)
+    # the tensor-core GEMV's tiles come with and without scale_acc; the CUDA-core GEMV has none
+    assert any(c.scale_acc for c in cands) == (gs in (128, -1) and not general)
 
 
 def test_lane_order_check_can_fail():
@@ -220,11 +235,21 @@ class _Warp:
             return _bf16_bits(v)
         return np.asarray(v, np.float16).view(np.uint16).astype(np.int64)
 
+    @staticmethod
+    def f32(bits):  # 32-bit patterns -> float64 values
+        return np.asarray(np.asarray(bits, np.int64) & 0xFFFFFFFF, np.uint32).view(np.float32).astype(np.float64)
+
+    @staticmethod
+    def f32_bits(v):  # float64 values -> fp32 bit patterns, rounded once
+        return np.asarray(v, np.float32).view(np.uint32).astype(np.int64)
+
     def val(self, tok):
         if tok.startswith("$"):
             return np.asarray(self.ops[int(tok[1:])], np.int64)
         if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)", tok):
             return np.full(32, int(tok, 0), np.int64)
+        if re.fullmatch(r"0f[0-9a-fA-F]{8}", tok):  # a PTX fp32 literal (its bits)
+            return np.full(32, int(tok[2:], 16), np.int64)
         return self.regs[tok]
 
     def pair_op(self, fn, *srcs):
@@ -288,6 +313,11 @@ class _Warp:
             elif op in ("add.rn.f16", "add.rn.bf16", "sub.rn.f16"):
                 a, b = self.half(self.val(src[0])), self.half(self.val(src[1]))
                 r = self.bits(a + b if op.startswith("add") else a - b)
+            elif op in ("cvt.f32.f16", "cvt.f32.bf16"):
+                r = self.f32_bits(self.half(self.val(src[0])))
+            elif op == "fma.rn.f32":  # (float64 holds the exact a * b + c; one rounding)
+                a, b, c = (self.f32(self.val(x)) for x in src)
+                r = self.f32_bits(a * b + c)
             elif op.startswith(("sub.rn.", "mul.rn.", "fma.rn.")):
                 fn = {"sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
                       "fma": lambda a, b, c: a * b + c}[op[:3]]  # float64 is exact here
@@ -305,15 +335,15 @@ def _bf16_bits(v):
     return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
 
 
-def _emulate_gemv_asm(dtype, sym, even_k, pairs, edit=lambda ptx: ptx):
+def _emulate_gemv_asm(dtype, sym, even_k, pairs, edit=lambda ptx: ptx, scale_acc=False, acc0=0.0):
     """Worst relative error of the asm's outputs (see test_gemv_asm_emulated) against
-    x . W_eff, with `edit` applied to the PTX first."""
+    acc0 + x . W_eff (W_eff unrounded with scale_acc), with `edit` applied to the PTX first."""
     from sailfish.formats.int4 import pack_words
     from sailfish.kernels.w4a16 import _gemv_mma_asm
 
     bf16, k, rows = dtype == BF16, 128, 16 * pairs
     qw = random_quantized(k, rows, 128, sym, dtype)
-    w_eff = qw.dequantize().double().numpy()
+    w_eff = qw.dequantize(rounded=not scale_acc).double().numpy()
     x = torch.randn(k).to(dtype)
     q = qw.qweight.to(torch.int64)
     words = (pack_words(q).to(torch.int64) & 0xFFFFFFFF).numpy()  # (rows, 16)
@@ -334,11 +364,11 @@ def _emulate_gemv_asm(dtype, sym, even_k, pairs, edit=lambda ptx: ptx):
         ops[ix + 1 + r] = 0x2000 + 2 * (8 * r + g)
     ops[ix + 1 + 2 * pairs] = np.full(32, 0x800)  # zero points past the scales
     ops[ix + 2 + 2 * pairs] = np.full(32, 64) if even_k else k // 2 - t
-    for i in range(4 * pairs):
-        ops[ix + 3 + 2 * pairs + i] = np.zeros(32, np.int64)
+    for i in range(4 * pairs):  # the accumulators coming in
+        ops[ix + 3 + 2 * pairs + i] = _Warp.f32_bits(np.full(32, acc0))
     warp = _Warp(ops, mem, bf16)
-    warp.run(edit(_gemv_mma_asm(bf16, not sym, even_k, pairs)))
-    ref = w_eff @ x.double().numpy()
+    warp.run(edit(_gemv_mma_asm(bf16, not sym, even_k, pairs, scale_acc)))
+    ref = w_eff @ x.double().numpy() + acc0
     worst = 0.0
     for p in range(pairs):
         for i in range(4):
@@ -348,26 +378,32 @@ def _emulate_gemv_asm(dtype, sym, even_k, pairs, edit=lambda ptx: ptx):
     return worst
 
 
+@pytest.mark.parametrize("scale_acc", [False, True], ids=["scaled", "scale_acc"])
 @pytest.mark.parametrize("pairs", [1, 2])
 @pytest.mark.parametrize("even_k", [True, False], ids=["evenK", "Ktail"])
 @pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=DTYPE_NAMES.get)
-def test_gemv_asm_emulated(dtype, sym, even_k, pairs):
+def test_gemv_asm_emulated(dtype, sym, even_k, pairs, scale_acc):
     """The GPU-only asm (kernels/w4a16._gemv_mma_asm), run by a warp emulator on one
     128-channel chunk with each lane holding the operands the kernel gives it (lane 4g + t:
     words 4t + a of rows g and g + 8 of each 16-row block, x pair t, its rows' scale
-    addresses): every output must be the row's x . W_eff (fp32 sums of exact products, so
-    within a few fp32 ulps). The lane order itself is the compiler's: bench/ptx checks it."""
-    assert _emulate_gemv_asm(dtype, sym, even_k, pairs) < 1e-5
+    addresses) and an incoming accumulator: every output must be that plus the row's
+    x . W_eff (fp32 sums of exact products, so within a few fp32 ulps; scale_acc: the
+    unrounded weights, the chunk sum scaled in fp32). The lane order itself is the
+    compiler's: bench/ptx checks it."""
+    assert _emulate_gemv_asm(dtype, sym, even_k, pairs, scale_acc=scale_acc, acc0=0.75) < 1e-5
 
 
+@pytest.mark.parametrize("scale_acc", [False, True], ids=["scaled", "scale_acc"])
 @pytest.mark.parametrize("edit", [lambda p: p.replace("{x0, x1}", "{x1, x0}"),
                                   lambda p: p.replace("0x00f000f0", "0x000f000f", 1),
-                                  lambda p: p.replace("{p0, p1, p2, p3}", "{p0, p2, p1, p3}", 1)],
-                         ids=["x-pair", "nibble", "fragment"])
-def test_gemv_asm_emulation_can_fail(edit):
-    """The emulation notices a swapped x pair, a wrong nibble mask or fragment registers."""
-    assert _emulate_gemv_asm(F16, False, True, 1, edit) > 1e-2
+                                  lambda p: p.replace("{p0, p1, p2, p3}", "{p0, p2, p1, p3}", 1),
+                                  lambda p: p.replace("[$14]", "[$13]", 1)],
+                         ids=["x-pair", "nibble", "fragment", "scale-row"])
+def test_gemv_asm_emulation_can_fail(edit, scale_acc):
+    """The emulation notices a swapped x pair, a wrong nibble mask or fragment registers, and
+    row g's scale applied to row g + 8 (operand $14 is row g + 8's scale address at 1 pair)."""
+    assert _emulate_gemv_asm(F16, False, True, 1, edit, scale_acc=scale_acc, acc0=0.75) > 1e-2
 
 
 @pytest.mark.parametrize("m", [1, 2, 8])

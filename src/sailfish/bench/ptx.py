@@ -131,23 +131,23 @@ def compile_w4a8(block_m: int, block_n: int, block_k: int, split_k: int, num_war
 
 def compile_gemv(block_m: int, block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int = 1,
                  *, dtype: str = "fp16", group_size: int = 128, has_zeros: bool = False, use_asm: bool = True,
-                 capability: int = 90, even_k: bool = True):
+                 capability: int = 90, even_k: bool = True, scale_acc: bool = False):
     """triton.compile of kernels/w4a16._w4a16_gemv_mma_kernel (the M <= 8 tensor-core GEMV)
     for cuda:<capability>, specialised as the launcher is on a GPU (num_stages > 1: the
-    words are prefetched one K tile ahead)."""
+    words are prefetched one K tile ahead; scale_acc: Config.scale_acc)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     from ..kernels.w4a16 import _w4a16_gemv_mma_kernel, gemv_asm, gemv_pairs, gemv_warps
 
     ty = DTYPES[dtype]
-    asm = gemv_asm(dtype == "bf16", has_zeros, even_k, gemv_pairs(block_n)) if use_asm else ("", "")
+    asm = gemv_asm(dtype == "bf16", has_zeros, even_k, gemv_pairs(block_n), scale_acc) if use_asm else ("", "")
     sig = {"x_ptr": ty, "qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "bias_ptr": ty, "y_ptr": ty,
            "ws_ptr": "*fp32", **{k: "i32" for k in _INTS}}
     consts = dict(GROUP_SIZE=0 if group_size == -1 else group_size, HAS_ZEROS=has_zeros, HAS_BIAS=False,
                   EVEN_K=even_k, SPLIT_K=split_k, EMU_BF16=False, USE_ASM=use_asm,
                   ASM=asm[0], ASM_CONSTRAINTS=asm[1], PREFETCH=num_stages > 1, BLOCK_M=block_m,
-                  BLOCK_N=block_n, BLOCK_K=block_k)
+                  BLOCK_N=block_n, BLOCK_K=block_k, SCALE_ACC=scale_acc)
     names = list(sig)
     aligned = tuple(n for n in _PTRS if n != "gidx_ptr") + ("N", "K", "stride_xm", "stride_ym", "stride_qn")
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
@@ -405,11 +405,11 @@ def _main_gemv(cfgs, args) -> int:
         loop = gemv_loop(cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.SPLIT_K, cfg.num_warps, cfg.num_stages,
                          dtype=args.dtype,
                          group_size=args.group_size, has_zeros=args.zeros, use_asm=not args.no_asm,
-                         capability=args.capability)
+                         capability=args.capability, scale_acc=cfg.scale_acc)
         top = ", ".join(f"{op} {n}" for op, n in sorted(loop.ops.items(), key=lambda kv: -kv[1])[:8])
         bad += not loop.lane_order
         print(f"[{gpu}] BM={cfg.BLOCK_M} BN={cfg.BLOCK_N} BK={cfg.BLOCK_K} split={cfg.SPLIT_K} w={cfg.num_warps} "
-              f"st={cfg.num_stages}: "
+              f"st={cfg.num_stages}{' scale_acc' if cfg.scale_acc else ''}: "
               f"{loop.instructions} instructions / {loop.weights} weights per thread and K tile = "
               f"{loop.per_weight:.2f} per weight; lane order {'ok' if loop.lane_order else 'WRONG'} ({top})")
     return 1 if bad else 0

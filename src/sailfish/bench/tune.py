@@ -96,6 +96,9 @@ def _w4a8_family(k, n, group_size, sym, dtype):
 FAMILIES = {"w4a16": _w4a16_family, "w4a8": _w4a8_family}
 
 
+RETIME = 4  # candidates timed twice more before the choice
+
+
 def tune_shape(family, k, n, ms, group_size, sym, dtype, log=print):
     make, launch, prepare, candidates, keys = FAMILIES[family](k, n, group_size, sym, dtype)
     lin = torch.nn.Linear(k, n, bias=False, dtype=dtype, device="cuda")
@@ -123,6 +126,14 @@ def tune_shape(family, k, n, ms, group_size, sym, dtype, log=print):
                 continue
             results.append((t, cfg))
         results.sort(key=lambda tc: tc[0])
+        # the few fastest again, best of three: one timing each let a 5-10% outlier decide
+        # between near-equal tiles (H200: the same config's time spread 3-7% between runs)
+        top = []
+        for t, cfg in results[:RETIME]:
+            for _ in range(2):
+                t = min(t, graph_time_us([lambda l=l, cfg=cfg: launch(l, xin, cfg) for l in layers]))
+            top.append((t, cfg))
+        results[:RETIME] = sorted(top, key=lambda tc: tc[0])
         heur_t = next((t for t, c in results if c == cands[0]), float("nan"))
         t, cfg = results[0]
         t_fp = graph_time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in fp16_w])

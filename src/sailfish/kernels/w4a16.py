@@ -621,9 +621,14 @@ def _splitk_reduce_kernel(ws_ptr, bias_ptr, y_ptr, M, N, stride_ym,
 # the compiled layout, tests/test_w4a16_gemv.py emulates the asm on the CPU and checks the
 # outputs on the GPU. x, scales and zero points are loaded inside the asm, so that the words
 # are the only loaded operands whose layout Triton chooses for it.
-def _gemv_mma_asm(bf16: bool, zeros: bool, even_k: bool, pairs: int) -> str:
+def _gemv_mma_asm(bf16: bool, zeros: bool, even_k: bool, pairs: int, scale_acc: bool = False) -> str:
     """PTX for one (chunk slot, row block, g, t) element: `pairs` row pairs (g, g + 8) of 16
-    rows each, a lane's 4 words per row. Operands (P = pairs, 4P accumulators):
+    rows each, a lane's 4 words per row. scale_acc: the weights enter the mmas as the exact
+    q - z and each row pair's chunk product (fp32, in 4 fresh registers) is multiplied by
+    the row's scale into the accumulators with one FFMA each: the 4 half2 multiplies per word
+    leave the loop (fp16 13 -> 9, bf16 15 -> 11 instructions per word), and the weight is
+    s * (q - z) unrounded (PackedW4.dequantize(rounded=False)), as the mma kernel's
+    SCALE_ACC. Operands (P = pairs, 4P accumulators):
     $0 .. $4P-1 out: fp32 accumulators (pair p: c0..c3 at 4p)
     then in: 8P words (pair p, row lo/hi, a = 0..3), the x address (pair 64c + t of the
     lane's row of x), 2P scale addresses (pair p lo, hi), the zero-point minus scale
@@ -647,6 +652,9 @@ def _gemv_mma_asm(bf16: bool, zeros: bool, even_k: bool, pairs: int) -> str:
          ".reg .b32 " + ", ".join(f"s{r}, zl{r}, zh{r}" for r in range(2 * pairs)) + ";",
          ".reg .f32 " + ", ".join(f"d{i}" for i in range(na)) + ";",
          "mov.b32 k16, 0x2c002c00;"]  # (1/16, 1/16) in fp16
+    if scale_acc:  # the chunk products e*, the rows' fp32 scales sf*, a zero
+        L += [".reg .f32 fz, " + ", ".join([f"e{i}" for i in range(na)] + [f"sf{r}" for r in range(2 * pairs)]) + ";",
+              "mov.f32 fz, 0f00000000;"]
     L += [f"mov.f32 d{i}, ${iacc + i};" for i in range(na)]
     # x: pair 4i past the lane's first one is register i = 4a + 2r0 + h (16 bytes apart)
     for i in range(16):
@@ -657,7 +665,11 @@ def _gemv_mma_asm(bf16: bool, zeros: bool, even_k: bool, pairs: int) -> str:
                   f"@px ld.global.nc.b32 x{i}, [${ix} + {16 * i}];"]
     # per row: half2 scale, (1024 + z) and -(64 + z) (bf16: 128 + z); symmetric z = 8
     for r in range(2 * pairs):
-        L += [f"ld.global.b16 q16, [${i_s + r}];", f"mov.b32 s{r}, {{q16, q16}};"]
+        L.append(f"ld.global.b16 q16, [${i_s + r}];")
+        if scale_acc:
+            L.append(f"cvt.f32.{h1} sf{r}, q16;")
+        else:
+            L.append(f"mov.b32 s{r}, {{q16, q16}};")
         if zeros:
             L += [f"add.s64 za, ${i_s + r}, ${iz};", "ld.global.b16 q16, [za];"]
             L += ["mov.b16 c16, 0x4300;" if bf16 else "mov.b16 c16, 0x6400;",
@@ -670,20 +682,23 @@ def _gemv_mma_asm(bf16: bool, zeros: bool, even_k: bool, pairs: int) -> str:
                 L.append(f"mov.b32 zh{r}, 0xd480d480;")  # (-72, -72)
     mma = ("mma.sync.aligned.m16n8k16.row.col.f32." + ("bf16.bf16" if bf16 else "f16.f16") + ".f32 "
            "{d%d, d%d, d%d, d%d}, {p0, p1, p2, p3}, {x%d, x%d}, {d%d, d%d, d%d, d%d};")
+    mma_e = mma.split(" ")[0] + " %s, {p0, p1, p2, p3}, {x%d, x%d}, %s;"
 
     def half(dst, src, hi_nibble, r):
+        scale = [] if scale_acc else [f"mul.rn.{ty} {dst}, {dst}, s{r};"]
         if not hi_nibble:  # nibbles j, j + 4 in bits 0-3 / 16-19: (1024 + q) - (1024 + z), exact
             return [f"lop3.b32 {dst}, {src}, 0x000f000f, {magic}, 0xea;",
-                    f"sub.rn.{ty} {dst}, {dst}, zl{r};", f"mul.rn.{ty} {dst}, {dst}, s{r};"]
+                    f"sub.rn.{ty} {dst}, {dst}, zl{r};"] + scale
         # fp16, bits 4-7 / 20-23: (1024 + 16q) / 16 - (64 + z), one exact fma
         return [f"lop3.b32 {dst}, {src}, 0x00f000f0, {magic}, 0xea;",
-                f"fma.rn.{ty} {dst}, {dst}, k16, zh{r};", f"mul.rn.{ty} {dst}, {dst}, s{r};"]
+                f"fma.rn.{ty} {dst}, {dst}, k16, zh{r};"] + scale
 
     for a in range(4):
         for p in range(pairs):
             wl, wh = f"${iw + 8 * p + a}", f"${iw + 8 * p + 4 + a}"
             rl, rh = 2 * p, 2 * p + 1
             d = tuple(4 * p + i for i in range(4))
+            e = "{" + ", ".join(f"e{i}" for i in d) + "}"  # (scale_acc: the pair's chunk product)
             for r0 in range(2):
                 # A fragment: a0 row g, channels 2t + e (h = 0); a1 row g + 8; a2, a3: h = 1
                 if bf16:  # 7 mantissa bits: every nibble is shifted down to bits 0-3 first
@@ -698,7 +713,13 @@ def _gemv_mma_asm(bf16: bool, zeros: bool, even_k: bool, pairs: int) -> str:
                         L += [f"shr.u32 ul, {wl}, 8;", f"shr.u32 uh, {wh}, 8;"]
                     L += half("p0", wl, r0, rl) + half("p1", wh, r0, rh)
                     L += half("p2", "ul", r0, rl) + half("p3", "uh", r0, rh)
-                L.append(mma % (d + (4 * a + 2 * r0, 4 * a + 2 * r0 + 1) + d))
+                xs = (4 * a + 2 * r0, 4 * a + 2 * r0 + 1)
+                if scale_acc:  # the chunk's first mma starts from zero
+                    L.append(mma_e % ((e,) + xs + ("{fz, fz, fz, fz}" if a == r0 == 0 else e,)))
+                else:
+                    L.append(mma % (d + xs + d))
+    if scale_acc:  # c0, c1 of a pair: its row g (scale sf{2p}); c2, c3: row g + 8 (sf{2p + 1})
+        L += [f"fma.rn.f32 d{i}, e{i}, sf{2 * (i // 4) + (i % 4) // 2}, d{i};" for i in range(na)]
     L += [f"mov.f32 ${i}, d{i};" for i in range(na)] + ["}"]
     return "\n".join(L)
 
@@ -709,9 +730,9 @@ def _gemv_constraints(pairs: int) -> str:
 
 
 @lru_cache(maxsize=None)
-def gemv_asm(bf16: bool, zeros: bool, even_k: bool, pairs: int) -> tuple:
+def gemv_asm(bf16: bool, zeros: bool, even_k: bool, pairs: int, scale_acc: bool = False) -> tuple:
     """(PTX, constraints) of `_w4a16_gemv_mma_kernel`'s asm, passed as its constexpr ASM."""
-    return _gemv_mma_asm(bf16, zeros, even_k, pairs), _gemv_constraints(pairs)
+    return _gemv_mma_asm(bf16, zeros, even_k, pairs, scale_acc), _gemv_constraints(pairs)
 
 
 def gemv_pairs(block_n: int) -> int:
@@ -751,10 +772,10 @@ def _gemv_split_words(w):
 
 @triton.jit
 def _gemv_twin_weights(w0, w1, w2, w3, s_ptrs, z_ptrs, HAS_ZEROS: tl.constexpr, DTYPE: tl.constexpr,
-                       EMU_BF16: tl.constexpr):
+                       EMU_BF16: tl.constexpr, SCALE_ACC: tl.constexpr):
     """The twin's dequantization: words (V, 4) of a = 0..3 -> fp32 (V, 4, 4, 8) [v, t, a, j],
     the weight of nibble j: the exact q - z times the scale, rounded once to DTYPE, as the
-    asm's sub/fma + mul do."""
+    asm's sub/fma + mul do (SCALE_ACC: q - z alone; _gemv_twin scales the sums)."""
     w = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (w0.shape[0], 4, 4))
     q = (w[:, :, :, None] >> (4 * tl.arange(0, 8))[None, None, None, :]) & 0xF
     s = tl.load(s_ptrs).to(tl.float32)[:, :, None, None]
@@ -762,6 +783,8 @@ def _gemv_twin_weights(w0, w1, w2, w3, s_ptrs, z_ptrs, HAS_ZEROS: tl.constexpr, 
         z = tl.load(z_ptrs).to(tl.float32)[:, :, None, None]
     else:
         z = 8.0
+    if SCALE_ACC:
+        return q.to(tl.float32) - z
     v = (q.to(tl.float32) - z) * s  # exact in fp32 (<= 16 significant bits)
     if EMU_BF16:
         return round_bf16_emu(v)
@@ -790,18 +813,22 @@ def _gemv_twin_x(xq, xo, rem, EVEN_K: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _gemv_twin(wl, wh, xq, xo, rem, stride_xm, acc0, acc1, acc2, acc3, t, M, BLOCK_M: tl.constexpr,
-               EVEN_K: tl.constexpr, DTYPE: tl.constexpr):
+def _gemv_twin(wl, wh, xq, xo, rem, stride_xm, acc0, acc1, acc2, acc3, t, M, sl, sh, BLOCK_M: tl.constexpr,
+               EVEN_K: tl.constexpr, DTYPE: tl.constexpr, SCALE_ACC: tl.constexpr):
     """Pure-Triton twin of the asm's mma for one row pair (what the interpreter runs), on the
     weights wl / wh of `_gemv_twin_weights`: the same exact products, fp32 sums in another
-    order. As in the C fragment, lane t of a virtual row gets y[2t] (acc0 / acc2) and
-    y[2t + 1] (acc1 / acc3): the sum over the 4 lanes of its row and their 4 words; the
-    other lanes keep zeros (M = 1: the asm has y[0] in every t, the store reads t = 0)."""
+    order (SCALE_ACC: each row's chunk sum times its scale, sl / sh pointers (V, 1)). As in
+    the C fragment, lane t of a virtual row gets y[2t] (acc0 / acc2) and y[2t + 1] (acc1 /
+    acc3): the sum over the 4 lanes of its row and their 4 words; the other lanes keep
+    zeros (M = 1: the asm has y[0] in every t, the store reads t = 0)."""
     for m in tl.static_range(BLOCK_M):
         if m < M:
             X = _gemv_twin_x(xq, xo + m * (stride_xm // 2), rem, EVEN_K, DTYPE)
             s_lo = tl.sum(tl.sum(tl.sum(wl * X, axis=3), axis=2), axis=1, keep_dims=True)
             s_hi = tl.sum(tl.sum(tl.sum(wh * X, axis=3), axis=2), axis=1, keep_dims=True)
+            if SCALE_ACC:
+                s_lo = s_lo * tl.load(sl).to(tl.float32)
+                s_hi = s_hi * tl.load(sh).to(tl.float32)
             sel0 = (2 * t == m)[None, :]
             sel1 = (2 * t + 1 == m)[None, :]
             acc0 += tl.where(sel0, s_lo, 0.0)
@@ -862,7 +889,7 @@ def _w4a16_gemv_mma_kernel(
     GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr, ASM: tl.constexpr,
     ASM_CONSTRAINTS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PDL_EARLY: tl.constexpr = False,
+    BLOCK_K: tl.constexpr, PDL_EARLY: tl.constexpr = False, SCALE_ACC: tl.constexpr = False,
 ):
     """y (M, N) = x (M, K) @ W^T for M <= BLOCK_M <= 8, on the tensor cores (mma.sync
     m16n8k16, fp32 accumulators) with the weights read straight into registers: see the
@@ -876,7 +903,8 @@ def _w4a16_gemv_mma_kernel(
     4-byte aligned (x is read as channel pairs). ASM, ASM_CONSTRAINTS: gemv_asm(...) for
     this dtype / zeros / EVEN_K / P (unused without USE_ASM). PREFETCH: load the next K
     tile's words one iteration ahead (registers; Triton does not pipeline a loop without a
-    dot). Split-K as _w4a16_kernel. Accumulator acc_{4p + i} (V, 4): lane (v, t) holds
+    dot). SCALE_ACC: each chunk's fp32 product is scaled once per row (ASM must be the
+    gemv_asm(..., scale_acc=True) text). Split-K as _w4a16_kernel. Accumulator acc_{4p + i} (V, 4): lane (v, t) holds
     y[2t + i % 2] of row 16 (P rb + p) + g + 8 (i // 2) over chunk slot c."""
     pdl_release(PDL_EARLY)
     DTYPE = x_ptr.dtype.element_ty
@@ -973,14 +1001,15 @@ def _w4a16_gemv_mma_kernel(
                     dtype=(tl.float32,) * 8, is_pure=True, pack=1)
         else:  # the interpreter's twin
             acc0, acc1, acc2, acc3 = _gemv_twin(
-                _gemv_twin_weights(a0, a1, a2, a3, s0l, s0l + zdiff, HAS_ZEROS, DTYPE, EMU_BF16),
-                _gemv_twin_weights(b0, b1, b2, b3, s0h, s0h + zdiff, HAS_ZEROS, DTYPE, EMU_BF16),
-                xq, pk, rem, stride_xm, acc0, acc1, acc2, acc3, t, M, BLOCK_M, EVEN_K, DTYPE)
+                _gemv_twin_weights(a0, a1, a2, a3, s0l, s0l + zdiff, HAS_ZEROS, DTYPE, EMU_BF16, SCALE_ACC),
+                _gemv_twin_weights(b0, b1, b2, b3, s0h, s0h + zdiff, HAS_ZEROS, DTYPE, EMU_BF16, SCALE_ACC),
+                xq, pk, rem, stride_xm, acc0, acc1, acc2, acc3, t, M, s0l, s0h, BLOCK_M, EVEN_K, DTYPE, SCALE_ACC)
             if P == 2:
                 acc4, acc5, acc6, acc7 = _gemv_twin(
-                    _gemv_twin_weights(e0, e1, e2, e3, s1l, s1l + zdiff, HAS_ZEROS, DTYPE, EMU_BF16),
-                    _gemv_twin_weights(f0, f1, f2, f3, s1h, s1h + zdiff, HAS_ZEROS, DTYPE, EMU_BF16),
-                    xq, pk, rem, stride_xm, acc4, acc5, acc6, acc7, t, M, BLOCK_M, EVEN_K, DTYPE)
+                    _gemv_twin_weights(e0, e1, e2, e3, s1l, s1l + zdiff, HAS_ZEROS, DTYPE, EMU_BF16, SCALE_ACC),
+                    _gemv_twin_weights(f0, f1, f2, f3, s1h, s1h + zdiff, HAS_ZEROS, DTYPE, EMU_BF16, SCALE_ACC),
+                    xq, pk, rem, stride_xm, acc4, acc5, acc6, acc7, t, M, s1l, s1h, BLOCK_M, EVEN_K, DTYPE,
+                    SCALE_ACC)
         w0l += 16 * C
         w0h += 16 * C
         w1l += 16 * C

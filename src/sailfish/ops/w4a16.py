@@ -52,7 +52,10 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=Fa
         # 15.2 us with split 2 (7 tiles each), 17.5 us without
         while M == 1 and split > 1 and tiles >= sms and (Kp // bk) // split < 4:
             split //= 2
-        return Config(M, rows, bk, split, 8, warps, stages, kernel="gemv")
+        # the scale on each chunk's fp32 product for groups (H200, same run, the table's 16-
+        # and 32-row tiles: fp16 g128 0.93-0.99x the time, bf16 asym g128 0.84-0.98x); per
+        # channel it was 1.04-1.12x slower on those tiles (docs/perf_log.md v19)
+        return Config(M, rows, bk, split, 8, warps, stages, kernel="gemv", scale_acc=group_size != -1)
     if M == 1:  # CUDA-core GEMV; BN=16, BK=512 measured best on H200 (docs/perf_log.md)
         bk = 512 if Kp % 512 == 0 else 256
         tiles = -(-N // 16)
@@ -133,10 +136,13 @@ def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros=F
         space = [(M, 16, 256, 4, 4), (M, 16, 128, 4, 6), (M, 32, 128, 4, 4), (M, 8 * (16 // M), 256, 4, 4)]
     else:
         space = []
+    # the tensor-core GEMV's tiles with and without the scale on the fp32 chunk products
+    sa = (False, True) if _tensor_core_gemv(M, group_size, general_gidx) else (False,)
     for bm, bn, bk, warps, stages in space:
         if Kp % bk == 0 and bn >= 8:
             for split in sorted({1, split_k_for(-(-N // bn), Kp // bk, sms)}):
-                yield Config(bm, bn, bk, split, 8, warps, stages, kernel="gemv")
+                for s in sa:
+                    yield Config(bm, bn, bk, split, 8, warps, stages, kernel="gemv", scale_acc=s)
     if M >= 256:
         yield Config(1, 64, 256, 1, 8, 4, 1, kernel="dequant")
     if M == 1:
@@ -203,10 +209,9 @@ def _check_config(cfg: Config, kp: int, m: int, group_size: int = -1, general_gi
         raise ValueError(f"config BLOCK_K={cfg.BLOCK_K} must divide the padded K={kp}")
     if cfg.SPLIT_K < 1 or cfg.SPLIT_K > kp // cfg.BLOCK_K:
         raise ValueError(f"config SPLIT_K={cfg.SPLIT_K} must lie in [1, {kp // cfg.BLOCK_K}]")
-    if cfg.scale_acc and not table and (cfg.kernel != "mma" or general_gidx
-                                        or not scale_acc_tile(cfg.BLOCK_K, group_size)):
-        raise ValueError(f"config scale_acc=True needs kernel='mma', BLOCK_K <= group_size (or = 2 * group_size "
-                         f">= 256) and no general "
+    if cfg.scale_acc and not table and not scale_acc_format(cfg, group_size, general_gidx):
+        raise ValueError(f"config scale_acc=True needs kernel='mma' with BLOCK_K <= group_size (or = 2 * group_size "
+                         f">= 256) or kernel='gemv' with groups of whole {K_CHUNK}-channel chunks, and no general "
                          f"g_idx; got kernel={cfg.kernel!r}, BLOCK_K={cfg.BLOCK_K}, group_size={group_size}, "
                          f"general g_idx={general_gidx}")
 
@@ -304,16 +309,27 @@ def scale_acc_tile(block_k: int, group_size: int) -> bool:
     return group_size == -1 or block_k <= group_size or (block_k == 2 * group_size and group_size >= 128)
 
 
+def scale_acc_format(cfg: Config, group_size: int, general_gidx: bool) -> bool:
+    """Whether cfg's kernel can take SCALE_ACC for this format: the mma kernel with K tiles of
+    one group or two (scale_acc_tile), the tensor-core GEMV with groups of whole 128-channel
+    chunks (its asm scales each chunk's product); no general g_idx."""
+    if general_gidx:
+        return False
+    if cfg.kernel == "mma":
+        return scale_acc_tile(cfg.BLOCK_K, group_size)
+    return cfg.kernel == "gemv" and (group_size == -1 or group_size % K_CHUNK == 0)
+
+
 def scale_acc(cfg: Config, group_size: int, general_gidx: bool) -> bool:
-    """Whether the mma kernel runs with SCALE_ACC (a config choice, Config.scale_acc): the
-    scales multiply the fp32 product once per K tile (per channel: once at the end) instead
-    of every dequantized weight, 4 of the 13 fp16 asm instructions per word. Needs K tiles of
-    one group or of two (scale_acc_tile) and no general g_idx (_check_config refuses the
-    rest). H200, same
-    run, fenced (docs/perf_log.md v15): M = 32 8192x8192 25.1 -> 22.9 us, 14336x4096 23.1 ->
-    20.8; slower where BLOCK_K 256 wins (M = 16 on the 70B shapes) and at M = 128 (64 FFMAs
-    per K tile per thread), so the tuner decides."""
-    return cfg.scale_acc and cfg.kernel == "mma" and not general_gidx and scale_acc_tile(cfg.BLOCK_K, group_size)
+    """Whether the mma kernel or the tensor-core GEMV runs with SCALE_ACC (a config choice,
+    Config.scale_acc): the scales multiply the fp32 product once per K tile or chunk (per
+    channel: the mma kernel once at the end) instead of every dequantized weight, 4 of the
+    13 fp16 asm instructions per word (scale_acc_format; _check_config refuses the rest).
+    mma kernel, H200, same run, fenced (docs/perf_log.md v15): M = 32 8192x8192 25.1 -> 22.9 us,
+    14336x4096 23.1 -> 20.8; slower where BLOCK_K 256 wins (M = 16 on the 70B shapes) and at
+    M = 128 (64 FFMAs per K tile per thread), so the tuner decides. (A 'gemv' config whose
+    problem falls back to the CUDA-core GEMV, gemv_on_tensor_cores, runs without it.)"""
+    return cfg.scale_acc and scale_acc_format(cfg, group_size, general_gidx)
 
 
 # Triton 3.6-3.8 leave the mma kernel's wgmmas (A in registers) in flight across the K loop's
@@ -466,9 +482,11 @@ class _GemmPlan:
                 device_index)
         elif cfg.kernel == "gemv" and tensor_core_gemv:  # (takes no g_idx pointer)
             self.kind = "gemv_mma"
-            text, constraints = (gemv_asm(bf16, has_zeros, even_k, gemv_pairs(cfg.BLOCK_N)) if mma_asm
+            sa = scale_acc(cfg, group_size, has_gidx)
+            text, constraints = (gemv_asm(bf16, has_zeros, even_k, gemv_pairs(cfg.BLOCK_N), sa) if mma_asm
                                  else ("", ""))
             meta.update(USE_ASM=mma_asm, ASM=text, ASM_CONSTRAINTS=constraints, PREFETCH=cfg.num_stages > 1,
+                        SCALE_ACC=sa,
                         num_warps=gemv_warps(cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_warps))
             self.gemm = Launch(_w4a16_gemv_mma_kernel, meta, device_index)
         elif cfg.kernel == "gemv":  # CUDA-core GEMV (takes no GROUP_M / PREFETCH_S / PAIRED_S)
