@@ -375,6 +375,36 @@ def test_dequant_path_bounds_its_transient(monkeypatch, device):
     assert rel_err(y, reference(layer, x)) <= TOL[F16]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="launch plans are kept for CUDA calls only")
+def test_dequant_plan_steady_calls(monkeypatch):
+    """The large-M path kept as a launch plan (ops/w4a16._DequantPlan): after the first call
+    of a problem, later calls launch the dequantization of each slice directly with its
+    pointers as ints. With 64 KiB slices (N = 200: 64-row slices and a ragged last one) the
+    steady calls, on the first layer and on a second one with other buffers, give exactly
+    what a fresh first call gives."""
+    import sailfish.ops.w4a16 as ops16
+    from sailfish.tuning import clear_caches
+
+    monkeypatch.setattr(ops16, "DEQUANT_SLICE_BYTES", 64 * 1024)
+    monkeypatch.setenv("SAILFISH_HEURISTICS_ONLY", "1")  # M >= 1024 on CUDA: the dequant path
+    clear_caches()
+    try:
+        layers = [make_layer(784, 200, 128, False, "none", F16, True, "cuda") for _ in range(2)]
+        x = torch.randn(1024, 784, device="cuda").to(F16)
+        first = [launch(layers[0], x, Config(1, 64, 256, 1, kernel="dequant")),
+                 launch(layers[1], x, Config(1, 64, 256, 1, kernel="dequant"))]
+        for layer, want in zip(layers, first):
+            p = layer.packed()
+            ys = [ops16.w4a16_launch(x, p.qweight, p.scales, p.zeros, p.perm, p.sorted_g_idx, layer.bias,
+                                     p.in_features, p.group_size) for _ in range(3)]
+            for y in ys:
+                assert torch.equal(y, want)
+        plans = [pl for pl in ops16.W4A16_TUNER.plans.values() if getattr(pl, "kind", "") == "dequant"]
+        assert plans and all(pl.bound() for pl in plans) and set(plans[0].launches) == {64, 8}
+    finally:
+        clear_caches()
+
+
 _PTX_CHILD = r"""
 import sys
 from sailfish.bench.ptx import compile_mma, k_loop_stats, sass, shipped_mma_configs, wgmma_register_hazard

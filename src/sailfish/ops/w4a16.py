@@ -535,27 +535,52 @@ class _GemmPlan:
             self.reduce((-(-(M * N) // _REDUCE_BLOCK), 1), ws, bias, y, M, N, sym)
 
 
-def _dequant_run(cfg: Config, out, x, qweight, scales, z_arg, g_arg, bias, flags: dict) -> None:
-    """Large M: dequantize into a transient weight, slices of whole BLOCK_N tiles, each at
-    most DEQUANT_SLICE_BYTES, each multiplied by cuBLAS."""
-    import triton
+class _DequantPlan:
+    """The large-M path ("dequant") of one W4A16 problem on one GPU: dequantize into a
+    transient weight in slices of whole BLOCK_N tiles, each at most DEQUANT_SLICE_BYTES, and
+    multiply each slice with cuBLAS. Kept as a plan like _GemmPlan, so that a steady call
+    launches the dequantization kernel directly (ops/launch.py) instead of through Triton's
+    JIT binding (~15-25 us of host time per launch, which a prefill pays for every layer).
+    One bound kernel per slice height (the last slice may specialize differently)."""
 
-    from ..kernels.w4a16 import _w4a16_dequant_kernel
+    __slots__ = ("config", "kind", "meta", "device_index", "rows", "launches")
 
-    M, K = x.shape
-    N = qweight.shape[0]
-    rows = max(cfg.BLOCK_N, DEQUANT_SLICE_BYTES // (2 * K) // cfg.BLOCK_N * cfg.BLOCK_N)
-    w = torch.empty((min(rows, N), K), dtype=x.dtype, device=x.device)
-    for n0 in range(0, N, rows):
-        nr = min(rows, N - n0)
-        ws = w[:nr]
-        _w4a16_dequant_kernel[(triton.cdiv(nr, cfg.BLOCK_N), triton.cdiv(K, cfg.BLOCK_K))](
-            qweight[n0:], scales[n0:], z_arg[n0:], g_arg, ws, nr, K, qweight.stride(0),
-            scales.stride(0), ws.stride(0), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **flags, **cfg.launch())
-        if bias is None:
-            torch.mm(x, ws.t(), out=out[:, n0:n0 + nr])
-        else:
-            torch.addmm(bias[n0:n0 + nr], x, ws.t(), out=out[:, n0:n0 + nr])
+    def __init__(self, cfg: Config, device_index: int, flags: dict, K: int):
+        self.config, self.kind, self.device_index = cfg, "dequant", device_index
+        self.meta = dict(BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **flags, **cfg.launch())
+        self.rows = max(cfg.BLOCK_N, DEQUANT_SLICE_BYTES // (2 * K) // cfg.BLOCK_N * cfg.BLOCK_N)
+        self.launches: dict = {}
+
+    def bound(self) -> bool:
+        return all(lc.run is not None for lc in self.launches.values())
+
+    def __call__(self, out, x, qweight, scales, z_arg, g_arg, bias) -> None:
+        """out (M, N) = x @ W^T (+ bias), all arguments tensors (the first call: Triton
+        specializes on them; the slices after it pass their pointers as ints)."""
+        from ..kernels.w4a16 import _w4a16_dequant_kernel
+
+        M, K = x.shape
+        N = qweight.shape[0]
+        cfg, rows = self.config, self.rows
+        w = torch.empty((min(rows, N), K), dtype=x.dtype, device=x.device)
+        sq, ss = qweight.stride(0), scales.stride(0)
+        for n0 in range(0, N, rows):
+            nr = min(rows, N - n0)
+            ws = w[:nr]
+            launch = self.launches.get(nr)
+            if launch is None:
+                launch = self.launches[nr] = Launch(_w4a16_dequant_kernel, self.meta, self.device_index)
+            grid = (-(-nr // cfg.BLOCK_N), -(-K // cfg.BLOCK_K))
+            if launch.run is None:  # (tensors: the JIT's first call)
+                launch(grid, qweight[n0:], scales[n0:], z_arg[n0:], g_arg, ws, nr, K, sq, ss, ws.stride(0))
+            else:
+                launch(grid, qweight.data_ptr() + 4 * sq * n0, scales.data_ptr() + scales.element_size() * ss * n0,
+                       z_arg.data_ptr() + z_arg.element_size() * z_arg.stride(0) * n0, g_arg.data_ptr(),
+                       ws.data_ptr(), nr, K, sq, ss, ws.stride(0))
+            if bias is None:
+                torch.mm(x, ws.t(), out=out[:, n0:n0 + nr])
+            else:
+                torch.addmm(bias[n0:n0 + nr], x, ws.t(), out=out[:, n0:n0 + nr])
 
 
 def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -592,6 +617,14 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         plan = W4A16_TUNER.plan(key)
         if plan is not None and hooks_idle():
             ptrs = pointers(y, x, qweight, scales, z_arg, sorted_g_idx, bias)
+            if ptrs is not None and plan.kind == "dequant":  # (cuBLAS takes tensors)
+                g_arg = qweight if sorted_g_idx is None else sorted_g_idx
+                if current_device() == dev:
+                    plan(y, x, qweight, scales, z_arg, g_arg, bias)
+                else:
+                    with device_of(x):
+                        plan(y, x, qweight, scales, z_arg, g_arg, bias)
+                return y
             if ptrs is not None:
                 if current_device() == dev:
                     plan(y, *ptrs, M, N, K, sqn, ssn)
@@ -609,13 +642,14 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     # the shared row stride) and of 4-byte alignment (`aligned` checks 16 per steady call)
     pairable = gs > 0 and ssn % 2 == 0 and scales.data_ptr() % 4 == 0 and z_arg.data_ptr() % 4 == 0
 
-    def run(cfg: Config, out: torch.Tensor = y) -> Optional[_GemmPlan]:
+    def run(cfg: Config, out: torch.Tensor = y):
         if cfg.kernel == "dequant":
             g_arg = qweight if sorted_g_idx is None else sorted_g_idx  # (an unread pointer)
-            _dequant_run(cfg, out, x, qweight, scales, z_arg, g_arg, bias,
-                         dict(GROUP_SIZE=gs, HAS_ZEROS=zeros is not None, HAS_GIDX=sorted_g_idx is not None,
-                              EMU_BF16=emu, USE_ASM=asm))
-            return None
+            dplan = _DequantPlan(cfg, x.get_device(), dict(GROUP_SIZE=gs, HAS_ZEROS=zeros is not None,
+                                                           HAS_GIDX=sorted_g_idx is not None, EMU_BF16=emu,
+                                                           USE_ASM=asm), K)
+            dplan(out, x, qweight, scales, z_arg, g_arg, bias)
+            return dplan
         def build() -> _GemmPlan:
             return _GemmPlan(cfg, x.get_device(), gs=gs, has_zeros=zeros is not None,
                              has_gidx=sorted_g_idx is not None, has_bias=bias is not None, emu=emu, asm=asm,
