@@ -52,10 +52,10 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=Fa
         # 15.2 us with split 2 (7 tiles each), 17.5 us without
         while M == 1 and split > 1 and tiles >= sms and (Kp // bk) // split < 4:
             split //= 2
-        # the scale on each chunk's fp32 product for groups (H200, same run, the table's 16-
-        # and 32-row tiles: fp16 g128 0.93-0.99x the time, bf16 asym g128 0.84-0.98x); per
-        # channel it was 1.04-1.12x slower on those tiles (docs/perf_log.md v19)
-        return Config(M, rows, bk, split, 8, warps, stages, kernel="gemv", scale_acc=group_size != -1)
+        # (no scale_acc here, though it was 0.84-0.99x the time on these tiles for groups on the
+        # H200, docs/perf_log.md v19: it multiplies by the unrounded s * (q - z), so the
+        # heuristic keeps the numerics of QuantLinear.dequantize(); tuned tables may choose it)
+        return Config(M, rows, bk, split, 8, warps, stages, kernel="gemv")
     if M == 1:  # CUDA-core GEMV; BN=16, BK=512 measured best on H200 (docs/perf_log.md)
         bk = 512 if Kp % 512 == 0 else 256
         tiles = -(-N // 16)
