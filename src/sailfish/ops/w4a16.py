@@ -554,10 +554,12 @@ class _DequantPlan:
     def bound(self) -> bool:
         return all(lc.run is not None for lc in self.launches.values())
 
-    def __call__(self, out, x, qweight, scales, z_arg, g_arg, bias) -> None:
+    def __call__(self, out, x, qweight, scales, z_arg, sorted_g_idx, bias) -> None:
         """out (M, N) = x @ W^T (+ bias), all arguments tensors (the first call: Triton
         specializes on them; the slices after it pass their pointers as ints)."""
         from ..kernels.w4a16 import _w4a16_dequant_kernel
+
+        g_arg = qweight if sorted_g_idx is None else sorted_g_idx  # (an unread pointer)
 
         M, K = x.shape
         N = qweight.shape[0]
@@ -617,20 +619,15 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         plan = W4A16_TUNER.plan(key)
         if plan is not None and hooks_idle():
             ptrs = pointers(y, x, qweight, scales, z_arg, sorted_g_idx, bias)
-            if ptrs is not None and plan.kind == "dequant":  # (cuBLAS takes tensors)
-                g_arg = qweight if sorted_g_idx is None else sorted_g_idx
-                if current_device() == dev:
-                    plan(y, x, qweight, scales, z_arg, g_arg, bias)
-                else:
-                    with device_of(x):
-                        plan(y, x, qweight, scales, z_arg, g_arg, bias)
-                return y
             if ptrs is not None:
+                # (the dequant plan takes tensors: cuBLAS multiplies its slices)
+                args = ((x, qweight, scales, z_arg, sorted_g_idx, bias) if plan.kind == "dequant"
+                        else (*ptrs, M, N, K, sqn, ssn))
                 if current_device() == dev:
-                    plan(y, *ptrs, M, N, K, sqn, ssn)
+                    plan(y, *args)
                 else:
                     with device_of(x):
-                        plan(y, *ptrs, M, N, K, sqn, ssn)
+                        plan(y, *args)
                 return y
     plans = None if key is None else W4A16_TUNER.plans_for_build()  # before the config lookup
     Kp = kp8 * 8
@@ -644,11 +641,10 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
     def run(cfg: Config, out: torch.Tensor = y):
         if cfg.kernel == "dequant":
-            g_arg = qweight if sorted_g_idx is None else sorted_g_idx  # (an unread pointer)
             dplan = _DequantPlan(cfg, x.get_device(), dict(GROUP_SIZE=gs, HAS_ZEROS=zeros is not None,
                                                            HAS_GIDX=sorted_g_idx is not None, EMU_BF16=emu,
                                                            USE_ASM=asm), K)
-            dplan(out, x, qweight, scales, z_arg, g_arg, bias)
+            dplan(out, x, qweight, scales, z_arg, sorted_g_idx, bias)
             return dplan
         def build() -> _GemmPlan:
             return _GemmPlan(cfg, x.get_device(), gs=gs, has_zeros=zeros is not None,
