@@ -41,6 +41,7 @@ def _launch(layer, x, cfg, use_asm=True):
 CASES = [
     (16, 1024, 192, 128, True, F16, False, Config(16, 64, 256, 1, 8, 4, 3, kernel="gluon")),
     (5, 1024, 200, 128, True, F16, True, Config(16, 64, 256, 2, 8, 4, 2, kernel="gluon")),
+    (3, 1024, 136, 128, False, BF16, False, Config(16, 64, 256, 2, 8, 4, 3, kernel="gluon")),
     (16, 1536, 128, -1, True, F16, True, Config(16, 128, 256, 3, 8, 4, 3, kernel="gluon")),
     (30, 2048, 136, 256, True, BF16, False, Config(32, 64, 256, 4, 8, 4, 4, kernel="gluon")),
     (48, 1280, 64, 128, True, BF16, True, Config(32, 64, 256, 5, 8, 4, 2, kernel="gluon")),
@@ -140,13 +141,13 @@ def test_gluon_split_ok():
 
 def test_gluon_candidates_are_valid(monkeypatch):
     """The tuner's Gluon tiles pass the launcher's checks, and none is offered where the
-    kernel cannot run (a general g_idx, group 64, M outside 9..64)."""
+    kernel cannot run (a general g_idx, group 64, M outside 3..64)."""
     monkeypatch.setattr(ops16, "gluon_device", lambda index: True)
     monkeypatch.setattr(ops16, "sm_count", lambda index: 132)
     dev = torch.device("cuda", 0)
     seen = 0
     for kp, n in [(4096, 6144), (14336, 4096), (28672, 8192), (8192, 57344), (1024, 128)]:
-        for m in (16, 32, 64):
+        for m in (4, 8, 16, 32, 64):
             for cfg in ops16._gluon_candidates(device=dev, M=m, N=n, Kp=kp, group_size=128, general_gidx=False,
                                                has_zeros=False):
                 ops16._check_config(cfg, kp, m, 128)
@@ -157,7 +158,7 @@ def test_gluon_candidates_are_valid(monkeypatch):
     for kw in (dict(M=16, group_size=128, general_gidx=True, has_zeros=False),
                dict(M=16, group_size=64, general_gidx=False, has_zeros=False),
                dict(M=128, group_size=128, general_gidx=False, has_zeros=False),
-               dict(M=8, group_size=-1, general_gidx=False, has_zeros=False)):
+               dict(M=2, group_size=-1, general_gidx=False, has_zeros=False)):
         assert not list(ops16._gluon_candidates(**base, **kw)), kw
     monkeypatch.setattr(ops16, "gluon_device", lambda index: False)
     assert not list(ops16._gluon_candidates(**base, M=16, group_size=128, general_gidx=False, has_zeros=False))
@@ -246,6 +247,8 @@ def test_heuristic_takes_gluon_for_large_weights_at_m16(monkeypatch):
         cfg = pick(16, n, kp)
         assert (cfg.kernel, cfg.BLOCK_M, cfg.BLOCK_N, cfg.SPLIT_K) == ("gluon", 16, 64, split), (kp, n, cfg)
     assert pick(12, 8192, 8192, gs=-1).kernel == "gluon"
+    assert (pick(8, 8192, 57344).kernel, pick(5, 8192, 8192).SPLIT_K) == ("gluon", 3)
+    assert pick(4, 8192, 57344).kernel == "gemv"  # M <= 4: the tensor-core GEMV
     assert pick(16, 4096, 4096).kernel == "mma"
     assert pick(32, 8192, 8192).kernel == "mma"
     assert pick(16, 8192, 8192, gs=64).kernel == "mma"

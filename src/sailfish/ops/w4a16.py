@@ -35,6 +35,20 @@ def _tensor_core_gemv(M: int, group_size: int, general_gidx: bool) -> bool:
 
 def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=False) -> Config:
     sms = sm_count(device.index or 0) if device.type == "cuda" else 132
+    if (4 < M <= 16 and N * Kp >= (1 << 25) and gluon_format(group_size, general_gidx, Kp)
+            and device.type == "cuda" and gluon_device(device.index or 0)):
+        # the Gluon kernel (where it applies: a 'gluon' config elsewhere runs its twin). Tuned
+        # on the H200 at M = 16, it was the best config on the 6 Llama shapes of >= 4096 x 8192
+        # weights (BM 16 / BN 64 / 3 steps, 1.00-1.22x the best Triton tile) and slower on the
+        # two smaller ones; its split was the smallest filling the SMs ~3 times (tiles x split
+        # >= 2.9 x SMs: 14336x4096 6-8, 8192x8192 and 8192x10240 3, 8192x57344 1). At M = 8
+        # (tuned with its tiles among the candidates, docs/perf_log.md v21) the same tile and
+        # split rule won on those 6 shapes for fp16 g128 and bf16 asymmetric (8192x57344 80 us
+        # vs 113 for the heuristic's tensor-core GEMV); at M = 4 the GEMV mostly kept its lead.
+        tiles = -(-N // 64)
+        split = next((s for s in (1, 2, 3, 4, 6, 8) if gluon_split_ok(s, Kp // GLUON_STEP) and tiles * s >= 2.9 * sms),
+                     1)
+        return Config(16, 64, GLUON_STEP, split, 8, 4, 3, kernel="gluon")
     if _tensor_core_gemv(M, group_size, general_gidx):
         # tensor-core GEMV, H200 (GPU_CHECK.sh of issue 9, 8 Llama shapes): at M = 1, 16 rows x
         # 8 chunk slots / 8 warps without prefetch was best or within ~10% of the best tile on
@@ -62,17 +76,6 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=Fa
         return Config(1, 16, bk, split_k_for(tiles, Kp // bk, sms), 8, 4, 4, kernel="gemv")
     if M >= 1024 and device.type == "cuda":  # dequantize + cuBLAS beats the fused tiles here
         return Config(1, 64, 256, 1, 8, 4, 1, kernel="dequant")
-    if (8 < M <= 16 and N * Kp >= (1 << 25) and gluon_format(group_size, general_gidx, Kp)
-            and device.type == "cuda" and gluon_device(device.index or 0)):
-        # the Gluon kernel (where it applies: a 'gluon' config elsewhere runs its twin). Tuned
-        # on the H200 at M = 16, it was the best config on the 6 Llama shapes of >= 4096 x 8192
-        # weights (BM 16 / BN 64 / 3 steps, 1.00-1.22x the best Triton tile) and slower on the
-        # two smaller ones; its split was the smallest filling the SMs ~3 times (tiles x split
-        # >= 2.9 x SMs: 14336x4096 6-8, 8192x8192 and 8192x10240 3, 8192x57344 1)
-        tiles = -(-N // 64)
-        split = next((s for s in (1, 2, 3, 4, 6, 8) if gluon_split_ok(s, Kp // GLUON_STEP) and tiles * s >= 2.9 * sms),
-                     1)
-        return Config(16, 64, GLUON_STEP, split, 8, 4, 3, kernel="gluon")
     # fragment-order tiles (shared/probes/regA_probe.py on H200, untuned): BM 16 / BN 128 /
     # BK 256 / 3 stages was the best probe tile at M <= 16, BK 128 / 4 stages at M = 64
     if M <= 16:
@@ -91,15 +94,16 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=Fa
 
 
 def _gluon_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros):
-    """The Hopper Gluon kernel's tiles (kernels/w4a16_gluon.py) for 8 < M <= 64, where it can
-    run (with or without zero points). Same runs, g128 (docs/perf_log.md v18): at M = 16 / 32,
+    """The Hopper Gluon kernel's tiles (kernels/w4a16_gluon.py) for 2 < M <= 64, where it can
+    run (with or without zero points); at M = 3-8 its BLOCK_M 16 tile competes with the
+    tensor-core GEMV. Same runs, g128 (docs/perf_log.md v18): at M = 16 / 32,
     BLOCK_N 64 with 3 stages (4 CTAs per SM at ~121 registers) was the best Gluon tile on all
     8 Llama shapes on the H200; 4 or 6 stages cost occupancy, BLOCK_N 128 over one warpgroup
     (spills) or two (8 warps sharing x) was 1.05-1.4x slower. At M = 64 only BLOCK_M 64 / BLOCK_N 128 over 8 warps
     came close to the Triton tiles (4096x4096 1.10x, 14336x4096 1.04x of them, elsewhere
     slower). The split-K that fills the SMs ~3-4 times decides the rest, so the splits 3 and
     6 are tried too."""
-    if not (8 < M <= 64 and gluon_format(group_size, general_gidx, Kp) and gluon_device(device.index or 0)):
+    if not (2 < M <= 64 and gluon_format(group_size, general_gidx, Kp) and gluon_device(device.index or 0)):
         return
     sms = sm_count(device.index or 0)
     steps = Kp // GLUON_STEP
