@@ -453,7 +453,7 @@ def test_tune_on_gpu(tmp_path, monkeypatch):
     for layer in model:
         layer(x)
     assert got[w4a8_key(64, 16, 16, -1, torch.float16)] == W4A8_TUNER.lookup(
-        torch.device("cuda", torch.cuda.current_device()), (64, 16, 16, -1, torch.float16))
+        torch.device("cuda", torch.cuda.current_device()), (64, 16, 16, -1, torch.float16, "int8"))
     tuning.clear_caches()
 
 
@@ -487,3 +487,29 @@ def test_shared_heuristics_match_the_recorded_choices():
     assert tuning.mma_heuristic(48, 4096, 4096, sms, *tiles) == Config(64, 64, 128, 8, 8, 4, 4)
     assert tuning.mma_heuristic(128, 1024, 4096, sms, *tiles) == Config(128, 128, 128, 16, 8, 8, 3)
     assert tuning.mma_heuristic(8, 40, 4096, sms, *tiles).BLOCK_N == 64
+
+
+def test_w4a16_heuristic_m32_on_gpus(monkeypatch):
+    """17 <= M <= 32 on a GPU with >= 2**25 weights: BM 32 / BN 64 / BK 128 with scale_acc,
+    split until the tiles fill the SMs ~3 times (H200 measurements in ops/w4a16.py); not for
+    smaller weights, a general g_idx, groups the tile cannot scale (group 64), nor in the
+    interpreter (rounded weights there); every choice passes the launcher's checks."""
+    from sailfish.ops import w4a16 as ops16
+    monkeypatch.setattr(ops16, "sm_count", lambda index: 132)
+    gpu = types.SimpleNamespace(type="cuda", index=0)
+
+    def pick(m, n, kp, gs=128, gidx=False, dev=gpu):
+        cfg = ops16._w4a16_heuristic(device=dev, M=m, N=n, Kp=kp, group_size=gs, general_gidx=gidx)
+        ops16._check_config(cfg, kp, m, gs, gidx)
+        return cfg
+
+    for (kp, n), split in {(8192, 57344): 1, (8192, 8192): 3, (14336, 4096): 6, (18944, 3584): 8,
+                           (65536, 512): 8}.items():
+        cfg = pick(32, n, kp, gs=-1)
+        assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.SPLIT_K, cfg.scale_acc) == (32, 64, 128, split, True), cfg
+    assert pick(17, 8192, 8192).scale_acc
+    assert not pick(32, 4096, 4096).scale_acc  # 2**24 weights: the rounded tile
+    assert not pick(32, 8192, 8192, gs=64).scale_acc
+    assert not pick(32, 8192, 8192, gidx=True).scale_acc
+    assert not pick(32, 8192, 8192, dev=types.SimpleNamespace(type="cpu", index=None)).scale_acc
+    assert pick(64, 8192, 8192).BLOCK_M == 64 and not pick(64, 8192, 8192).scale_acc

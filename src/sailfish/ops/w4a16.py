@@ -76,6 +76,21 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=Fa
         return Config(1, 16, bk, split_k_for(tiles, Kp // bk, sms), 8, 4, 4, kernel="gemv")
     if M >= 1024 and device.type == "cuda":  # dequantize + cuBLAS beats the fused tiles here
         return Config(1, 64, 256, 1, 8, 4, 1, kernel="dequant")
+    if (16 < M <= 32 and N * Kp >= (1 << 25) and device.type == "cuda" and not general_gidx
+            and scale_acc_tile(128, group_size)):
+        # BM 32 / BN 64 / BK 128 / 4 stages with the scale on the fp32 product, split until the
+        # tiles fill the SMs ~3 times. H200, same run, the 10 shapes of >= 2**25 weights among
+        # the 8 Llama-3 ones, Qwen2.5-7B's and Llama-2-13B's MLP x fp16 g128 / fp16 per channel /
+        # bf16 asymmetric at M = 32: 1.03-1.71x the tile below (no scale_acc, 2 programs per SM)
+        # on all 30, geomean 1.28x; a tuned entry was up to 1.3x faster (28672x8192: Gluon),
+        # docs/perf_log.md v21. Like the Gluon tile at M <= 16 it multiplies by the unrounded
+        # s * (q - z), so as there only for large weights on the GPU: smaller layers and the
+        # interpreter keep the rounded weights of QuantLinear.dequantize().
+        tiles = -(-N // 64)
+        k_tiles = Kp // 128
+        fits = [s for s in (1, 2, 3, 4, 6, 8) if s <= k_tiles]
+        split = next((s for s in fits if tiles * s >= 2.9 * sms), fits[-1])
+        return Config(32, 64, 128, split, 8, 4, 4, scale_acc=True)
     # fragment-order tiles (shared/probes/regA_probe.py on H200, untuned): BM 16 / BN 128 /
     # BK 256 / 3 stages was the best probe tile at M <= 16, BK 128 / 4 stages at M = 64
     if M <= 16:
