@@ -512,4 +512,8 @@ def test_w4a16_heuristic_m32_on_gpus(monkeypatch):
     assert not pick(32, 8192, 8192, gs=64).scale_acc
     assert not pick(32, 8192, 8192, gidx=True).scale_acc
     assert not pick(32, 8192, 8192, dev=types.SimpleNamespace(type="cpu", index=None)).scale_acc
-    assert pick(64, 8192, 8192).BLOCK_M == 64 and not pick(64, 8192, 8192).scale_acc
+    # 33 <= M <= 64: the BM 64 tile and its split, with scale_acc under the same conditions
+    assert (pick(64, 8192, 8192).BLOCK_M, pick(64, 8192, 8192).SPLIT_K, pick(64, 8192, 8192).scale_acc) == (64, 8, True)
+    assert not pick(64, 4096, 4096).scale_acc and not pick(64, 8192, 8192, gidx=True).scale_acc
+    assert not pick(64, 8192, 8192, dev=types.SimpleNamespace(type="cpu", index=None)).scale_acc
+    assert not pick(128, 8192, 8192).scale_acc

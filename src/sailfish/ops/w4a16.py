@@ -105,7 +105,13 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=Fa
     # it 4096x1024 at M = 128 ran 8 programs (46.9 us on H200; 12.4 us tuned, SPLIT_K = 16);
     # splitting up to 2 programs per SM as at small M lost on 4096x14336 M = 128 (0.71x -> 0.50x)
     split = split_k_for(tiles, Kp // bk, sms if M <= 64 else sms // 4)
-    return Config(bm, bn, bk, split, 8, warps, stages)
+    # 33 <= M <= 64 on >= 2**25 weights (GPU): the same tile with the scale on the fp32 product.
+    # H200, same run, the 30 cases of the M = 32 rule above at M = 64: 0.96-1.38x, geomean 1.10x
+    # (the BM 64 mma tile of the M = 32 rule with BN 128: 1.09x but 0.92x on 28672x8192; the Gluon
+    # BM 64 tile 0.92x); docs/perf_log.md v21
+    sa = (32 < M <= 64 and N * Kp >= (1 << 25) and device.type == "cuda" and not general_gidx
+          and scale_acc_tile(bk, group_size))
+    return Config(bm, bn, bk, split, 8, warps, stages, scale_acc=sa)
 
 
 def _gluon_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros):
