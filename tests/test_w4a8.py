@@ -22,7 +22,7 @@ from sailfish.formats.qqq import (QQQWeight, codes_to_int8, natural_to_fragment_
                                   num_groups_w4a8, pack_codes, pack_qqq, quantize_activations,
                                   quantize_qqq, unpack_codes, unpack_qqq)
 from sailfish.ops import use_triton
-from sailfish.ops.w4a8 import quantize_per_token_launch, w4a8_launch, w4a8_reference
+from sailfish.ops.w4a8 import group_scales_in_range, quantize_per_token_launch, w4a8_launch, w4a8_reference
 
 F16, BF16 = torch.float16, torch.bfloat16
 # Frobenius bounds against the float64 reference. Every output element is that reference
@@ -279,6 +279,50 @@ def test_int8_conversion_clamps_and_rounds_half_even(device):
     assert codes_to_int8(q, s_g, 128).tolist() == [[-127, -127, -20, 20, 127, 0]]
     s_g = torch.tensor([[2.5]], device=device).half()   # 2.5 * odd = .5 ties
     assert codes_to_int8(q, s_g, 128).tolist() == [[-20, -18, -2, 2, 18, 0]]
+
+
+def test_group_scales_in_range(device):
+    """The kernels drop the unpack's clamp only when no scale can need it: |s_g| < 127.5 / 8
+    (at 127.5 / 8 the code 0 gives rne(-127.5) = -128, which must clamp)."""
+    ok = torch.full((3, 5), 15.875, device=device).half()  # quantize_qqq's largest is 119 / 7.5
+    assert group_scales_in_range(ok) and group_scales_in_range(-ok)
+    for bad in (127.5 / 8, 20.0, float("nan"), float("inf")):
+        s = ok.clone()
+        s[2, 4] = bad
+        assert not group_scales_in_range(s), bad
+    assert not group_scales_in_range(None)
+    # the answer is kept with the tensor's version: an in-place change is seen
+    s = ok.clone()
+    assert group_scales_in_range(s)
+    s[0, 0] = -16.0
+    assert not group_scales_in_range(s)
+    s.fill_(1.0)
+    assert group_scales_in_range(s)
+    with torch.inference_mode():  # no version counter: not known, so the clamping kernel
+        assert not group_scales_in_range(ok.clone())
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_scales_changed_in_place_take_the_clamp(m, device):
+    """A layer whose scales leave the no-clamp range in place (after calls that ran the
+    kernel without the clamp and cached its plan) gets the clamped int8 weights."""
+    k, n = 400, 136
+    layer = random_layer(k, n, 128, False, device)
+    x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device=device)
+    x_s = torch.ones(m, device=device)
+
+    def acc():
+        y = w4a8_launch(x_q, x_s, layer.qweight, layer.s_ch, layer.s_g, None, k, 128, F16, raw_acc=True)
+        w8 = layer.int8_weight()
+        return y, (x_q.double() @ w8.double().T).long()
+
+    for _ in range(2):  # the second call takes the cached plan (CUDA)
+        y, ref = acc()
+        assert torch.equal(y.long(), ref)
+    with torch.no_grad():
+        layer.s_g[:, :3] = 24.0  # -8 * 24 and -7 * 24 clamp to -127
+    y, ref = acc()
+    assert ref.abs().max() > 0 and torch.equal(y.long(), ref)
 
 
 # ----------------------------------------------------------------------------------
@@ -703,13 +747,16 @@ for gs, (bm, bn, bk, split, warps, stages), out in [(0, (16, 128, 128, 1, 4, 4),
                                                    (128, (16, 64, 256, 2, 4, 4), "*i32"),
                                                    (128, (32, 64, 64, 1, 4, 4), "*fp16"),
                                                    (128, (128, 128, 128, 1, 8, 3), "*fp16")]:
-    ptx = build(K._w4a8_kernel, dict(g, y_ptr=out), dict(
-        GROUP_SIZE=gs, HAS_BIAS=True, EVEN_K=False, SPLIT_K=split, RAW=False, EMU_BF16=False, USE_ASM=True,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8), warps, stages,
-        wide=("M", "N", "stride_xm", "stride_ym", "stride_qn"))
-    assert ".s32.s8.s8" in ptx, "the int8 tiles must run on int8 tensor cores"
-    if gs:  # the per-group conversion rounds once, in the fma (kernels/w4a8.py)
-        assert "fma.rn.f16x2" in ptx and "mul.rn.f16x2" not in ptx
+    for clamp in ((True, False) if gs else (True,)):
+        ptx = build(K._w4a8_kernel, dict(g, y_ptr=out), dict(
+            GROUP_SIZE=gs, HAS_BIAS=True, EVEN_K=False, SPLIT_K=split, RAW=False, EMU_BF16=False, USE_ASM=True,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, CLAMP=clamp), warps, stages,
+            wide=("M", "N", "stride_xm", "stride_ym", "stride_qn"))
+        assert ".s32.s8.s8" in ptx, "the int8 tiles must run on int8 tensor cores"
+        if gs:  # the per-group conversion rounds once, in the fma (kernels/w4a8.py); the clamp
+            # (max / min) only where asked for
+            assert "fma.rn.f16x2" in ptx and "mul.rn.f16x2" not in ptx
+            assert ("max.f16x2" in ptx and "min.f16x2" in ptx) == clamp, clamp
 if ARCH >= 89:  # the fp8 variant: e4m3 tensor cores (sm_89+)
     for gs, (bm, bn, bk, split, warps, stages) in [(0, (16, 128, 256, 2, 4, 3)), (128, (64, 128, 128, 1, 4, 4))]:
         ptx = build(K._w4a8_kernel, dict(g, xq_ptr="*fp8e4nv", y_ptr="*fp32" if split > 1 else "*bf16"), dict(
@@ -718,14 +765,15 @@ if ARCH >= 89:  # the fp8 variant: e4m3 tensor cores (sm_89+)
             wide=("M", "N", "stride_xm", "stride_ym", "stride_qn"))
         assert "e4m3" in ptx and ".s8.s8" not in ptx, "the fp8 tiles must run on fp8 tensor cores"
 v = {k: t for k, t in g.items() if k not in ("M", "stride_xm", "stride_ym")}
-for gs, split, bk in [(0, 2, 512), (128, 1, 512), (128, 1, 64)]:
+for gs, split, bk, clamp in [(0, 2, 512, True), (128, 1, 512, True), (128, 1, 64, False)]:
     build(K._w4a8_gemv_kernel, dict(v, y_ptr="*i32" if split > 1 else "*bf16"), dict(
         GROUP_SIZE=gs, HAS_BIAS=True, EVEN_K=True, SPLIT_K=split, RAW=False, EMU_BF16=False, USE_ASM=True,
-        BLOCK_N=16, BLOCK_K=bk), 4, 4, wide=("N", "stride_qn"))
-for gs in (0, 128):
+        BLOCK_N=16, BLOCK_K=bk, CLAMP=clamp), 4, 4, wide=("N", "stride_qn"))
+for gs, clamp in ((0, True), (128, True), (128, False)):
     build(K._w4a8_dequant_kernel, {"qb_ptr": "*i8", "sg_ptr": "*fp16", "w_ptr": "*i8", "N": "i32", "K": "i32",
           "stride_qn": "i32", "stride_gn": "i32", "stride_wn": "i32"},
-          dict(GROUP_SIZE=gs, USE_ASM=True, BLOCK_N=64, BLOCK_K=256), 4, 1, wide=("stride_qn", "stride_wn"))
+          dict(GROUP_SIZE=gs, USE_ASM=True, BLOCK_N=64, BLOCK_K=256, CLAMP=clamp), 4, 1,
+          wide=("stride_qn", "stride_wn"))
 for raw in (False, True):
     build(K._w4a8_splitk_reduce_kernel, {"ws_ptr": "*i32", "xs_ptr": "*fp32", "sch_ptr": "*fp32",
           "bias_ptr": "*fp32", "y_ptr": "*i32" if raw else "*bf16", "M": "i32", "N": "i32", "stride_ym": "i32"},

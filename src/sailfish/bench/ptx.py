@@ -104,10 +104,11 @@ W4A8_TILES = ((16, 128, 128, 1, 4, 4), (16, 128, 256, 2, 4, 3), (32, 128, 128, 1
 
 
 def compile_w4a8(block_m: int, block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int,
-                 *, group_size: int = 128, act_dtype: str = "int8", capability: int = 90):
+                 *, group_size: int = 128, act_dtype: str = "int8", capability: int = 90, clamp: bool = False):
     """triton.compile of kernels/w4a8._w4a8_kernel (the inline-asm unpack, as on a GPU) for
     cuda:<capability>, with the launcher's GPU specialisation (16-byte aligned pointers, N / K /
-    strides divisible by 16). act_dtype "fp8": the e4m3-activation variant."""
+    strides divisible by 16). act_dtype "fp8": the e4m3-activation variant. clamp: the per-group
+    unpack with its +-127 clamp (scales out of quantize_qqq's range; ops/w4a8.py)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -120,7 +121,7 @@ def compile_w4a8(block_m: int, block_n: int, block_k: int, split_k: int, num_war
            **{k: "i32" for k in ("M", "N", "K", "stride_xm", "stride_ym", "stride_qn", "stride_gn")}}
     consts = dict(GROUP_SIZE=0 if group_size == -1 else group_size, HAS_BIAS=False, EVEN_K=True,
                   SPLIT_K=split_k, RAW=False, EMU_BF16=False, USE_ASM=True,
-                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8)
+                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, CLAMP=clamp)
     names = list(sig)
     aligned = [n for n in names if n.endswith("_ptr")] + ["N", "K", "stride_xm", "stride_ym", "stride_qn"]
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}

@@ -60,6 +60,35 @@ def _kernels():
     return _KERNELS
 
 
+# |s_g| below this keeps every rne(s_g * (q - 8)), |q - 8| <= 8, within [-127, 127] (127.5
+# itself rounds to 128), so the kernels may drop the clamp (kernels/w4a8.py _ASM_GROUP_NOCLAMP).
+_S_G_NO_CLAMP = 127.5 / 8
+_RANGE_ATTR = "_sailfish_s_g_in_range"
+
+
+def group_scales_in_range(s_g: Optional[torch.Tensor]) -> bool:
+    """True when every group scale satisfies |s_g| < 127.5 / 8 (NaN: False): then the int8
+    weight rne(s_g * (q - 8)) needs no clamp, as for every weight quantize_qqq makes (|s_g| <=
+    119 / 7.5). The answer is kept on the tensor with its version counter, so an in-place
+    change (load_state_dict, copy_) is seen; computing it reads the scales back (one sync per
+    weight, on its first call). While a CUDA graph is being captured, and for inference tensors
+    (no version counter), an unknown answer is False: the clamping kernel, always right."""
+    if s_g is None:
+        return False
+    try:
+        version = s_g._version
+    except RuntimeError:  # inference tensor: no version counter to validate a cached answer
+        return False
+    cached = getattr(s_g, _RANGE_ATTR, None)
+    if cached is not None and cached[0] == version:
+        return cached[1]
+    if s_g.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    ok = bool((s_g.float().abs() < _S_G_NO_CLAMP).all()) if s_g.numel() else True
+    setattr(s_g, _RANGE_ATTR, (version, ok))
+    return ok
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -294,13 +323,13 @@ class _W4A8Plan:
     __slots__ = ("config", "gemv", "gemm", "reduce", "ws_dtype")
 
     def __init__(self, cfg: Config, device_index: int, *, gs: int, has_bias: bool, raw: bool, emu: bool,
-                 asm: bool, fp8: bool, K: int):
+                 asm: bool, fp8: bool, K: int, clamp: bool = True):
         kern = _kernels()
         self.config, self.gemv = cfg, cfg.kernel == "gemv"
         self.ws_dtype = torch.float32 if fp8 else torch.int32  # split-K partial sums
         meta = dict(GROUP_SIZE=gs, HAS_BIAS=has_bias, EVEN_K=K % cfg.BLOCK_K == 0, SPLIT_K=cfg.SPLIT_K,
                     RAW=raw, EMU_BF16=emu, USE_ASM=asm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-                    **cfg.launch())
+                    **({} if fp8 or gs == 0 else {"CLAMP": clamp}), **cfg.launch())
         if self.gemv:
             self.gemm = Launch(kern._w4a8_gemv_kernel, meta, device_index)
         else:
@@ -341,12 +370,13 @@ def _reduce_launch(split: int, has_bias: bool, raw: bool, emu: bool, device_inde
 
 
 def _launch(cfg: Config, out: torch.Tensor, x_q, x_scales, qweight, s_ch, s_g, bias,
-            gs: int, raw: bool, emu: bool) -> Optional[_W4A8Plan]:
+            gs: int, raw: bool, emu: bool, clamp: bool = True) -> Optional[_W4A8Plan]:
     """One GEMM with cfg into out (M, N). Operands contiguous; s_g / bias may be None
     (the fused kernels then get None, the dequant path s_ch, never read). The kernels read
     qweight as its bytes (formats.qqq.PackedQQQ); on the GPU they unpack with inline asm, in
-    the interpreter with its pure-Triton twin. Returns the plan that ran (None for "dequant",
-    whose per-call cost does not matter at the M it serves)."""
+    the interpreter with its pure-Triton twin. clamp=False: every |s_g| < 127.5 / 8
+    (group_scales_in_range), the per-group unpack without its clamp. Returns the plan that ran
+    (None for "dequant", whose per-call cost does not matter at the M it serves)."""
     kern = _kernels()
     M, K = x_q.shape
     N = qweight.shape[0]
@@ -360,14 +390,14 @@ def _launch(cfg: Config, out: torch.Tensor, x_q, x_scales, qweight, s_ch, s_g, b
         w8 = torch.empty((N, K), dtype=torch.int8, device=x_q.device)
         kern._w4a8_dequant_kernel[(_cdiv(N, cfg.BLOCK_N), _cdiv(K, cfg.BLOCK_K))](
             qweight, s_g_arg, w8, N, K, sqn, sg_stride, w8.stride(0),
-            GROUP_SIZE=gs, USE_ASM=asm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+            GROUP_SIZE=gs, USE_ASM=asm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, CLAMP=clamp or gs == 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         _reduce_launch(1, bias is not None, raw, emu, dev)(
             (_cdiv(M, 16), _cdiv(N, 128)), torch._int_mm(x_q, w8.t()), x_scales, s_ch, bias_arg, out, M, N,
             out.stride(0))
         return None
     plan = _W4A8Plan(cfg, dev, gs=gs, has_bias=bias is not None, raw=raw, emu=emu, asm=asm,
-                     fp8=x_q.dtype is torch.float8_e4m3fn, K=K)
+                     fp8=x_q.dtype is torch.float8_e4m3fn, K=K, clamp=clamp)
     sxm = K if M == 1 else x_q.stride(0)
     plan(out, out, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sg_stride)
     return plan
@@ -396,6 +426,9 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
     if x_q.stride(1) != 1:
         x_q = x_q.contiguous()
     sxm = K if M == 1 else x_q.stride(0)  # (one row: any stride does, see quantize_per_token_launch)
+    # per-group int8: the unpack's clamp only when some scale needs it (group_scales_in_range;
+    # asked of the caller's tensor, which keeps the answer)
+    clamp = fp8 or s_g is None or not group_scales_in_range(s_g)
     # the kernel indexes these with unit inner stride
     x_scales, qweight, s_ch = x_scales.contiguous(), qweight.contiguous(), s_ch.contiguous()
     s_g = None if s_g is None else s_g.contiguous()
@@ -405,7 +438,7 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
         dev = x_q.get_device()
         sqn, sgn = 4 * qweight.stride(0), 0 if s_g is None else s_g.stride(0)  # (sqn in bytes)
         key = (dev, out_dtype, fp8, raw_acc, (M - 1).bit_length(), M & 15 == 0, N, K, kp8, group_size, sxm, sqn, sgn,
-               None if bias is None else bias.dtype)
+               None if bias is None else bias.dtype, clamp)
         plan = W4A8_TUNER.plan(key)
         if plan is not None and hooks_idle():
             ptrs = pointers(y, x_q, x_scales, qweight, s_ch, s_g, bias)
@@ -421,7 +454,7 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
     gs = 0 if group_size == -1 else group_size
     act = "fp8" if fp8 else "int8"
     emu = out_dtype == torch.bfloat16 and not x_q.is_cuda  # interpreter bf16 twin (kernels/common.py)
-    args = (x_q, x_scales, qweight, s_ch, s_g, bias, gs, raw_acc, emu)
+    args = (x_q, x_scales, qweight, s_ch, s_g, bias, gs, raw_acc, emu, clamp)
     with device_of(x_q):
         if config is None:
             mb = m_bucket(M)
