@@ -168,8 +168,8 @@ _GLUON_CHILD = r"""
 import re
 import triton
 from triton.backends.nvidia.compiler import get_ptxas
-from sailfish.bench.ptx import k_loop_stats, sass, shipped_mma_configs, wgmma_register_hazard
-from sailfish.kernels.w4a16_gluon import compile_sm90
+from sailfish.bench.ptx import k_loop_stats, sass, sass_loop, shipped_mma_configs, wgmma_register_hazard
+from sailfish.kernels.w4a16_gluon import compile_sm90, max_registers
 import subprocess, tempfile
 p = get_ptxas(90) if callable(get_ptxas) else None
 ptxas = getattr(p, "path", None) or p[0]
@@ -182,7 +182,7 @@ cases = [dict(group_size=128), dict(group_size=-1, has_bias=True), dict(group_si
 for _, c in shipped_mma_configs("gluon"):
     tile = dict(BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, STAGES=c.num_stages, SPLIT_K=c.SPLIT_K, num_warps=c.num_warps,
                 pdl_early=c.SPLIT_K > 1)
-    cases += [dict(tile), dict(tile, dtype="bf16", has_zeros=True)]
+    cases += [dict(tile), dict(tile, dtype="bf16", has_zeros=True), dict(tile, has_zeros=True)]
 assert len(cases) > 12, "no Gluon tile in the shipped tables"
 bad = []
 for kw in cases:
@@ -202,6 +202,18 @@ for kw in cases:
         why.append("ptxas serializes the wgmmas: " + rep[rep.index("serialized") - 80:][:300])
     if wgmma_register_hazard(sass(k.asm["cubin"])):
         why.append("wgmma register hazard")
+    # with zero points the launcher caps the registers at what keeps the CTAs shared memory
+    # allows (kernels/w4a16_gluon.max_registers): held, and nothing spilled
+    cap = max_registers(kw.get("BLOCK_M", 16), kw.get("BLOCK_N", 64), kw.get("STAGES", 3), kw.get("num_warps", 4),
+                        kw.get("has_zeros", False))
+    used = re.search(r"Used (\d+) registers", rep)
+    if cap and (f".maxnreg {cap}" not in k.asm["ptx"] or not used or int(used.group(1)) > cap):
+        why.append(f"register cap {cap} not applied: {used and used.group(0)}")
+    # no local-memory traffic in the K loop (Triton 3.6 spills one register of the capped split-K
+    # tiles, stored and loaded once per program outside the loop)
+    loop = sass_loop(sass(k.asm["cubin"]), "HGMMA", 1)
+    if loop is None or loop.ops.get("LDL") or loop.ops.get("STL"):
+        why.append("local memory in the K loop: " + rep[-300:])
     if why:
         bad.append((kw, why))
 assert not bad, bad
@@ -222,9 +234,9 @@ def test_gluon_kernel_compiles_for_sm90(tmp_path):
     and every Gluon tile of the shipped tables: in the K loop no shared-memory store or
     ldmatrix (the dequantized tile goes to wgmma from registers), A in registers, only
     wait(0) (both chunks' wgmmas in flight together), ptxas keeps them asynchronous (no C7514
-    serialization) and the SASS has no wgmma register hazard (bench/ptx.py); with PDL the
-    split-K GEMM releases its reduce. In a child process: the interpreter in this one
-    patches the frontend."""
+    serialization), the SASS has no wgmma register hazard (bench/ptx.py) and no local memory
+    access in the K loop, and tiles with zero points hold their register cap; with PDL the split-K GEMM releases its
+    reduce. In a child process: the interpreter in this one patches the frontend."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     run_compile_child(_GLUON_CHILD, tmp_path)
 

@@ -85,6 +85,39 @@ def layouts(BLOCK_M: int, BLOCK_N: int, num_warps: int = NUM_WARPS) -> dict:
     )
 
 
+# Hopper SM: 228 KiB of shared memory (1 KiB of it reserved per resident CTA), 64 Ki registers
+SM_SHARED_BYTES = 228 * 1024
+CTA_RESERVED_SHARED = 1024
+SM_REGISTERS = 65536
+
+
+def shared_bytes(BLOCK_M: int, BLOCK_N: int, STAGES: int) -> int:
+    """The kernel's shared memory: a ring of STAGES K steps, each two chunks of the 2-byte x
+    tile (BLOCK_M, 128) and of the packed words (BLOCK_N, 16) int32."""
+    return 2 * STAGES * (BLOCK_M * CHUNK * 2 + BLOCK_N * 16 * 4)
+
+
+def max_registers(BLOCK_M: int, BLOCK_N: int, STAGES: int, num_warps: int = NUM_WARPS, has_zeros: bool = True):
+    """The register cap per thread (ptxas maxnreg) at which registers allow as many CTAs per SM
+    as shared memory does, or None: without zero points (measured no gain), or where that is
+    the hardware's 255 anyway. With zero points ptxas takes a few registers more than fit and
+    costs a CTA: BM 16 / BN 64 / 3 stages (4 CTAs by shared memory) compiled to 130 registers for
+    fp16 and 141 for bf16 (3 CTAs), BM 32 to 160 / 182 (168 fit 3); capped, nothing spills in the K
+    loop (sm_90a, Triton 3.6 and 3.9; 3.6 spills one register of the split-K tiles, stored and
+    loaded once per program; the compile test checks every shipped tile's K loop). H200, the
+    8 Llama-3 shapes, same process (docs/perf_log.md v22): fp16 with zero points 1.10-1.12x
+    faster on average at M = 8-16 (up to 1.26x), bf16 with zero points 1.00-1.02x (its extra
+    shifts, not occupancy, decide); symmetric tiles (100-127 registers) came out 0.97-1.00x
+    capped, so they are left alone."""
+    if not has_zeros:
+        return None
+    ctas = SM_SHARED_BYTES // (shared_bytes(BLOCK_M, BLOCK_N, STAGES) + CTA_RESERVED_SHARED)
+    if ctas < 1:
+        return None
+    cap = SM_REGISTERS // (ctas * 32 * num_warps) // 8 * 8
+    return cap if cap < 255 else None
+
+
 @gluon.jit
 def _join8(n0, n1, n2, n3, n4, n5, n6, n7):
     return gl.join(gl.join(gl.join(n0, n4), gl.join(n2, n6)), gl.join(gl.join(n1, n5), gl.join(n3, n7)))
@@ -277,4 +310,6 @@ def compile_sm90(BLOCK_M: int = 16, BLOCK_N: int = 64, STAGES: int = 3, group_si
                "stride_qn")
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned if sig[a] != "constexpr"}
     src = GluonASTSource(fn=w4a16_gluon_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    cap = max_registers(BLOCK_M, BLOCK_N, STAGES, num_warps, has_zeros)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, **({"maxnreg": cap} if cap else {})})

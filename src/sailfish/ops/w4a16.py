@@ -496,13 +496,14 @@ class _GemmPlan:
                     EMU_BF16=emu, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, PDL_EARLY=chained,
                     **cfg.launch())
         if cfg.kernel == "gluon":  # (takes no g_idx pointer)
-            from ..kernels.w4a16_gluon import layouts, w4a16_gluon_kernel
+            from ..kernels.w4a16_gluon import layouts, max_registers, w4a16_gluon_kernel
 
             self.kind = "gluon"
+            cap = max_registers(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_stages, cfg.num_warps, has_zeros)
             self.gemm = Launch(w4a16_gluon_kernel, dict(
                 GROUP_CHUNKS=gs // K_CHUNK, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, STAGES=cfg.num_stages, PDL_EARLY=chained,
-                num_warps=cfg.num_warps,
+                num_warps=cfg.num_warps, **({"maxnreg": cap} if cap else {}),
                 **layouts(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_warps)),
                 device_index)
         elif cfg.kernel == "gemv" and tensor_core_gemv:  # (takes no g_idx pointer)
