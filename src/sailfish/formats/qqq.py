@@ -45,6 +45,14 @@ _TINY = 2.0 ** -60
 _TINY_SCALE = 2.0 ** 64
 
 
+def group_scales_fit_int8(s_g: torch.Tensor) -> bool:
+    """True when every |s_g| < 127.5 / 8 (NaN: False): then |rne(s_g * (q - 8))| <= 127 for every
+    code (|q - 8| <= 8), so the clamp of the per-group int8 weight cannot change a value (127.5
+    itself rounds to 128). quantize_qqq's scales stop at INT8_LEVEL / 7.5. Reads the scales
+    back (a sync on a GPU)."""
+    return bool((s_g.float().abs() < 127.5 / 8).all()) if s_g.numel() else True
+
+
 def check_group_size_w4a8(group_size: int) -> None:
     if group_size not in GROUP_SIZES_W4A8:
         raise ValueError(f"group_size={group_size!r} is not supported for W4A8; allowed: {GROUP_SIZES_W4A8}")

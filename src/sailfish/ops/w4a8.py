@@ -34,8 +34,8 @@ from typing import Optional, Tuple
 import torch
 
 from ..formats.int4 import HALF_DTYPES, K_PAD
-from ..formats.qqq import (GROUP_SIZES_W4A8, PackedQQQ, check_act_dtype, fp8_weight, quantize_activations,
-                           unpack_qqq)
+from ..formats.qqq import (GROUP_SIZES_W4A8, PackedQQQ, check_act_dtype, fp8_weight, group_scales_fit_int8,
+                           quantize_activations, unpack_qqq)
 from ..tuning import (Config, Tuner, check_config, gemv_candidates, m_bucket,
                       mma_candidates, mma_heuristic, next_pow2, problem_key, scratch_runner, sms_for)
 from . import define_op, device_of, use_triton
@@ -61,18 +61,14 @@ def _kernels():
     return _KERNELS
 
 
-# |s_g| below this keeps every rne(s_g * (q - 8)), |q - 8| <= 8, within [-127, 127] (127.5
-# itself rounds to 128), so the kernels may drop the clamp (kernels/w4a8.py _ASM_GROUP_NOCLAMP).
-_S_G_NO_CLAMP = 127.5 / 8
 _RANGE_ATTR = "_sailfish_s_g_in_range"
 
 
 def group_scales_in_range(s_g: Optional[torch.Tensor]) -> bool:
-    """True when every group scale satisfies |s_g| < 127.5 / 8 (NaN: False): then the int8
-    weight rne(s_g * (q - 8)) needs no clamp, as for every weight quantize_qqq makes (|s_g| <=
-    119 / 7.5). The answer is kept on the tensor with its version counter, so an in-place
-    change (load_state_dict, copy_) is seen; computing it reads the scales back (one sync per
-    weight, on its first call). While a CUDA graph is being captured, and for inference tensors
+    """formats.qqq.group_scales_fit_int8 (the int8 weight rne(s_g * (q - 8)) needs no clamp, so
+    the kernels may drop it: kernels/w4a8.py _ASM_GROUP_NOCLAMP). The answer is kept on the
+    tensor with its version counter, so an in-place change (load_state_dict, copy_) is seen;
+    computing it reads the scales back (one sync per weight, on its first call). While a CUDA graph is being captured, and for inference tensors
     (no version counter), an unknown answer is False: the clamping kernel, always right."""
     if s_g is None:
         return False
@@ -85,7 +81,7 @@ def group_scales_in_range(s_g: Optional[torch.Tensor]) -> bool:
         return cached[1]
     if s_g.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
-    ok = bool((s_g.float().abs() < _S_G_NO_CLAMP).all()) if s_g.numel() else True
+    ok = group_scales_fit_int8(s_g)
     setattr(s_g, _RANGE_ATTR, (version, ok))
     return ok
 
@@ -330,7 +326,7 @@ class _W4A8Plan:
         self.ws_dtype = torch.float32 if fp8 else torch.int32  # split-K partial sums
         meta = dict(GROUP_SIZE=gs, HAS_BIAS=has_bias, EVEN_K=K % cfg.BLOCK_K == 0, SPLIT_K=cfg.SPLIT_K,
                     RAW=raw, EMU_BF16=emu, USE_ASM=asm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-                    **({} if fp8 or gs == 0 else {"CLAMP": clamp}), **cfg.launch())
+                    CLAMP=clamp, **cfg.launch())
         if self.gemv:
             self.gemm = Launch(kern._w4a8_gemv_kernel, meta, device_index)
         else:
@@ -391,7 +387,7 @@ def _launch(cfg: Config, out: torch.Tensor, x_q, x_scales, qweight, s_ch, s_g, b
         w8 = torch.empty((N, K), dtype=torch.int8, device=x_q.device)
         kern._w4a8_dequant_kernel[(_cdiv(N, cfg.BLOCK_N), _cdiv(K, cfg.BLOCK_K))](
             qweight, s_g_arg, w8, N, K, sqn, sg_stride, w8.stride(0),
-            GROUP_SIZE=gs, USE_ASM=asm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, CLAMP=clamp or gs == 0,
+            GROUP_SIZE=gs, USE_ASM=asm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, CLAMP=clamp,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         _reduce_launch(1, bias is not None, raw, emu, dev)(
             (_cdiv(M, 16), _cdiv(N, 128)), torch._int_mm(x_q, w8.t()), x_scales, s_ch, bias_arg, out, M, N,
