@@ -68,8 +68,9 @@ def group_scales_in_range(s_g: Optional[torch.Tensor]) -> bool:
     """formats.qqq.group_scales_fit_int8 (the int8 weight rne(s_g * (q - 8)) needs no clamp, so
     the kernels may drop it: kernels/w4a8.py _ASM_GROUP_NOCLAMP). The answer is kept on the
     tensor with its version counter, so an in-place change (load_state_dict, copy_) is seen;
-    computing it reads the scales back (one sync per weight, on its first call). While a CUDA graph is being captured, and for inference tensors
-    (no version counter), an unknown answer is False: the clamping kernel, always right."""
+    computing it reads the scales back (one sync per weight, on its first call). While a CUDA
+    graph is being captured, and for inference tensors (no version counter), an unknown answer
+    is False: the clamping kernel, always right."""
     if s_g is None:
         return False
     try:
