@@ -392,6 +392,41 @@ def test_split_k_deterministic(device):
         assert_rounded(y, layer_reference(layer, x), layer.bias)
 
 
+@pytest.mark.parametrize("act", ["int8", "fp8"])
+@pytest.mark.parametrize("m,cfg", [
+    (5, Config(16, 64, 64, 3)),
+    (33, Config(32, 32, 128, 2)),
+    (1, Config(1, 32, 64, 3, kernel="gemv")),
+], ids=["mma-split3", "mma-2mtiles", "gemv-split3"])
+def test_split_k_inside_the_gemm(m, cfg, act, device, monkeypatch):
+    """Split-K slices added by the last slice of each tile (kernels/w4a8.py _add_slices): the same
+    bits as the reduce kernel, for the output and the raw accumulator, and every tile counter
+    back at zero after the launch (the next launch on the stream relies on it)."""
+    if act == "fp8" and cfg.kernel == "gemv":
+        pytest.skip("fp8 activations run the tensor-core tiles only")
+    if act == "fp8" and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs sm_89+")
+    import sailfish.ops.w4a8 as ops8
+    k, n = 400, 136
+    layer = random_layer(k, n, 128, True, device)
+    x = torch.randn(m, k, device=device).half()
+    x[m // 2, 7] = 500.0
+    x_q, x_s = (ops8.quantize_per_token_launch(x, act_dtype=act) if act == "fp8" else layer.quantize_input(x))
+    args = (x_q, x_s, layer.qweight, layer.s_ch, layer.s_g, layer.bias, k, 128, F16)
+    assert ops8.fixup_tile(cfg)
+    out = {}
+    for fixup in (False, True):
+        monkeypatch.setattr(ops8, "SPLIT_FIXUP", fixup)
+        ops8.W4A8_TUNER.plans.clear()
+        out[fixup] = (w4a8_launch(*args, config=cfg), w4a8_launch(*args, config=cfg, raw_acc=True))
+    assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
+    if act == "int8":
+        assert_rounded(out[True][0], layer_reference(layer, x), layer.bias)
+    dev = x.get_device()
+    assert not ops8.sync_buffer(x.device, dev).any(), "tile counters left non-zero"
+    assert ops8.sync_buffer(x.device, dev) is ops8.sync_buffer(x.device, dev)
+
+
 @pytest.mark.parametrize("m,cfg", [
     (1, Config(1, 16, 256, 1, kernel="gemv")),
     (1, Config(1, 32, 128, 2, kernel="gemv")),
@@ -743,6 +778,7 @@ if ARCH >= 89:  # Triton has no e4m3 type before sm_89
 g = {"xq_ptr": "*i8", "xs_ptr": "*fp32", "qb_ptr": "*i8", "sch_ptr": "*fp32", "sg_ptr": "*fp16",
      "bias_ptr": "*fp32", "y_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
      "stride_ym": "i32", "stride_qn": "i32", "stride_gn": "i32"}
+NO_SYNC = {"sync_ptr": None, "ws_ptr": None}  # the split-K reduce kernel's protocol
 for gs, (bm, bn, bk, split, warps, stages), out in [(0, (16, 128, 128, 1, 4, 4), "*bf16"),
                                                    (128, (16, 64, 256, 2, 4, 4), "*i32"),
                                                    (128, (32, 64, 64, 1, 4, 4), "*fp16"),
@@ -750,7 +786,7 @@ for gs, (bm, bn, bk, split, warps, stages), out in [(0, (16, 128, 128, 1, 4, 4),
     for clamp in ((True, False) if gs else (True,)):
         ptx = build(K._w4a8_kernel, dict(g, y_ptr=out), dict(
             GROUP_SIZE=gs, HAS_BIAS=True, EVEN_K=False, SPLIT_K=split, RAW=False, EMU_BF16=False, USE_ASM=True,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, CLAMP=clamp), warps, stages,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, CLAMP=clamp, **NO_SYNC), warps, stages,
             wide=("M", "N", "stride_xm", "stride_ym", "stride_qn"))
         assert ".s32.s8.s8" in ptx, "the int8 tiles must run on int8 tensor cores"
         if gs:  # the per-group conversion rounds once, in the fma (kernels/w4a8.py); the clamp
@@ -761,14 +797,28 @@ if ARCH >= 89:  # the fp8 variant: e4m3 tensor cores (sm_89+)
     for gs, (bm, bn, bk, split, warps, stages) in [(0, (16, 128, 256, 2, 4, 3)), (128, (64, 128, 128, 1, 4, 4))]:
         ptx = build(K._w4a8_kernel, dict(g, xq_ptr="*fp8e4nv", y_ptr="*fp32" if split > 1 else "*bf16"), dict(
             GROUP_SIZE=gs, HAS_BIAS=True, EVEN_K=False, SPLIT_K=split, RAW=False, EMU_BF16=False, USE_ASM=True,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8), warps, stages,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, **NO_SYNC), warps, stages,
             wide=("M", "N", "stride_xm", "stride_ym", "stride_qn"))
         assert "e4m3" in ptx and ".s8.s8" not in ptx, "the fp8 tiles must run on fp8 tensor cores"
+# split-K inside the GEMM (FIXUP): the slices' counter is an acq_rel atomic, the last slice reads
+# the workspace past L1 (.cg); registers: _PTX_CHILD
+fx = dict(g, y_ptr="*bf16", sync_ptr="*i32", ws_ptr="*i32")
+ptx = build(K._w4a8_kernel, fx, dict(GROUP_SIZE=128, HAS_BIAS=True, EVEN_K=True, SPLIT_K=8, RAW=False, EMU_BF16=False,
+            USE_ASM=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, CLAMP=False, FIXUP=True), 4, 4,
+            wide=("stride_xm", "stride_ym", "stride_qn"))  # (workspace offsets m * N: 32-bit, M * N < 2**31)
+assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx and ".s32.s8.s8" in ptx
+if ARCH >= 89:
+    build(K._w4a8_kernel, dict(fx, xq_ptr="*fp8e4nv", ws_ptr="*fp32"), dict(
+        GROUP_SIZE=0, HAS_BIAS=False, EVEN_K=True, SPLIT_K=4, RAW=False, EMU_BF16=False, USE_ASM=True,
+        BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=8, FIXUP=True), 4, 4)
 v = {k: t for k, t in g.items() if k not in ("M", "stride_xm", "stride_ym")}
-for gs, split, bk, clamp in [(0, 2, 512, True), (128, 1, 512, True), (128, 1, 64, False)]:
-    build(K._w4a8_gemv_kernel, dict(v, y_ptr="*i32" if split > 1 else "*bf16"), dict(
+for gs, split, bk, clamp, fixup in [(0, 2, 512, True, False), (128, 1, 512, True, False), (128, 1, 64, False, False),
+                                    (0, 3, 256, True, True)]:
+    sync = dict(sync_ptr="*i32", ws_ptr="*i32") if fixup else {}
+    build(K._w4a8_gemv_kernel, dict(v, y_ptr="*i32" if split > 1 and not fixup else "*bf16", **sync), dict(
         GROUP_SIZE=gs, HAS_BIAS=True, EVEN_K=True, SPLIT_K=split, RAW=False, EMU_BF16=False, USE_ASM=True,
-        BLOCK_N=16, BLOCK_K=bk, CLAMP=clamp), 4, 4, wide=("N", "stride_qn"))
+        BLOCK_N=16, BLOCK_K=bk, CLAMP=clamp, FIXUP=fixup, **({} if fixup else NO_SYNC)), 4, 4,
+        wide=("N", "stride_qn"))
 for gs, clamp in ((0, True), (128, True), (128, False)):
     build(K._w4a8_dequant_kernel, {"qb_ptr": "*i8", "sg_ptr": "*fp16", "w_ptr": "*i8", "N": "i32", "K": "i32",
           "stride_qn": "i32", "stride_gn": "i32", "stride_wn": "i32"},
@@ -819,8 +869,35 @@ for tile in W4A8_TILES:
             if (st is None or not st.wgmma_a_in_registers or st.ldmatrix or st.st_shared > limit
                     or mma not in ptx):
                 bad.append((tile, gs, act, st))
+# split-K inside the GEMM (FIXUP; ops/w4a8.fixup_tile: BM <= 32, BN 64): the same K loop, no
+# spill, at most 128 registers (4 CTAs of 4 warps per SM). Registers are allocated for the whole
+# kernel: an unrolled slice sum took BM 64 / BN 64 / split 8 from 80 to 255; the loop adds 12-30
+# to these tiles (Triton 3.6), which measured faster all the same (docs/perf_log.md v23)
+import re, subprocess, tempfile
+from triton.backends.nvidia.compiler import get_ptxas
+p = get_ptxas(90) if callable(get_ptxas) else None
+ptxas = getattr(p, "path", None) or p[0]
+
+
+def registers(ptx):
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx); f.flush()
+        rep = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True)
+    rep = rep.stdout + rep.stderr
+    return int(re.search(r"Used (\d+) registers", rep).group(1)), " 0 bytes spill stores" in rep
+
+
+for tile in ((16, 64, 256, 8, 4, 4), (16, 64, 128, 8, 4, 6), (32, 64, 128, 8, 4, 4), (32, 64, 256, 4, 4, 4)):
+    for gs in (-1, 128):
+        k = compile_w4a8(*tile, group_size=gs, fixup=True)
+        st = k_loop_stats(k.asm["ptx"])
+        regs, no_spill = registers(k.asm["ptx"])
+        n += 1
+        if (st is None or not st.wgmma_a_in_registers or st.ldmatrix or st.st_shared > (gs != -1)
+                or regs > 128 or not no_spill or "atom.global.gpu.acq_rel" not in k.asm["ptx"]):
+            bad.append((tile, gs, "fixup", st, regs, no_spill))
 print("checked", n)
-sys.exit(f"int8 weight tile through shared memory: {bad}" if bad else 0)
+sys.exit(f"int8 weight tile through shared memory, or FIXUP registers: {bad}" if bad else 0)
 """
 
 

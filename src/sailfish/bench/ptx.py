@@ -104,11 +104,13 @@ W4A8_TILES = ((16, 128, 128, 1, 4, 4), (16, 128, 256, 2, 4, 3), (32, 128, 128, 1
 
 
 def compile_w4a8(block_m: int, block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int,
-                 *, group_size: int = 128, act_dtype: str = "int8", capability: int = 90, clamp: bool = False):
+                 *, group_size: int = 128, act_dtype: str = "int8", capability: int = 90, clamp: bool = False,
+                 fixup: bool = False):
     """triton.compile of kernels/w4a8._w4a8_kernel (the inline-asm unpack, as on a GPU) for
     cuda:<capability>, with the launcher's GPU specialisation (16-byte aligned pointers, N / K /
     strides divisible by 16). act_dtype "fp8": the e4m3-activation variant. clamp: the per-group
-    unpack with its +-127 clamp (scales out of quantize_qqq's range; ops/w4a8.py)."""
+    unpack with its +-127 clamp (scales out of quantize_qqq's range; ops/w4a8.py). fixup: split-K
+    slices added inside the kernel (FIXUP; ops/w4a8.fixup_tile) instead of by the reduce kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -117,11 +119,15 @@ def compile_w4a8(block_m: int, block_n: int, block_k: int, split_k: int, num_war
     fp8 = act_dtype == "fp8"
     sig = {"xq_ptr": "*fp8e4nv" if fp8 else "*i8", "xs_ptr": "*fp32", "qb_ptr": "*i32", "sch_ptr": "*fp32",
            "sg_ptr": "*fp16", "bias_ptr": "*fp32",
-           "y_ptr": "*fp16" if split_k == 1 else "*fp32" if fp8 else "*i32",
+           "y_ptr": "*fp16" if split_k == 1 or fixup else "*fp32" if fp8 else "*i32",
            **{k: "i32" for k in ("M", "N", "K", "stride_xm", "stride_ym", "stride_qn", "stride_gn")}}
     consts = dict(GROUP_SIZE=0 if group_size == -1 else group_size, HAS_BIAS=False, EVEN_K=True,
                   SPLIT_K=split_k, RAW=False, EMU_BF16=False, USE_ASM=True,
-                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, CLAMP=clamp)
+                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, CLAMP=clamp, FIXUP=fixup)
+    if fixup:
+        sig.update(sync_ptr="*i32", ws_ptr="*fp32" if fp8 else "*i32")
+    else:
+        consts.update(sync_ptr=None, ws_ptr=None)
     names = list(sig)
     aligned = [n for n in names if n.endswith("_ptr")] + ["N", "K", "stride_xm", "stride_ym", "stride_qn"]
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}

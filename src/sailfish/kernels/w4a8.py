@@ -23,9 +23,10 @@ Math and layouts: formats/qqq.py. Design (why):
   tile never goes through shared memory (bench/ptx.py --family w4a8 counts it; the natural
   order of layout 1 cost a st.shared + ldmatrix round trip per K tile).
 - int8 x int8 -> int32 accumulation is exact. Split-K: each K slice stores its int32
-  partial tile in a workspace (SPLIT_K, M, N) and `_w4a8_splitk_reduce_kernel` adds the
-  slices (exact, so deterministic) and applies the epilogue: two launches, no memset
-  (cheaper at decode than int32 atomics into a zeroed buffer, which needs a third).
+  partial tile in a workspace (SPLIT_K, M, N); the slices are added in slice order (exact, so
+  deterministic) and the epilogue applied either by `_w4a8_splitk_reduce_kernel`, a second
+  launch, or (FIXUP) by the last slice of each tile to finish, found with a per-tile counter
+  (_add_slices): one launch, no memset (int32 atomics into a zeroed buffer would need one).
 - Epilogue y = (float(acc) * s_ch[n]) * s_tok[m] (+ bias) in float32, stored in the
   output dtype through common.cast_out (bf16 under the interpreter: see common.py).
 - Three paths (tuning.Config.kernel): "mma" the fused tensor-core tiles above (every M;
@@ -163,6 +164,36 @@ def _quantize_per_token_kernel(x_ptr, xq_ptr, s_ptr, K, stride_xm, stride_qm,
 # ----------------------------------------------------------------------------------
 # GEMM
 # ----------------------------------------------------------------------------------
+# Split-K inside one launch (FIXUP): sync_ptr holds int32 counters, one per output tile from
+# SYNC_TILES on, zero between launches (each launch leaves them as it found them), one buffer
+# per stream (ops/w4a8.py sync_buffer).
+SYNC_TILES = tl.constexpr(32)  # (the first 128 bytes are left free)
+
+
+@triton.jit
+def _add_slices(acc, ws_ptr, offs, cnt_ptr, mn, mask, SPLIT_K: tl.constexpr):
+    """Split-K without a reduce kernel: every slice stores its partial tile in the workspace
+    (SPLIT_K, M, N) (offs: the tile's offsets within a slice, 32-bit: the launcher takes this path
+    only while M * N < 2**31; mn: one slice's size, 64-bit) and counts
+    itself in (release, after a barrier: every thread's stores are ordered before it). The last
+    of the tile's slices to do so (acquire) adds the SPLIT_K slices in slice order (int32: exact;
+    fp8's float32: one fixed order, so deterministic as well), zeroes the counter and returns
+    (True, sum); the others (False, their partial). The slices are read one per loop step and its
+    own partial from memory too: unrolled, or keeping acc live, the kernel's registers (allocated
+    for the whole kernel, K loop included) went from 80 to 158-255 at BM 64 / BN 64 / split 8;
+    64-bit pointers per element cost BM 32 / BN 64 26 more registers than 32-bit offsets."""
+    tl.store(ws_ptr + tl.program_id(1).to(tl.int64) * mn + offs, acc, mask=mask)
+    tl.debug_barrier()
+    last = tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == SPLIT_K - 1
+    total = acc
+    if last:
+        tl.debug_barrier()
+        total = tl.zeros_like(acc)
+        for s in tl.range(0, SPLIT_K, num_stages=1):
+            total += tl.load((ws_ptr + s * mn) + offs, mask=mask, other=0, cache_modifier=".cg")
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
+    return last, total
+
 # 4 packed bytes (8 codes) -> two registers of 4 int8 weights: `lo` from the low nibbles,
 # `hi` from the high ones (byte e of each register from byte e of the input), in the
 # wgmma A-fragment byte order (formats.qqq.PackedQQQ). Per-channel, w8 = q - 8 per byte
@@ -409,6 +440,17 @@ def _epilogue(acc, xs_ptr, sch_ptr, bias_ptr, rm, rn, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
+def _store_tile(acc, y_ptrs, mask, xs_ptr, sch_ptr, bias_ptr, rm, rn, HAS_BIAS: tl.constexpr, RAW: tl.constexpr,
+                EMU_BF16: tl.constexpr):
+    """Store a finished accumulator tile: as it is (RAW) or through _epilogue."""
+    if RAW:
+        tl.store(y_ptrs, acc, mask=mask)
+    else:
+        y = _epilogue(acc, xs_ptr, sch_ptr, bias_ptr, rm, rn, HAS_BIAS)
+        tl.store(y_ptrs, cast_out(y, y_ptrs.dtype.element_ty, EMU_BF16), mask=mask)
+
+
+@triton.jit
 def _bytes(qw_ptr):
     """The packed weight as bytes: the launchers pass qweight's int32 words as they are (a
     .view(torch.int8) per call costs host time) and stride_qn in bytes."""
@@ -418,11 +460,11 @@ def _bytes(qw_ptr):
 @triton.jit
 def _w4a8_kernel(
     xq_ptr, xs_ptr, qb_ptr, sch_ptr, sg_ptr, bias_ptr, y_ptr,
-    M, N, K, stride_xm, stride_ym, stride_qn, stride_gn,
+    M, N, K, stride_xm, stride_ym, stride_qn, stride_gn, sync_ptr, ws_ptr,
     GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr, RAW: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, CLAMP: tl.constexpr = True,
+    GROUP_M: tl.constexpr, CLAMP: tl.constexpr = True, FIXUP: tl.constexpr = False,
 ):
     """x_q int8 (M, K) row-major (or float8 e4m3: the fp8 variant, fp32 accumulator, the
     group scale applied to each K tile's partial sum, BLOCK_K <= GROUP_SIZE), s_tok float32
@@ -432,8 +474,10 @@ def _w4a8_kernel(
 
     Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K). y is (M, N) in the output
     dtype, or int32 (fp8: float32) when RAW (the accumulator itself). SPLIT_K > 1: y is the
-    int32 (fp8: float32) workspace (SPLIT_K, M, N), slice pid_k gets this program's partial sum.
-    CLAMP=False (per-group int8): every |s_g| < 127.5 / 8, checked by the launcher (_int8_pair).
+    int32 (fp8: float32) workspace (SPLIT_K, M, N), slice pid_k gets this program's partial sum;
+    with FIXUP, ws_ptr is that workspace and the tile's last slice writes y (_add_slices; sync_ptr:
+    the stream's counters). CLAMP=False (per-group int8): every |s_g| < 127.5 / 8, checked by the
+    launcher (_int8_pair).
     """
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -483,28 +527,31 @@ def _w4a8_kernel(
 
     out_mask = (offs_m < M)[None, :] & (offs_n < N)[:, None]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]  # M * N may pass 2**31
-    if SPLIT_K > 1:
+    if SPLIT_K > 1 and FIXUP:
+        last, acc = _add_slices(acc, ws_ptr, offs_m[None, :] * N + offs_n[:, None], sync_ptr + SYNC_TILES + pid,
+                                tl.cast(M, tl.int64) * N, out_mask, SPLIT_K)
+        if last:
+            _store_tile(acc, y_ptrs, out_mask, xs_ptr, sch_ptr, bias_ptr, rm, rn, HAS_BIAS, RAW, EMU_BF16)
+    elif SPLIT_K > 1:
         tl.store(y_ptrs + pid_k.to(tl.int64) * M * N, acc, mask=out_mask)
-    elif RAW:
-        tl.store(y_ptrs, acc, mask=out_mask)
     else:
-        y = _epilogue(acc, xs_ptr, sch_ptr, bias_ptr, rm, rn, HAS_BIAS)
-        tl.store(y_ptrs, cast_out(y, y_ptr.dtype.element_ty, EMU_BF16), mask=out_mask)
+        _store_tile(acc, y_ptrs, out_mask, xs_ptr, sch_ptr, bias_ptr, rm, rn, HAS_BIAS, RAW, EMU_BF16)
 
 
 @triton.jit
 def _w4a8_gemv_kernel(
     xq_ptr, xs_ptr, qb_ptr, sch_ptr, sg_ptr, bias_ptr, y_ptr,
-    N, K, stride_qn, stride_gn,
+    N, K, stride_qn, stride_gn, sync_ptr, ws_ptr,
     GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr, RAW: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CLAMP: tl.constexpr = True,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CLAMP: tl.constexpr = True, FIXUP: tl.constexpr = False,
 ):
     """M = 1: acc[n] = sum_k x_q[k] * w8[n, k] with int32 multiply-adds on CUDA cores into a
     (BLOCK_N, BLOCK_K) accumulator reduced once at the end. Same operands, outputs and
     split-K protocol as _w4a8_kernel. The weights stay in byte order (a sum over K does not
     care); x is loaded in channel order (wide loads) and permuted to it in registers, as the
-    W4A16 GEMV does (docs/perf_log.md v10). Grid: (cdiv(N, BLOCK_N), SPLIT_K)."""
+    W4A16 GEMV does (docs/perf_log.md v10). Grid: (cdiv(N, BLOCK_N), SPLIT_K). FIXUP, sync_ptr,
+    ws_ptr: as _w4a8_kernel's."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -527,15 +574,21 @@ def _w4a8_gemv_kernel(
         x_ptrs += BLOCK_K
     out = tl.sum(acc, axis=1)
     mask = offs_n < N
-    if SPLIT_K > 1:
+    last = True
+    if SPLIT_K > 1 and FIXUP:
+        last, out = _add_slices(out, ws_ptr, offs_n, sync_ptr + SYNC_TILES + pid_n, tl.cast(N, tl.int64), mask,
+                                SPLIT_K)
+    elif SPLIT_K > 1:
         tl.store(y_ptr + pid_k.to(tl.int64) * N + offs_n, out, mask=mask)
-    elif RAW:
-        tl.store(y_ptr + offs_n, out, mask=mask)
-    else:
-        y = (out.to(tl.float32) * tl.load(sch_ptr + rn)) * tl.load(xs_ptr)
-        if HAS_BIAS:
-            y = y + _to_f32(tl.load(bias_ptr + rn))
-        tl.store(y_ptr + offs_n, cast_out(y, y_ptr.dtype.element_ty, EMU_BF16), mask=mask)
+        last = False
+    if last:
+        if RAW:
+            tl.store(y_ptr + offs_n, out, mask=mask)
+        else:
+            y = (out.to(tl.float32) * tl.load(sch_ptr + rn)) * tl.load(xs_ptr)
+            if HAS_BIAS:
+                y = y + _to_f32(tl.load(bias_ptr + rn))
+            tl.store(y_ptr + offs_n, cast_out(y, y_ptr.dtype.element_ty, EMU_BF16), mask=mask)
 
 
 @triton.jit

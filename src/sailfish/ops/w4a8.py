@@ -39,7 +39,7 @@ from ..formats.qqq import (GROUP_SIZES_W4A8, PackedQQQ, check_act_dtype, fp8_wei
 from ..tuning import (Config, Tuner, check_config, gemv_candidates, m_bucket,
                       mma_candidates, mma_heuristic, next_pow2, problem_key, scratch_runner, sms_for)
 from . import define_op, device_of, use_triton
-from .launch import Launch, aligned, current_device, hooks_idle, pointers
+from .launch import Launch, aligned, current_device, hooks_idle, pointers, stream_getter
 
 ACT_DTYPES = HALF_DTYPES + (torch.float32,)
 # the quantized activations' torch dtype per act_dtype (formats.qqq.ACT_DTYPES_W4A8)
@@ -313,49 +313,78 @@ def w4a8_reference(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_s
     return y.to(out_dtype)
 
 
+# Split-K inside the GEMM (kernels/w4a8.py _add_slices: the last slice of each tile adds the
+# slices and stores the output) instead of a reduce kernel after it, for the tiles where that
+# measured faster: H200, whole layer call, same configs, 4 shapes x per channel / g128 x M = 1-64
+# (docs/perf_log.md v23): BLOCK_N 64 with BLOCK_M <= 32, and the GEMV, 1.00-1.15x (one launch
+# less); BLOCK_N >= 128 or BLOCK_M 64 0.81-1.09x, mostly slower (their last slice reads more).
+SPLIT_FIXUP = True
+SYNC_CAP = 1 << 14  # output tiles of one launch the counters serve (more: the reduce kernel)
+_SYNC = {}
+
+
+def fixup_tile(cfg: Config) -> bool:
+    """Whether split-K config cfg adds its slices inside the GEMM (SPLIT_FIXUP above)."""
+    return SPLIT_FIXUP and cfg.SPLIT_K > 1 and (cfg.kernel == "gemv" or (cfg.BLOCK_M <= 32 and cfg.BLOCK_N <= 64))
+
+
+def sync_buffer(device: torch.device, device_index: int) -> torch.Tensor:
+    """The split-K tile counters (int32, zero between launches) of the current stream of
+    `device`: one buffer per stream, since two launches running at once must not share them.
+    Kept for the life of the process, so a captured CUDA graph's pointer stays valid."""
+    key = (device_index, stream_getter()(device_index) if device_index >= 0 else 0)
+    buf = _SYNC.get(key)
+    if buf is None:
+        buf = _SYNC[key] = torch.zeros(_kernels().SYNC_TILES.value + SYNC_CAP, dtype=torch.int32, device=device)
+    return buf
+
+
 class _W4A8Plan:
     """The fused paths ("gemv", "mma") of one W4A8 problem on one GPU: its config and the
     bound kernels (GEMM, split-K reduce; ops/launch.py), kept in W4A8_TUNER.plans as
-    ops/w4a16.py keeps W4A16's (_GemmPlan there)."""
+    ops/w4a16.py keeps W4A16's (_GemmPlan there). fixup: the split-K slices are added inside
+    the GEMM (fixup_tile), no reduce kernel; the GEMM then needs the stream's sync_buffer."""
 
-    __slots__ = ("config", "gemv", "gemm", "reduce", "ws_dtype")
+    __slots__ = ("config", "gemv", "gemm", "reduce", "ws_dtype", "fixup")
 
     def __init__(self, cfg: Config, device_index: int, *, gs: int, has_bias: bool, raw: bool, emu: bool,
-                 asm: bool, fp8: bool, K: int, clamp: bool = True):
+                 asm: bool, fp8: bool, K: int, clamp: bool = True, fixup: bool = False):
         kern = _kernels()
-        self.config, self.gemv = cfg, cfg.kernel == "gemv"
+        self.config, self.gemv, self.fixup = cfg, cfg.kernel == "gemv", fixup and cfg.SPLIT_K > 1
         self.ws_dtype = torch.float32 if fp8 else torch.int32  # split-K partial sums
         meta = dict(GROUP_SIZE=gs, HAS_BIAS=has_bias, EVEN_K=K % cfg.BLOCK_K == 0, SPLIT_K=cfg.SPLIT_K,
                     RAW=raw, EMU_BF16=emu, USE_ASM=asm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-                    CLAMP=clamp, **cfg.launch())
+                    CLAMP=clamp, FIXUP=self.fixup, **cfg.launch())
         if self.gemv:
             self.gemm = Launch(kern._w4a8_gemv_kernel, meta, device_index)
         else:
             meta.update(BLOCK_M=cfg.BLOCK_M, GROUP_M=cfg.GROUP_M)
             self.gemm = Launch(kern._w4a8_kernel, meta, device_index)
-        self.reduce = None if cfg.SPLIT_K == 1 else _reduce_launch(cfg.SPLIT_K, has_bias, raw, emu, device_index)
+        self.reduce = None if cfg.SPLIT_K == 1 or self.fixup else \
+            _reduce_launch(cfg.SPLIT_K, has_bias, raw, emu, device_index)
 
     def bound(self) -> bool:
         return self.gemm.run is not None and (self.reduce is None or self.reduce.run is not None)
 
-    def __call__(self, out, y, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sgn) -> None:
+    def __call__(self, out, y, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sgn, sync=None) -> None:
         """out (M, N) = the product; y, x_q, ..., bias: out's and the operands' pointers, as
         tensors or ints (see ops/w4a16.py _GemmPlan); sxm: x_q's row stride; sqn: qweight's
         row stride in bytes (the kernels read its int32 words as bytes). s_g / bias may be
-        None (Triton makes them constexprs)."""
+        None (Triton makes them constexprs). sync: the stream's sync_buffer when fixup."""
         cfg = self.config
         split = cfg.SPLIT_K
         # split-K: int32 (fp8: float32) partial sums in a (split, M, N) workspace, added in a
-        # fixed order (int32: exactly) by the reduce kernel
-        target = y if split == 1 else out.new_empty((split, M, N), dtype=self.ws_dtype)
+        # fixed order (int32: exactly) by the reduce kernel or, fixup, the tile's last slice
+        ws = None if split == 1 else out.new_empty((split, M, N), dtype=self.ws_dtype)
+        target = ws if self.reduce is not None else y
         tiles_n = _cdiv(N, cfg.BLOCK_N)
         if self.gemv:
-            self.gemm((tiles_n, split), x_q, x_scales, qweight, s_ch, s_g, bias, target, N, K, sqn, sgn)
+            self.gemm((tiles_n, split), x_q, x_scales, qweight, s_ch, s_g, bias, target, N, K, sqn, sgn, sync, ws)
         else:
             self.gemm((_cdiv(M, cfg.BLOCK_M) * tiles_n, split), x_q, x_scales, qweight, s_ch, s_g, bias,
-                      target, M, N, K, sxm, N if split > 1 else out.stride(0), sqn, sgn)
-        if split > 1:
-            self.reduce((_cdiv(M, 16), _cdiv(N, 128)), target, x_scales, s_ch, bias, y, M, N, out.stride(0))
+                      target, M, N, K, sxm, N if target is ws else out.stride(0), sqn, sgn, sync, ws)
+        if self.reduce is not None:
+            self.reduce((_cdiv(M, 16), _cdiv(N, 128)), ws, x_scales, s_ch, bias, y, M, N, out.stride(0))
 
 
 def _reduce_launch(split: int, has_bias: bool, raw: bool, emu: bool, device_index: int) -> Launch:
@@ -394,10 +423,15 @@ def _launch(cfg: Config, out: torch.Tensor, x_q, x_scales, qweight, s_ch, s_g, b
             (_cdiv(M, 16), _cdiv(N, 128)), torch._int_mm(x_q, w8.t()), x_scales, s_ch, bias_arg, out, M, N,
             out.stride(0))
         return None
+    # split-K inside the GEMM while the tile counters fit and a slice's offsets fit in 32 bits (M
+    # up to twice this call's: a plan serves an M bucket)
+    tiles = (1 if cfg.kernel == "gemv" else _cdiv(2 * M, cfg.BLOCK_M)) * _cdiv(N, cfg.BLOCK_N)
     plan = _W4A8Plan(cfg, dev, gs=gs, has_bias=bias is not None, raw=raw, emu=emu, asm=asm,
-                     fp8=x_q.dtype is torch.float8_e4m3fn, K=K, clamp=clamp)
+                     fp8=x_q.dtype is torch.float8_e4m3fn, K=K, clamp=clamp,
+                     fixup=fixup_tile(cfg) and tiles <= SYNC_CAP and 2 * M * N < 2**31)
     sxm = K if M == 1 else x_q.stride(0)
-    plan(out, out, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sg_stride)
+    sync = sync_buffer(x_q.device, dev) if plan.fixup else None
+    plan(out, out, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sg_stride, sync=sync)
     return plan
 
 
@@ -442,10 +476,12 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
             ptrs = pointers(y, x_q, x_scales, qweight, s_ch, s_g, bias)
             if ptrs is not None:
                 if current_device() == dev:
-                    plan(y, *ptrs, M, N, K, sxm, sqn, sgn)
+                    sync = sync_buffer(x_q.device, dev).data_ptr() if plan.fixup else None
+                    plan(y, *ptrs, M, N, K, sxm, sqn, sgn, sync=sync)
                 else:
                     with device_of(x_q):
-                        plan(y, *ptrs, M, N, K, sxm, sqn, sgn)
+                        sync = sync_buffer(x_q.device, dev).data_ptr() if plan.fixup else None
+                        plan(y, *ptrs, M, N, K, sxm, sqn, sgn, sync=sync)
                 return y
     plans = None if key is None else W4A8_TUNER.plans_for_build()  # before the config lookup
     Kp = kp8 * 8
