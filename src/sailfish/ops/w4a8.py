@@ -16,8 +16,7 @@ tiles per SM), "gemv" (M = 1, CUDA cores; a tuning candidate), "dequant" (int8 w
 torch._int_mm; a tuning candidate for M >= 256). The shipped tables hold entries for fp16
 output, per channel and g128, on the 8 Llama-3 shapes (tuned for the fragment-order kernel;
 docs/perf_log.md v16, v22, v23): H200 at M = 1, 2, 4, 8, 16, 32, 64, 128, 1024, H100 at M = 1, 2, 8,
-16, 32, 64, 1024 (per channel 1, 2, 8, 16, 64, 1024);
-the other M buckets run the heuristic.
+16, 32, 64, 1024; the other M buckets run the heuristic.
 fp8 activations (x_q float8_e4m3fn) run "mma" only, under their own table keys.
 `w4a8_launch(..., raw_acc=True)` returns the int32 accumulator.
 
