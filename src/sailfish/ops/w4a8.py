@@ -330,7 +330,9 @@ def fixup_tile(cfg: Config) -> bool:
 def sync_buffer(device: torch.device, device_index: int) -> torch.Tensor:
     """The split-K tile counters (int32, zero between launches) of the current stream of
     `device`: one buffer per stream, since two launches running at once must not share them.
-    Kept for the life of the process, so a captured CUDA graph's pointer stays valid."""
+    Kept for the life of the process, so a captured CUDA graph's pointer stays valid. A graph
+    keeps the buffer of the stream it was captured on: two graphs captured on one stream must not
+    be replayed at the same time on two streams (a split-K W4A8 launch in each would share it)."""
     key = (device_index, stream_getter()(device_index) if device_index >= 0 else 0)
     buf = _SYNC.get(key)
     if buf is None:
