@@ -167,12 +167,9 @@ def test_gluon_candidates_are_valid(monkeypatch):
 _GLUON_CHILD = r"""
 import re
 import triton
-from triton.backends.nvidia.compiler import get_ptxas
-from sailfish.bench.ptx import k_loop_stats, sass, sass_loop, shipped_mma_configs, wgmma_register_hazard
+from sailfish.bench.ptx import (k_loop_stats, ptxas_report, sass, sass_loop, shipped_mma_configs,
+                                wgmma_register_hazard)
 from sailfish.kernels.w4a16_gluon import compile_sm90, max_registers
-import subprocess, tempfile
-p = get_ptxas(90) if callable(get_ptxas) else None
-ptxas = getattr(p, "path", None) or p[0]
 cases = [dict(group_size=128), dict(group_size=-1, has_bias=True), dict(group_size=256, dtype="bf16", SPLIT_K=2),
          dict(group_size=128, has_zeros=True, dtype="bf16"), dict(group_size=-1, has_zeros=True),
          dict(BLOCK_M=32, group_size=128, STAGES=4), dict(BLOCK_M=64, group_size=-1),
@@ -188,10 +185,7 @@ bad = []
 for kw in cases:
     k = compile_sm90(**kw)
     st = k_loop_stats(k.asm["ptx"])
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(k.asm["ptx"]); f.flush()
-        rep = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True)
-    rep = rep.stdout + rep.stderr
+    rep = ptxas_report(k.asm["ptx"])
     waits = re.findall(r"wgmma.wait_group.sync.aligned (\d+)", k.asm["ptx"])
     why = []
     if st is None or st.st_shared or st.ldmatrix or not st.wgmma_a_in_registers:

@@ -873,17 +873,12 @@ for tile in W4A8_TILES:
 # spill, at most 128 registers (4 CTAs of 4 warps per SM). Registers are allocated for the whole
 # kernel: an unrolled slice sum took BM 64 / BN 64 / split 8 from 80 to 255; the loop adds 12-30
 # to these tiles (Triton 3.6), which measured faster all the same (docs/perf_log.md v23)
-import re, subprocess, tempfile
-from triton.backends.nvidia.compiler import get_ptxas
-p = get_ptxas(90) if callable(get_ptxas) else None
-ptxas = getattr(p, "path", None) or p[0]
+import re
+from sailfish.bench.ptx import ptxas_report
 
 
 def registers(ptx):
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(ptx); f.flush()
-        rep = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True)
-    rep = rep.stdout + rep.stderr
+    rep = ptxas_report(ptx)
     return int(re.search(r"Used (\d+) registers", rep).group(1)), " 0 bytes spill stores" in rep
 
 

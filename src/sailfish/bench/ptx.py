@@ -191,6 +191,24 @@ def sass(cubin: bytes) -> str:
         return subprocess.run([tool, "-sass", f.name], check=True, capture_output=True, text=True).stdout
 
 
+def ptxas_report(ptx: str, arch: str = "sm_90a") -> str:
+    """ptxas -v of a kernel's PTX (the ptxas Triton's NVIDIA backend compiles with for sm_90): its
+    resource lines ("Used N registers", "N bytes spill stores") and warnings."""
+    import os
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    found = get_ptxas(90)  # an object with .path (Triton 3.9) or a (path, version) pair (3.6)
+    tool = getattr(found, "path", None) or found[0]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        rep = subprocess.run([tool, f"-arch={arch}", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+    return rep.stdout + rep.stderr
+
+
 def sass_loop(sass_text: str, marker: str, weights: int) -> Optional[SassLoop]:
     """The innermost backward branch's body that contains `marker` (e.g. "HMMA")."""
     ins = []  # (address, text)

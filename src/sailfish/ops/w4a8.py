@@ -320,6 +320,7 @@ def w4a8_reference(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_s
 SPLIT_FIXUP = True
 SYNC_CAP = 1 << 14  # output tiles of one launch the counters serve (more: the reduce kernel)
 _SYNC = {}
+_CURRENT_STREAM = None  # Triton's current-stream function, on first use
 
 
 def fixup_tile(cfg: Config) -> bool:
@@ -333,7 +334,13 @@ def sync_buffer(device: torch.device, device_index: int) -> torch.Tensor:
     Kept for the life of the process, so a captured CUDA graph's pointer stays valid. A graph
     keeps the buffer of the stream it was captured on: two graphs captured on one stream must not
     be replayed at the same time on two streams (a split-K W4A8 launch in each would share it)."""
-    key = (device_index, stream_getter()(device_index) if device_index >= 0 else 0)
+    global _CURRENT_STREAM
+    if device_index < 0:
+        key = (device_index, 0)
+    else:
+        if _CURRENT_STREAM is None:
+            _CURRENT_STREAM = stream_getter()
+        key = (device_index, _CURRENT_STREAM(device_index))
     buf = _SYNC.get(key)
     if buf is None:
         buf = _SYNC[key] = torch.zeros(_kernels().SYNC_TILES.value + SYNC_CAP, dtype=torch.int32, device=device)
@@ -344,14 +351,16 @@ class _W4A8Plan:
     """The fused paths ("gemv", "mma") of one W4A8 problem on one GPU: its config and the
     bound kernels (GEMM, split-K reduce; ops/launch.py), kept in W4A8_TUNER.plans as
     ops/w4a16.py keeps W4A16's (_GemmPlan there). fixup: the split-K slices are added inside
-    the GEMM (fixup_tile), no reduce kernel; the GEMM then needs the stream's sync_buffer."""
+    the GEMM (fixup_tile), no reduce kernel; each call then passes the stream's sync_buffer."""
 
-    __slots__ = ("config", "gemv", "gemm", "reduce", "ws_dtype", "fixup")
+    __slots__ = ("config", "gemv", "gemm", "reduce", "ws_dtype", "fixup", "sync_at")
 
     def __init__(self, cfg: Config, device_index: int, *, gs: int, has_bias: bool, raw: bool, emu: bool,
                  asm: bool, fp8: bool, K: int, clamp: bool = True, fixup: bool = False):
         kern = _kernels()
-        self.config, self.gemv, self.fixup = cfg, cfg.kernel == "gemv", fixup and cfg.SPLIT_K > 1
+        self.config, self.gemv, self.fixup = cfg, cfg.kernel == "gemv", fixup
+        # sync_buffer's arguments: the counters live on the plan's device
+        self.sync_at = (torch.device("cpu") if device_index < 0 else torch.device("cuda", device_index), device_index)
         self.ws_dtype = torch.float32 if fp8 else torch.int32  # split-K partial sums
         meta = dict(GROUP_SIZE=gs, HAS_BIAS=has_bias, EVEN_K=K % cfg.BLOCK_K == 0, SPLIT_K=cfg.SPLIT_K,
                     RAW=raw, EMU_BF16=emu, USE_ASM=asm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
@@ -367,13 +376,17 @@ class _W4A8Plan:
     def bound(self) -> bool:
         return self.gemm.run is not None and (self.reduce is None or self.reduce.run is not None)
 
-    def __call__(self, out, y, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sgn, sync=None) -> None:
+    def __call__(self, out, y, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sgn) -> None:
         """out (M, N) = the product; y, x_q, ..., bias: out's and the operands' pointers, as
         tensors or ints (see ops/w4a16.py _GemmPlan); sxm: x_q's row stride; sqn: qweight's
         row stride in bytes (the kernels read its int32 words as bytes). s_g / bias may be
-        None (Triton makes them constexprs). sync: the stream's sync_buffer when fixup."""
+        None (Triton makes them constexprs)."""
         cfg = self.config
         split = cfg.SPLIT_K
+        sync = None
+        if self.fixup:  # the current stream's counters (a tensor for the JIT's first call)
+            sync = sync_buffer(*self.sync_at)
+            sync = sync if self.gemm.run is None else sync.data_ptr()
         # split-K: int32 (fp8: float32) partial sums in a (split, M, N) workspace, added in a
         # fixed order (int32: exactly) by the reduce kernel or, fixup, the tile's last slice
         ws = None if split == 1 else out.new_empty((split, M, N), dtype=self.ws_dtype)
@@ -431,8 +444,7 @@ def _launch(cfg: Config, out: torch.Tensor, x_q, x_scales, qweight, s_ch, s_g, b
                      fp8=x_q.dtype is torch.float8_e4m3fn, K=K, clamp=clamp,
                      fixup=fixup_tile(cfg) and tiles <= SYNC_CAP and 2 * M * N < 2**31)
     sxm = K if M == 1 else x_q.stride(0)
-    sync = sync_buffer(x_q.device, dev) if plan.fixup else None
-    plan(out, out, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sg_stride, sync=sync)
+    plan(out, out, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sg_stride)
     return plan
 
 
@@ -477,12 +489,10 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
             ptrs = pointers(y, x_q, x_scales, qweight, s_ch, s_g, bias)
             if ptrs is not None:
                 if current_device() == dev:
-                    sync = sync_buffer(x_q.device, dev).data_ptr() if plan.fixup else None
-                    plan(y, *ptrs, M, N, K, sxm, sqn, sgn, sync=sync)
+                    plan(y, *ptrs, M, N, K, sxm, sqn, sgn)
                 else:
                     with device_of(x_q):
-                        sync = sync_buffer(x_q.device, dev).data_ptr() if plan.fixup else None
-                        plan(y, *ptrs, M, N, K, sxm, sqn, sgn, sync=sync)
+                        plan(y, *ptrs, M, N, K, sxm, sqn, sgn)
                 return y
     plans = None if key is None else W4A8_TUNER.plans_for_build()  # before the config lookup
     Kp = kp8 * 8
