@@ -53,6 +53,10 @@ CASES = [
     (9, 1024, 200, 256, False, F16, False, Config(16, 64, 256, 1, 8, 4, 2, kernel="gluon")),
     (32, 1536, 136, -1, False, BF16, True, Config(32, 64, 256, 2, 8, 4, 3, kernel="gluon")),
     (64, 1024, 256, 128, False, F16, False, Config(64, 128, 256, 1, 8, 8, 3, kernel="gluon")),
+    # BLOCK_M 8 (wgmma N = 8; its twin runs BLOCK_M 16): M below, at and above it
+    (2, 1024, 200, 128, True, F16, True, Config(8, 64, 256, 2, 8, 4, 3, kernel="gluon")),
+    (8, 1536, 136, -1, False, BF16, False, Config(8, 64, 256, 3, 8, 4, 4, kernel="gluon")),
+    (11, 1024, 128, 128, False, F16, False, Config(8, 64, 256, 1, 8, 4, 2, kernel="gluon")),
 ]
 
 
@@ -115,7 +119,7 @@ def test_gluon_split_k_is_deterministic():
 
 @pytest.mark.parametrize("cfg,match", [
     (Config(16, 64, 128, 1, 8, 4, 3, kernel="gluon"), "BLOCK_K=256"),
-    (Config(8, 64, 256, 1, 8, 4, 3, kernel="gluon"), "BLOCK_M in"),
+    (Config(128, 64, 256, 1, 8, 4, 3, kernel="gluon"), "BLOCK_M in"),
     (Config(16, 256, 256, 1, 8, 4, 3, kernel="gluon"), "BLOCK_N in"),
     (Config(16, 64, 256, 1, 8, 8, 3, kernel="gluon"), "num_warps 4"),
     (Config(16, 128, 256, 1, 8, 2, 3, kernel="gluon"), "num_warps 4"),
@@ -141,16 +145,17 @@ def test_gluon_split_ok():
 
 def test_gluon_candidates_are_valid(monkeypatch):
     """The tuner's Gluon tiles pass the launcher's checks, and none is offered where the
-    kernel cannot run (a general g_idx, group 64, M outside 3..64)."""
+    kernel cannot run (a general g_idx, group 64, M outside 2..64); M <= 8 gets BLOCK_M 8."""
     monkeypatch.setattr(ops16, "gluon_device", lambda index: True)
     monkeypatch.setattr(ops16, "sm_count", lambda index: 132)
     dev = torch.device("cuda", 0)
     seen = 0
     for kp, n in [(4096, 6144), (14336, 4096), (28672, 8192), (8192, 57344), (1024, 128)]:
-        for m in (4, 8, 16, 32, 64):
+        for m in (2, 4, 8, 16, 32, 64):
             for cfg in ops16._gluon_candidates(device=dev, M=m, N=n, Kp=kp, group_size=128, general_gidx=False,
                                                has_zeros=False):
                 ops16._check_config(cfg, kp, m, 128)
+                assert (cfg.BLOCK_M == 8) == (m <= 8), (m, cfg)
                 seen += 1
     assert seen > 0
     base = dict(device=dev, N=4096, Kp=4096)
@@ -158,7 +163,7 @@ def test_gluon_candidates_are_valid(monkeypatch):
     for kw in (dict(M=16, group_size=128, general_gidx=True, has_zeros=False),
                dict(M=16, group_size=64, general_gidx=False, has_zeros=False),
                dict(M=128, group_size=128, general_gidx=False, has_zeros=False),
-               dict(M=2, group_size=-1, general_gidx=False, has_zeros=False)):
+               dict(M=1, group_size=-1, general_gidx=False, has_zeros=False)):
         assert not list(ops16._gluon_candidates(**base, **kw)), kw
     monkeypatch.setattr(ops16, "gluon_device", lambda index: False)
     assert not list(ops16._gluon_candidates(**base, M=16, group_size=128, general_gidx=False, has_zeros=False))
@@ -174,7 +179,8 @@ cases = [dict(group_size=128), dict(group_size=-1, has_bias=True), dict(group_si
          dict(group_size=128, has_zeros=True, dtype="bf16"), dict(group_size=-1, has_zeros=True),
          dict(BLOCK_M=32, group_size=128, STAGES=4), dict(BLOCK_M=64, group_size=-1),
          dict(BLOCK_N=128, group_size=128, SPLIT_K=3), dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, SPLIT_K=2),
-         dict(BLOCK_N=128, num_warps=8, group_size=-1)]
+         dict(BLOCK_N=128, num_warps=8, group_size=-1), dict(BLOCK_M=8, group_size=128),
+         dict(BLOCK_M=8, group_size=128, has_zeros=True), dict(BLOCK_M=8, group_size=-1, dtype="bf16", STAGES=4)]
 # every Gluon tile of the shipped tables, as fp16 g128 and as bf16 g128 with zero points
 for _, c in shipped_mma_configs("gluon"):
     tile = dict(BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, STAGES=c.num_stages, SPLIT_K=c.SPLIT_K, num_warps=c.num_warps,
@@ -236,10 +242,10 @@ def test_gluon_kernel_compiles_for_sm90(tmp_path):
 
 
 def test_heuristic_takes_gluon_for_large_weights_at_m16(monkeypatch):
-    """Without a table entry, M = 9..16 on an sm_90 GPU with Gluon takes the Gluon tile for
-    weights of >= 4096 x 8192 (where the tuner chose it on every such Llama shape), with a
-    split that fills the SMs about 3 times; smaller weights, other M and a general g_idx keep
-    the Triton tiles; every choice passes the launcher's checks."""
+    """Without a table entry, M = 3..16 on an sm_90 GPU with Gluon takes the Gluon tile (BLOCK_M
+    8 up to M = 8) for weights of >= 4096 x 8192 (where the tuner chose it on every such Llama
+    shape), with a split that fills the SMs about 3 times; smaller weights, other M and a
+    general g_idx keep the Triton tiles; every choice passes the launcher's checks."""
     monkeypatch.setattr(ops16, "gluon_device", lambda index: True)
     monkeypatch.setattr(ops16, "sm_count", lambda index: 132)
     dev = torch.device("cuda", 0)
@@ -254,7 +260,8 @@ def test_heuristic_takes_gluon_for_large_weights_at_m16(monkeypatch):
         assert (cfg.kernel, cfg.BLOCK_M, cfg.BLOCK_N, cfg.SPLIT_K) == ("gluon", 16, 64, split), (kp, n, cfg)
     assert pick(12, 8192, 8192, gs=-1).kernel == "gluon"
     assert (pick(8, 8192, 57344).kernel, pick(5, 8192, 8192).SPLIT_K) == ("gluon", 3)
-    assert pick(4, 8192, 57344).kernel == "gemv"  # M <= 4: the tensor-core GEMV
+    assert (pick(3, 8192, 57344).BLOCK_M, pick(8, 8192, 8192).BLOCK_M, pick(9, 8192, 8192).BLOCK_M) == (8, 8, 16)
+    assert pick(2, 8192, 57344).kernel == "gemv"  # M <= 2: the tensor-core GEMV
     assert pick(16, 4096, 4096).kernel == "mma"
     assert pick(32, 8192, 8192).kernel == "mma"
     assert pick(16, 8192, 8192, gs=64).kernel == "mma"

@@ -89,6 +89,7 @@ def layouts(BLOCK_M: int, BLOCK_N: int, num_warps: int = NUM_WARPS) -> dict:
 SM_SHARED_BYTES = 228 * 1024
 CTA_RESERVED_SHARED = 1024
 SM_REGISTERS = 65536
+MIN_CAP = 128  # max_registers' floor
 
 
 def shared_bytes(BLOCK_M: int, BLOCK_N: int, STAGES: int) -> int:
@@ -108,10 +109,12 @@ def max_registers(BLOCK_M: int, BLOCK_N: int, STAGES: int, num_warps: int = NUM_
     8 Llama-3 shapes, same process (docs/perf_log.md v22): fp16 with zero points 1.10-1.12x
     faster on average at M = 8-16 (up to 1.26x), bf16 with zero points 1.00-1.02x (its extra
     shifts, not occupancy, decide); symmetric tiles (100-127 registers) came out 0.97-1.00x
-    capped, so they are left alone."""
+    capped, so they are left alone. Never below MIN_CAP: the BM 8 tiles' shared memory allows 6
+    CTAs, whose 80 registers spilled 92 bytes in the K loop (fp16 with zero points, 3 stages)."""
     if not has_zeros:
         return None
     ctas = SM_SHARED_BYTES // (shared_bytes(BLOCK_M, BLOCK_N, STAGES) + CTA_RESERVED_SHARED)
+    ctas = min(ctas, SM_REGISTERS // (MIN_CAP * 32 * num_warps))
     if ctas < 1:
         return None
     cap = SM_REGISTERS // (ctas * 32 * num_warps) // 8 * 8

@@ -35,7 +35,7 @@ def _tensor_core_gemv(M: int, group_size: int, general_gidx: bool) -> bool:
 
 def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=False) -> Config:
     sms = sm_count(device.index or 0) if device.type == "cuda" else 132
-    if (4 < M <= 16 and N * Kp >= (1 << 25) and gluon_format(group_size, general_gidx, Kp)
+    if (2 < M <= 16 and N * Kp >= (1 << 25) and gluon_format(group_size, general_gidx, Kp)
             and device.type == "cuda" and gluon_device(device.index or 0)):
         # the Gluon kernel (where it applies: a 'gluon' config elsewhere runs its twin). Tuned
         # on the H200 at M = 16, it was the best config on the 6 Llama shapes of >= 4096 x 8192
@@ -45,10 +45,12 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=Fa
         # (tuned with its tiles among the candidates, docs/perf_log.md v21) the same tile and
         # split rule won on those 6 shapes for fp16 g128 and bf16 asymmetric (8192x57344 80 us
         # vs 113 for the heuristic's tensor-core GEMV); at M = 4 the GEMV mostly kept its lead.
+        # At M <= 8 the BLOCK_M 8 tile (wgmma N = 8) with the same split rule: 1.04-1.18x the
+        # shipped table at M = 4 / 8 on 15 of 16 Llama rows (docs/perf_log.md v24).
         tiles = -(-N // 64)
         split = next((s for s in (1, 2, 3, 4, 6, 8) if gluon_split_ok(s, Kp // GLUON_STEP) and tiles * s >= 2.9 * sms),
                      1)
-        return Config(16, 64, GLUON_STEP, split, 8, 4, 3, kernel="gluon")
+        return Config(8 if M <= 8 else 16, 64, GLUON_STEP, split, 8, 4, 3, kernel="gluon")
     if _tensor_core_gemv(M, group_size, general_gidx):
         # tensor-core GEMV, H200 (GPU_CHECK.sh of issue 9, 8 Llama shapes): at M = 1, 16 rows x
         # 8 chunk slots / 8 warps without prefetch was best or within ~10% of the best tile on
@@ -115,21 +117,25 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=Fa
 
 
 def _gluon_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros):
-    """The Hopper Gluon kernel's tiles (kernels/w4a16_gluon.py) for 2 < M <= 64, where it can
-    run (with or without zero points); at M = 3-8 its BLOCK_M 16 tile competes with the
-    tensor-core GEMV. Same runs, g128 (docs/perf_log.md v18): at M = 16 / 32,
+    """The Hopper Gluon kernel's tiles (kernels/w4a16_gluon.py) for 2 <= M <= 64, where it can
+    run (with or without zero points); at M = 2-8 its BLOCK_M 8 tiles (wgmma N = 8) compete with
+    the tensor-core GEMV. H200, fp16 g128, the 8 Llama shapes, one process (docs/perf_log.md
+    v24): BLOCK_M 8 took 8192x57344 M = 2 from 105.5 us (BLOCK_M 16) to 80.4, and was 1.04-1.18x
+    faster than the shipped table at M = 4 / 8 on 15 of 16 rows; at M = 1 it lost to the GEMV on
+    every shape (0.74-0.99x). Same runs, g128 (docs/perf_log.md v18): at M = 16 / 32,
     BLOCK_N 64 with 3 stages (4 CTAs per SM at ~121 registers) was the best Gluon tile on all
     8 Llama shapes on the H200; 4 or 6 stages cost occupancy, BLOCK_N 128 over one warpgroup
     (spills) or two (8 warps sharing x) was 1.05-1.4x slower. At M = 64 only BLOCK_M 64 / BLOCK_N 128 over 8 warps
     came close to the Triton tiles (4096x4096 1.10x, 14336x4096 1.04x of them, elsewhere
     slower). The split-K that fills the SMs ~3-4 times decides the rest, so the splits 3 and
     6 are tried too."""
-    if not (2 < M <= 64 and gluon_format(group_size, general_gidx, Kp) and gluon_device(device.index or 0)):
+    if not (2 <= M <= 64 and gluon_format(group_size, general_gidx, Kp) and gluon_device(device.index or 0)):
         return
     sms = sm_count(device.index or 0)
     steps = Kp // GLUON_STEP
     if M <= 32:
-        tiles_ = [(16 if M <= 16 else 32, 64, 4, 3), (16 if M <= 16 else 32, 64, 4, 4)]
+        bm = 8 if M <= 8 else 16 if M <= 16 else 32
+        tiles_ = [(bm, 64, 4, 3), (bm, 64, 4, 4)]
     else:
         tiles_ = [(64, 128, 8, 3)]
     for bm, bn, warps, stages in tiles_:
@@ -243,13 +249,13 @@ def _check_config(cfg: Config, kp: int, m: int, group_size: int = -1, general_gi
 
 def _check_gluon_config(cfg: Config, kp: int) -> None:
     """The tiles kernels/w4a16_gluon.py compiles: one or two warpgroups, BLOCK_K = one K step
-    of two 128-channel chunks, BLOCK_M 16-64 (wgmma's N), BLOCK_N 64 or 128 (64 rows per
+    of two 128-channel chunks, BLOCK_M 8-64 (wgmma's N), BLOCK_N 64 or 128 (64 rows per
     warpgroup and slice; 256 would not fit the registers), a ring of >= 2 steps, every split
     non-empty."""
     if cfg.BLOCK_K != GLUON_STEP:
         raise ValueError(f"config kernel='gluon' needs BLOCK_K={GLUON_STEP}, got {cfg.BLOCK_K}")
-    if cfg.BLOCK_M not in (16, 32, 64):
-        raise ValueError(f"config kernel='gluon' needs BLOCK_M in (16, 32, 64), got {cfg.BLOCK_M}")
+    if cfg.BLOCK_M not in (8, 16, 32, 64):
+        raise ValueError(f"config kernel='gluon' needs BLOCK_M in (8, 16, 32, 64), got {cfg.BLOCK_M}")
     if cfg.BLOCK_N not in (64, 128):
         raise ValueError(f"config kernel='gluon' needs BLOCK_N in (64, 128), got {cfg.BLOCK_N}")
     if cfg.num_warps not in (4, 8) or cfg.BLOCK_N < 16 * cfg.num_warps:
@@ -440,9 +446,10 @@ def _gluon_compile_failed(err: Exception) -> bool:
 
 
 def gluon_twin(cfg: Config) -> Config:
-    """The Triton config that computes what a 'gluon' config does: the same tile, split and
-    K step (two 128-channel halves with the scale on each fp32 product, SCALE_ACC)."""
-    return replace(cfg, kernel="mma", scale_acc=True)
+    """The Triton config that computes what a 'gluon' config does: the same tile (BLOCK_M at
+    least the mma kernel's 16), split and K step (two 128-channel halves with the scale on each
+    fp32 product, SCALE_ACC)."""
+    return replace(cfg, kernel="mma", scale_acc=True, BLOCK_M=max(16, cfg.BLOCK_M))
 
 
 def gluon_applies(x: torch.Tensor, qweight: torch.Tensor, group_size: int, general_gidx: bool, use_asm: bool) -> bool:
