@@ -112,12 +112,15 @@ def transient_bytes(fn: Callable[[], object], cuda: bool) -> Optional[int]:
 
 def hbm_ceiling_gbps(nbytes: int = 2 << 30, reps: int = 10) -> float:
     """Device-to-device copy bandwidth, bytes read + written per second, in GB/s."""
+    us = _copy_us(nbytes, reps)
+    torch.cuda.empty_cache()  # (the buffers died with _copy_us)
+    return 2 * nbytes / us / 1e3
+
+
+def _copy_us(nbytes: int, reps: int) -> float:
     src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    us = _event_median_us(lambda: dst.copy_(src), reps, warmup=2)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / us / 1e3
+    return _event_median_us(lambda: dst.copy_(src), reps, warmup=2)
 
 
 def _event_median_us(fn, reps: int, warmup: int) -> float:
@@ -141,6 +144,12 @@ def tensor_core_peaks(size: int = 8192, reps: int = 10) -> dict:
     F.linear) and "8bit" (the better of int8 torch._int_mm and fp8 torch._scaled_mm, where
     this torch and GPU have them). The P of the limit fraction (docs/benchmarking.md) when a
     run's own cuBLAS rows are all small-M, memory-bound ones (their rate is far below P)."""
+    out = _peak_rates(size, reps)
+    torch.cuda.empty_cache()  # (the operands died with _peak_rates)
+    return out
+
+
+def _peak_rates(size: int, reps: int) -> dict:
     a = torch.randn(size, size, dtype=torch.float16, device="cuda")
     b = torch.randn(size, size, dtype=torch.float16, device="cuda")
     calls = {"half": [lambda: torch.nn.functional.linear(a, b)]}
@@ -158,8 +167,6 @@ def tensor_core_peaks(size: int = 8192, reps: int = 10) -> dict:
             except (RuntimeError, TypeError):  # an op this torch / GPU lacks
                 continue
             out[fam] = max(out.get(fam, 0.0), 2.0 * size ** 3 / us)
-    del a, b, a8, b8
-    torch.cuda.empty_cache()
     return out
 
 

@@ -675,7 +675,7 @@ def _gemv_mma_asm(bf16: bool, zeros: bool, even_k: bool, pairs: int, scale_acc: 
             L += ["mov.b16 c16, 0x4300;" if bf16 else "mov.b16 c16, 0x6400;",
                   f"add.rn.{h1} c16, q16, c16;", f"mov.b32 zl{r}, {{c16, c16}};"]
             if not bf16:
-                L += ["mov.b16 c16, 0xd400;", f"sub.rn.f16 c16, c16, q16;", f"mov.b32 zh{r}, {{c16, c16}};"]
+                L += ["mov.b16 c16, 0xd400;", "sub.rn.f16 c16, c16, q16;", f"mov.b32 zh{r}, {{c16, c16}};"]
         else:
             L.append(f"mov.b32 zl{r}, {'0x43084308' if bf16 else '0x64086408'};")
             if not bf16:
