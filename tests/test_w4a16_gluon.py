@@ -242,7 +242,7 @@ def test_gluon_kernel_compiles_for_sm90(tmp_path):
 
 
 def test_heuristic_takes_gluon_for_large_weights_at_m16(monkeypatch):
-    """Without a table entry, M = 3..16 on an sm_90 GPU with Gluon takes the Gluon tile (BLOCK_M
+    """Without a table entry, M = 2..16 on an sm_90 GPU with Gluon takes the Gluon tile (BLOCK_M
     8 up to M = 8) for weights of >= 4096 x 8192 (where the tuner chose it on every such Llama
     shape), with a split that fills the SMs about 3 times; smaller weights, other M and a
     general g_idx keep the Triton tiles; every choice passes the launcher's checks."""
@@ -260,8 +260,8 @@ def test_heuristic_takes_gluon_for_large_weights_at_m16(monkeypatch):
         assert (cfg.kernel, cfg.BLOCK_M, cfg.BLOCK_N, cfg.SPLIT_K) == ("gluon", 16, 64, split), (kp, n, cfg)
     assert pick(12, 8192, 8192, gs=-1).kernel == "gluon"
     assert (pick(8, 8192, 57344).kernel, pick(5, 8192, 8192).SPLIT_K) == ("gluon", 3)
-    assert (pick(3, 8192, 57344).BLOCK_M, pick(8, 8192, 8192).BLOCK_M, pick(9, 8192, 8192).BLOCK_M) == (8, 8, 16)
-    assert pick(2, 8192, 57344).kernel == "gemv"  # M <= 2: the tensor-core GEMV
+    assert (pick(2, 8192, 57344).BLOCK_M, pick(8, 8192, 8192).BLOCK_M, pick(9, 8192, 8192).BLOCK_M) == (8, 8, 16)
+    assert pick(1, 8192, 57344).kernel == "gemv"  # M = 1: the tensor-core GEMV
     assert pick(16, 4096, 4096).kernel == "mma"
     assert pick(32, 8192, 8192).kernel == "mma"
     assert pick(16, 8192, 8192, gs=64).kernel == "mma"

@@ -35,7 +35,7 @@ def _tensor_core_gemv(M: int, group_size: int, general_gidx: bool) -> bool:
 
 def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=False) -> Config:
     sms = sm_count(device.index or 0) if device.type == "cuda" else 132
-    if (2 < M <= 16 and N * Kp >= (1 << 25) and gluon_format(group_size, general_gidx, Kp)
+    if (2 <= M <= 16 and N * Kp >= (1 << 25) and gluon_format(group_size, general_gidx, Kp)
             and device.type == "cuda" and gluon_device(device.index or 0)):
         # the Gluon kernel (where it applies: a 'gluon' config elsewhere runs its twin). Tuned
         # on the H200 at M = 16, it was the best config on the 6 Llama shapes of >= 4096 x 8192
@@ -46,7 +46,10 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=Fa
         # split rule won on those 6 shapes for fp16 g128 and bf16 asymmetric (8192x57344 80 us
         # vs 113 for the heuristic's tensor-core GEMV); at M = 4 the GEMV mostly kept its lead.
         # At M <= 8 the BLOCK_M 8 tile (wgmma N = 8) with the same split rule: 1.04-1.18x the
-        # shipped table at M = 4 / 8 on 15 of 16 Llama rows (docs/perf_log.md v24).
+        # shipped table at M = 4 / 8 on 15 of 16 Llama rows; in the H200 tuner (fp16 g128, the 6
+        # shapes) within 0-10% of the best config at M = 4 / 8, and at M = 2 it takes 8192x10240
+        # from the tensor-core GEMV's 27.9 us to 19.3, 28672x8192 56.6 -> 42.7, 14336x4096 18.1
+        # -> 14.7 (docs/perf_log.md v24).
         tiles = -(-N // 64)
         split = next((s for s in (1, 2, 3, 4, 6, 8) if gluon_split_ok(s, Kp // GLUON_STEP) and tiles * s >= 2.9 * sms),
                      1)
