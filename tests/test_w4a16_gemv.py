@@ -32,8 +32,8 @@ def launch(layer, x, cfg, use_asm=True):
                         p.in_features, p.group_size, config=cfg, use_asm=use_asm)
 
 
-def gemv(bm, bn, bk, split=1, warps=4, scale_acc=False):
-    return Config(bm, bn, bk, split, 8, warps, 1, kernel="gemv", scale_acc=scale_acc)
+def gemv(bm, bn, bk, split=1, warps=4, scale_acc=False, stages=1):
+    return Config(bm, bn, bk, split, 8, warps, stages, kernel="gemv", scale_acc=scale_acc)
 
 
 # BLOCK_N 16 runs one row pair per asm element, >= 32 two; K = 784 (Kp 1024) leaves a K tail
@@ -52,13 +52,17 @@ CASES = [
     (1, 784, 40, 128, False, BF16, True, gemv(1, 32, 128, 3, scale_acc=True)),
     (1, 1024, 72, 256, True, F16, False, gemv(1, 16, 512, 1, 8, scale_acc=True)),
     (3, 784, 40, -1, False, F16, True, gemv(4, 32, 256, 2, scale_acc=True)),
+    # the words one tile ahead in registers (2 stages) and through a cp.async ring (3, 4)
+    (1, 1536, 40, 128, True, F16, False, gemv(1, 16, 256, 2, 8, stages=2)),
+    (1, 1536, 72, 128, False, BF16, True, gemv(1, 32, 256, 1, 4, scale_acc=True, stages=3)),
+    (5, 784, 40, -1, True, F16, True, gemv(8, 16, 128, 3, 4, stages=4)),
 ]
 
 
 def case_id(m, k, n, gs, sym, dtype, bias, cfg):
     return (f"M{m}-K{k}-N{n}-g{gs}-{'sym' if sym else 'asym'}-{DTYPE_NAMES[dtype]}{'-bias' if bias else ''}"
             f"-BM{cfg.BLOCK_M}-BN{cfg.BLOCK_N}-BK{cfg.BLOCK_K}-SK{cfg.SPLIT_K}-w{cfg.num_warps}"
-            f"{'-sa' if cfg.scale_acc else ''}")
+            f"{'-sa' if cfg.scale_acc else ''}{f'-st{cfg.num_stages}' if cfg.num_stages > 1 else ''}")
 
 
 @pytest.mark.parametrize("m,k,n,gs,sym,dtype,bias,cfg", CASES, ids=[case_id(*c) for c in CASES])
@@ -129,8 +133,9 @@ def test_gemv_mma_switch(monkeypatch, device):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the mma.sync asm runs on CUDA only")
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=DTYPE_NAMES.get)
-@pytest.mark.parametrize("cfg", [gemv(1, 16, 1024, 1, 8), gemv(2, 64, 512, 4), gemv(1, 32, 512, 2, scale_acc=True)],
-                         ids=["BN16", "M2-BN64-split", "BN32-split-scale_acc"])
+@pytest.mark.parametrize("cfg", [gemv(1, 16, 1024, 1, 8), gemv(2, 64, 512, 4), gemv(1, 32, 512, 2, scale_acc=True),
+                                 gemv(1, 16, 1024, 1, 8, stages=3)],
+                         ids=["BN16", "M2-BN64-split", "BN32-split-scale_acc", "BN16-ring3"])
 def test_gemv_mma_asm_and_twin_at_k28672(cfg, dtype):
     """The asm and the pure-Triton twin (use_asm=False) on the GPU, at the largest Llama K:
     both within the per-element bound (their fp32 sums differ in order, so not bit-equal)."""
@@ -148,17 +153,29 @@ from sailfish.bench.ptx import gemv_loop, shipped_mma_configs
 cfgs = [(c.BLOCK_M, c.BLOCK_N, c.BLOCK_K, c.SPLIT_K, c.num_warps, c.num_stages)
         for _, c in shipped_mma_configs("gemv")]
 cfgs += [(1, 64, 512, 1, 4, 1), (1, 128, 256, 1, 4, 2), (4, 32, 256, 2, 4, 2)]
+rings = [(1, 16, 1024, 1, 8, 3), (1, 32, 512, 1, 4, 3), (2, 64, 512, 4, 4, 4)]  # cp.async rings
 bad = []
-for c in cfgs:
+for c in cfgs + rings:
     for kw in (dict(), dict(dtype="bf16", has_zeros=True), dict(group_size=-1), dict(scale_acc=True),
                dict(dtype="bf16", has_zeros=True, scale_acc=True)):
         loop = gemv_loop(*c, **kw)
         limit = 2.5 if c[1] >= 32 else 2.75  # fp16 / bf16 asym alike; see the test's docstring
         if kw.get("scale_acc"):  # 4 instructions per word fewer
             limit -= 0.5
+        if c[5] >= 3:  # the ring's barriers, wait and shared loads per K tile
+            limit += 0.35
         if not loop.lane_order or loop.per_weight > (limit + (0.5 if kw.get("dtype") == "bf16" else 0)):
             bad.append((c, kw, loop.per_weight, loop.lane_order))
-print("checked", len(cfgs))
+# a ring streams the words with cp.async and reads them back from shared memory; 2 stages load
+# them into registers
+import re
+from sailfish.bench.ptx import compile_gemv, ptxas_report
+for c in rings + [(1, 32, 512, 1, 4, 2)]:
+    ptx = compile_gemv(*c).asm["ptx"]
+    ring = "cp.async.cg.shared.global" in ptx and "ld.global.L1::evict_first" not in ptx
+    if ring != (c[5] >= 3) or re.search(r"\b[1-9][0-9]* bytes spill", ptxas_report(ptx)):
+        bad.append((c, "ring" if c[5] >= 3 else "registers", ring))
+print("checked", len(cfgs) + len(rings))
 sys.exit(f"GEMV configs off target: {bad}" if bad else 0)
 """
 
@@ -170,7 +187,9 @@ def test_gemv_mma_compiles_to_the_lane_order_it_needs(tmp_path):
     the K loop's SASS stays within its instruction budget per weight (fp16: 13 dequantization
     instructions + 1 mma per word of 8 weights = 1.75, plus loads and addressing; bf16 has no
     high-nibble trick: 15 + 1; scale_acc 4 fewer per word: 1.72-2.08 measured for fp16 on
-    Triton 3.6 and 3.9). A compiler or layout change that breaks either fails here."""
+    Triton 3.6 and 3.9; a cp.async ring, num_stages >= 3, adds its per-tile barriers, wait and
+    shared loads: +0.15-0.3). A compiler or layout change that breaks either fails here; ring
+    configs must stream the words with cp.async, 2-stage ones into registers, none spilling."""
     run_compile_child(_PTX_CHILD, tmp_path)
 
 

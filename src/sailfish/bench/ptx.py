@@ -140,12 +140,14 @@ def compile_gemv(block_m: int, block_n: int, block_k: int, split_k: int, num_war
                  *, dtype: str = "fp16", group_size: int = 128, has_zeros: bool = False, use_asm: bool = True,
                  capability: int = 90, even_k: bool = True, scale_acc: bool = False):
     """triton.compile of kernels/w4a16._w4a16_gemv_mma_kernel (the M <= 8 tensor-core GEMV)
-    for cuda:<capability>, specialised as the launcher is on a GPU (num_stages > 1: the
-    words are prefetched one K tile ahead; scale_acc: Config.scale_acc)."""
+    for cuda:<capability>, specialised as the launcher is on a GPU (num_stages 2: the words
+    are prefetched one K tile ahead in registers, >= 3 through a cp.async ring:
+    ops/w4a16.gemv_stages; scale_acc: Config.scale_acc)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     from ..kernels.w4a16 import _w4a16_gemv_mma_kernel, gemv_asm, gemv_pairs, gemv_warps
+    from ..ops.w4a16 import gemv_stages
 
     ty = DTYPES[dtype]
     asm = gemv_asm(dtype == "bf16", has_zeros, even_k, gemv_pairs(block_n), scale_acc) if use_asm else ("", "")
@@ -153,7 +155,7 @@ def compile_gemv(block_m: int, block_n: int, block_k: int, split_k: int, num_war
            "ws_ptr": "*fp32", **{k: "i32" for k in _INTS}}
     consts = dict(GROUP_SIZE=0 if group_size == -1 else group_size, HAS_ZEROS=has_zeros, HAS_BIAS=False,
                   EVEN_K=even_k, SPLIT_K=split_k, EMU_BF16=False, USE_ASM=use_asm,
-                  ASM=asm[0], ASM_CONSTRAINTS=asm[1], PREFETCH=num_stages > 1, BLOCK_M=block_m,
+                  ASM=asm[0], ASM_CONSTRAINTS=asm[1], **gemv_stages(num_stages), BLOCK_M=block_m,
                   BLOCK_N=block_n, BLOCK_K=block_k, SCALE_ACC=scale_acc)
     names = list(sig)
     aligned = tuple(n for n in _PTRS if n != "gidx_ptr") + ("N", "K", "stride_xm", "stride_ym", "stride_qn")

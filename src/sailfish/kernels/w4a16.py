@@ -890,6 +890,7 @@ def _w4a16_gemv_mma_kernel(
     SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr, ASM: tl.constexpr,
     ASM_CONSTRAINTS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PDL_EARLY: tl.constexpr = False, SCALE_ACC: tl.constexpr = False,
+    RING: tl.constexpr = 1,
 ):
     """y (M, N) = x (M, K) @ W^T for M <= BLOCK_M <= 8, on the tensor cores (mma.sync
     m16n8k16, fp32 accumulators) with the weights read straight into registers: see the
@@ -903,7 +904,12 @@ def _w4a16_gemv_mma_kernel(
     4-byte aligned (x is read as channel pairs). ASM, ASM_CONSTRAINTS: gemv_asm(...) for
     this dtype / zeros / EVEN_K / P (unused without USE_ASM). PREFETCH: load the next K
     tile's words one iteration ahead (registers; Triton does not pipeline a loop without a
-    dot). SCALE_ACC: each chunk's fp32 product is scaled once per row (ASM must be the
+    dot). RING (> 1, instead of PREFETCH): the K loop is software-pipelined by Triton
+    (tl.range num_stages): RING - 1 tiles of words in flight through a cp.async ring in shared
+    memory, read back in the same lane order (bench/ptx.gemv_lane_order checks it), at no
+    register cost; ncu (H100, 8192x8192 M = 1) put 46% of the loop's stalls on the first use of
+    a tile's words with one tile in flight per warp (docs/perf_log.md v24; not measured on a
+    GPU yet). SCALE_ACC: each chunk's fp32 product is scaled once per row (ASM must be the
     gemv_asm(..., scale_acc=True) text). Split-K as _w4a16_kernel. Accumulator acc_{4p + i} (V, 4): lane (v, t) holds
     y[2t + i % 2] of row 16 (P rb + p) + g + 8 (i // 2) over chunk slot c."""
     pdl_release(PDL_EARLY)
@@ -966,7 +972,7 @@ def _w4a16_gemv_mma_kernel(
             q1l, q1h = q0l, q0h
     else:  # placeholders, passed through unchanged
         q0l, q0h, q1l, q1h = w0l, w0h, w1l, w1h
-    for kt in range(kt0, kt1):
+    for kt in tl.range(kt0, kt1, num_stages=RING):
         kg = (kt * C + cw) * 128  # first channel of each virtual row's chunk
         if GROUP_SIZE == 0:
             grp = kg * 0

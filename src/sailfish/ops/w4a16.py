@@ -463,6 +463,13 @@ def gluon_applies(x: torch.Tensor, qweight: torch.Tensor, group_size: int, gener
             and x.data_ptr() % 16 == 0 and qweight.data_ptr() % 16 == 0 and gluon_device(x.device.index))
 
 
+def gemv_stages(num_stages: int) -> dict:
+    """The tensor-core GEMV's K-loop pipelining for a config's num_stages: 1 none, 2 the next
+    tile's words loaded one iteration ahead into registers (PREFETCH), >= 3 a cp.async ring of
+    that many stages in shared memory (RING; kernels/w4a16._w4a16_gemv_mma_kernel)."""
+    return dict(PREFETCH=num_stages == 2, RING=num_stages if num_stages >= 3 else 1)
+
+
 def gemv_on_tensor_cores(cfg: Config, x: torch.Tensor, gs: int, general_gidx: bool) -> bool:
     """Whether a 'gemv' config runs the tensor-core GEMV: M <= 8 (the 8 columns of an
     m16n8k16 B tile), groups of whole 128-channel chunks (per channel, 128, 256, ...), no
@@ -521,7 +528,7 @@ class _GemmPlan:
             sa = scale_acc(cfg, group_size, has_gidx)
             text, constraints = (gemv_asm(bf16, has_zeros, even_k, gemv_pairs(cfg.BLOCK_N), sa) if mma_asm
                                  else ("", ""))
-            meta.update(USE_ASM=mma_asm, ASM=text, ASM_CONSTRAINTS=constraints, PREFETCH=cfg.num_stages > 1,
+            meta.update(USE_ASM=mma_asm, ASM=text, ASM_CONSTRAINTS=constraints, **gemv_stages(cfg.num_stages),
                         SCALE_ACC=sa,
                         num_warps=gemv_warps(cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_warps))
             self.gemm = Launch(_w4a16_gemv_mma_kernel, meta, device_index)
