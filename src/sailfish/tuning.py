@@ -43,7 +43,8 @@ class Config:
     tiles, "gemv" M <= 8 (tensor cores or CUDA cores), "gluon" the Hopper Gluon kernel (its
     Triton twin elsewhere; BLOCK_K = 256, num_stages = its ring depth), "dequant" = dequantize
     to a transient half-precision weight, then cuBLAS); the block sizes are that path's tile
-    shape."""
+    shape. num_stages of the tensor-core GEMV: 1 no pipelining, 2 the next tile's words one
+    iteration ahead in registers, >= 3 a cp.async ring of that depth (ops/w4a16.gemv_stages)."""
     BLOCK_M: int
     BLOCK_N: int
     BLOCK_K: int
