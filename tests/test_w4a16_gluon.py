@@ -15,7 +15,7 @@ import torch
 from helpers import DTYPE_NAMES, assert_close_per_element, make_g_idx, random_quantized, run_compile_child
 from sailfish import Config, QuantLinear
 from sailfish.ops import w4a16 as ops16
-from sailfish.ops.w4a16 import gluon_split_ok, gluon_twin, w4a16_launch
+from sailfish.ops.w4a16 import gluon_overlap_split_ok, gluon_split_ok, gluon_twin, w4a16_launch
 
 F16, BF16 = torch.float16, torch.bfloat16
 
@@ -78,6 +78,36 @@ def test_gluon_config_matches_reference(m, k, n, gs, sym, dtype, bias, cfg, devi
     assert_close_per_element(y, x, layer.quantized_weight().dequantize(rounded=False), layer.bias)
 
 
+def _overlap(bm, bn, split, warps, stages):
+    return Config(bm, bn, 256, split, 8, warps, stages, kernel="gluon_overlap")
+
+
+# 'gluon_overlap' (the kernel that dequantizes a K step while the previous one's wgmmas run):
+# every split an even number of K steps (2 at least), rings of 3 and 4 steps, the formats above
+OVERLAP_CASES = [
+    (16, 1024, 192, 128, True, F16, False, _overlap(16, 64, 1, 4, 3)),
+    (5, 2048, 200, 128, False, BF16, True, _overlap(16, 64, 2, 4, 3)),
+    (3, 1536, 136, -1, True, F16, True, _overlap(8, 64, 3, 4, 3)),
+    (30, 2048, 136, 256, False, F16, False, _overlap(32, 64, 1, 4, 4)),
+    (64, 1024, 320, -1, False, BF16, False, _overlap(64, 128, 1, 8, 3)),
+    (40, 3072, 256, 128, True, BF16, True, _overlap(64, 128, 3, 8, 4)),
+    (11, 1024, 128, 128, True, F16, False, _overlap(8, 64, 2, 4, 3)),
+]
+
+
+@pytest.mark.parametrize("m,k,n,gs,sym,dtype,bias,cfg", OVERLAP_CASES, ids=[_case_id(c) for c in OVERLAP_CASES])
+def test_gluon_overlap_config_matches_reference(m, k, n, gs, sym, dtype, bias, cfg, device):
+    """As above for 'gluon_overlap': its groups scale the weights (rounded once to x's dtype,
+    as its twin, the mma tile without SCALE_ACC), per channel the fp32 product."""
+    layer = _layer(k, n, gs, dtype, bias, device, sym=sym)
+    x = torch.randn(m, k, device=device).to(dtype)
+    y = _launch(layer, x, cfg)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert_close_per_element(y, x, layer.quantized_weight().dequantize(rounded=gs != -1), layer.bias)
+    twin = gluon_twin(cfg, gs)
+    assert twin.kernel == "mma" and twin.scale_acc == (gs == -1) and twin.SPLIT_K == cfg.SPLIT_K
+
+
 @pytest.mark.parametrize("gidx,k", [("gidx", 1024), ("none", 1152)], ids=["general-g_idx", "K%256"])
 def test_gluon_config_falls_back_to_its_twin(gidx, k, device):
     """Where the Gluon kernel does not apply (a general g_idx, K not a multiple of its
@@ -94,24 +124,30 @@ def test_gluon_config_falls_back_to_its_twin(gidx, k, device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Gluon kernel's dispatch, on a GPU")
-def test_gluon_kernel_is_used_on_hopper():
-    """On an sm_90 GPU the plan of a 'gluon' config launches the Gluon kernel; elsewhere its
-    twin (kind 'mma')."""
+@pytest.mark.parametrize("kernel", ["gluon", "gluon_overlap"])
+def test_gluon_kernel_is_used_on_hopper(kernel):
+    """On an sm_90 GPU the plan of a 'gluon' or 'gluon_overlap' config launches that Gluon
+    kernel; elsewhere its twin (kind 'mma')."""
+    from sailfish.kernels.w4a16_gluon import w4a16_gluon_kernel, w4a16_gluon_overlap_kernel
+
     layer = _layer(1024, 256, 128, F16, False, "cuda")
     x = torch.randn(16, 1024, device="cuda", dtype=F16)
-    cfg = Config(16, 64, 256, 2, 8, 4, 3, kernel="gluon")
+    cfg = Config(16, 64, 256, 2, 8, 4, 3, kernel=kernel)
     plan = ops16._GemmPlan(cfg, 0, gs=128, has_zeros=False, has_gidx=False, has_bias=False, emu=False, asm=True,
                            mma_asm=True, tensor_core_gemv=False, paired=True, bf16=False, K=1024, group_size=128,
                            gluon=ops16.gluon_applies(x, layer.qweight, 128, False, True))
     assert plan.kind == ("gluon" if _on_hopper() else "mma")
+    if _on_hopper():
+        assert plan.gemm.fn is (w4a16_gluon_overlap_kernel if kernel == "gluon_overlap" else w4a16_gluon_kernel)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="determinism of the compiled kernel, on the GPU")
-def test_gluon_split_k_is_deterministic():
+@pytest.mark.parametrize("cfg", [Config(16, 64, 256, 6, 8, 4, 3, kernel="gluon"), _overlap(16, 64, 4, 4, 3)],
+                         ids=["gluon", "gluon_overlap"])
+def test_gluon_split_k_is_deterministic(cfg):
     """Split-K partial sums reduced in a fixed order: the same bits on every call."""
     layer = _layer(8192, 1024, 128, F16, True, "cuda")
     x = torch.randn(16, 8192, device="cuda", dtype=F16)
-    cfg = Config(16, 64, 256, 6, 8, 4, 3, kernel="gluon")
     first = _launch(layer, x, cfg)
     for _ in range(5):
         assert torch.equal(_launch(layer, x, cfg), first)
@@ -126,6 +162,12 @@ def test_gluon_split_k_is_deterministic():
     (Config(16, 64, 256, 1, 8, 4, 1, kernel="gluon"), "num_stages >= 2"),
     (Config(16, 64, 256, 1, 8, 4, 3, kernel="gluon", scale_acc=True), "scale_acc"),
     (Config(16, 64, 256, 3, 8, 4, 3, kernel="gluon"), "SPLIT_K=3 leaves a split"),
+    (_overlap(16, 64, 1, 4, 2), "num_stages >= 3"),
+    (_overlap(16, 64, 3, 4, 3), "SPLIT_K=3 does not give every split an even number"),
+    (Config(16, 64, 256, 1, 8, 4, 3, kernel="gluon_overlap", scale_acc=True), "scale_acc"),
+    (Config(16, 64, 256, 1, 8, 4, 3, kernel="gluon_ws"), "is not one of"),
+    (_overlap(64, 64, 1, 4, 3), "for BLOCK_M 64, num_warps 8"),
+    (_overlap(16, 128, 1, 4, 3), "BLOCK_N = 16 \\* num_warps"),
 ])
 def test_bad_gluon_config(cfg, match, device):
     layer = _layer(1024, 128, 128, F16, False, device)  # 4 K steps: 3 splits of 2 leave one empty
@@ -141,6 +183,39 @@ def test_gluon_split_ok():
             per = -(-steps // split)
             sizes = [min(per, steps - k * per) for k in range(split)]
             assert gluon_split_ok(split, steps) == (split <= steps and min(sizes) >= 1), (steps, split)
+
+
+def test_gluon_overlap_split_ok():
+    """gluon_overlap_split_ok against counting the steps of every split: all even, >= 2."""
+    for steps in range(1, 40):
+        for split in range(1, 12):
+            per = -(-steps // split)
+            sizes = [min(per, steps - k * per) for k in range(split)]
+            expect = split <= steps and min(sizes) >= 2 and all(v % 2 == 0 for v in sizes)
+            assert gluon_overlap_split_ok(split, steps) == expect, (steps, split)
+
+
+def test_wgmma_register_hazard_counts_groups():
+    """bench.ptx.wgmma_register_hazard on hand-written SASS: a wait 'DEPBAR.LE gsb0, N' leaves
+    the last N wgmma groups (each closed by the gsb0 of its last HGMMA) in flight, so writing
+    their A registers is a hazard and writing a retired group's is not; the back edge counts."""
+    from sailfish.bench.ptx import wgmma_register_hazard
+
+    def sass(*lines):
+        body = ["/*0000*/ NOP ;"] + [f"/*{16 * (i + 1):04x}*/ {t} ;" for i, t in enumerate(lines)]
+        return "\n".join(body + [f"/*{16 * (len(lines) + 1):04x}*/ BRA 0x0 ;"])
+
+    grp = lambda a, b: ["WARPGROUP.ARRIVE", f"HGMMA.64x16x16.F32 R100, R{a}, gdesc[UR4], R100",  # noqa: E731
+                        f"HGMMA.64x16x16.F32 R100, R{b}, gdesc[UR4], R100, gsb0"]
+    # two groups in flight; the wait leaves 1: the first's registers are free, the second's not
+    assert not wgmma_register_hazard(sass(*grp(24, 28), *grp(32, 36), "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+                                          "LOP3.LUT R24, R1, 0xf, R2, 0xea, !PT", "WARPGROUP.DEPBAR.LE gsb0, 0x0"))
+    assert wgmma_register_hazard(sass(*grp(24, 28), *grp(32, 36), "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+                                      "LOP3.LUT R33, R1, 0xf, R2, 0xea, !PT", "WARPGROUP.DEPBAR.LE gsb0, 0x0"))
+    # a group left in flight across the back edge: the next iteration's write at the top
+    assert wgmma_register_hazard(sass("LOP3.LUT R26, R1, 0xf, R2, 0xea, !PT", *grp(24, 28)))
+    assert not wgmma_register_hazard(sass("LOP3.LUT R26, R1, 0xf, R2, 0xea, !PT", *grp(24, 28),
+                                          "WARPGROUP.DEPBAR.LE gsb0, 0x0"))
 
 
 def test_gluon_candidates_are_valid(monkeypatch):
@@ -239,6 +314,61 @@ def test_gluon_kernel_compiles_for_sm90(tmp_path):
     reduce. In a child process: the interpreter in this one patches the frontend."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     run_compile_child(_GLUON_CHILD, tmp_path)
+
+
+_GLUON_OVERLAP_CHILD = r"""
+import re
+import triton
+from sailfish.bench.ptx import k_loop_stats, overlap_loop_ok, ptxas_report, sass, wgmma_loop, wgmma_register_hazard
+from sailfish.kernels.w4a16_gluon import compile_sm90
+cases = [dict(), dict(BLOCK_M=8), dict(BLOCK_M=32, STAGES=4), dict(BLOCK_M=64, BLOCK_N=128, num_warps=8),
+         dict(group_size=-1, has_bias=True),
+         dict(dtype="bf16", has_zeros=True), dict(has_zeros=True, SPLIT_K=2, pdl_early=True),
+         dict(BLOCK_M=32, group_size=-1, dtype="bf16", has_zeros=True, SPLIT_K=3),
+         dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, group_size=256, dtype="bf16", has_zeros=True, STAGES=4),
+         dict(BLOCK_M=16, BLOCK_N=128, num_warps=8)]
+bad = []
+for kw in cases:
+    k = compile_sm90(overlap=True, **kw)
+    st = k_loop_stats(k.asm["ptx"])
+    rep = ptxas_report(k.asm["ptx"])
+    text = sass(k.asm["cubin"])
+    body = wgmma_loop(text) or []
+    why = []
+    if st is None or st.st_shared or st.ldmatrix or not st.wgmma_a_in_registers:
+        why.append(f"K loop {st}")
+    # two K steps per iteration (2 x 16 wgmmas), each step's A operands in registers of its own,
+    # one wait per step that leaves the other step's two wgmma groups in flight
+    ok, summary = overlap_loop_ok(text)
+    if not ok:
+        why.append(summary)
+    if "serialized" in rep or re.search(r"\b[1-9][0-9]* bytes spill", rep):
+        why.append(rep[-400:])
+    if wgmma_register_hazard(text):
+        why.append("wgmma register hazard")
+    if any(t.startswith(("LDL", "STL")) for t in body):
+        why.append("local memory in the K loop")
+    if why:
+        bad.append((kw, why))
+assert not bad, bad
+# the CLI's report of the same (python -m sailfish.bench.ptx --gluon --overlap)
+from sailfish.bench.ptx import main
+assert main(["--gluon", "--overlap", "--hazard", "--config", "16,64,256,2,4,3", "--zeros"]) == 0
+print("checked", triton.__version__, len(cases))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
+def test_gluon_overlap_kernel_compiles_for_sm90(tmp_path):
+    """What 'gluon_overlap' exists for, on the compiler's output for sm_90a (a format matrix):
+    the loop's 32 wgmmas (two K steps) read 32 different A register quads and each step waits
+    with the other step's two wgmma groups outstanding (WARPGROUP.DEPBAR.LE gsb0, 0x2), so the
+    dequantization of one step runs while the previous step's wgmmas do; ptxas does not
+    serialize them, nothing spills, no wgmma register hazard, no shared-memory trip of the
+    weights. (Written as one step per iteration, ptxas put both steps' operands in the same
+    registers and hoisted each wait above the dequantization: kernels/w4a16_gluon.py.)"""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    run_compile_child(_GLUON_OVERLAP_CHILD, tmp_path)
 
 
 def test_heuristic_takes_gluon_for_large_weights_at_m16(monkeypatch):

@@ -41,7 +41,8 @@ M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 class Config:
     """One launch choice. `kernel` names the path within a family (W4A16: "mma" tensor-core
     tiles, "gemv" M <= 8 (tensor cores or CUDA cores), "gluon" the Hopper Gluon kernel (its
-    Triton twin elsewhere; BLOCK_K = 256, num_stages = its ring depth), "dequant" = dequantize
+    Triton twin elsewhere; BLOCK_K = 256, num_stages = its ring depth; "gluon_overlap" its variant
+    that dequantizes a K step while the previous step's wgmmas run), "dequant" = dequantize
     to a transient half-precision weight, then cuBLAS); the block sizes are that path's tile
     shape. num_stages of the tensor-core GEMV: 1 no pipelining, 2 the next tile's words one
     iteration ahead in registers, >= 3 a cp.async ring of that depth (ops/w4a16.gemv_stages)."""

@@ -7,6 +7,7 @@ memory, and does wgmma take it from registers?
     python -m sailfish.bench.ptx --family w4a8 --group-size -1   # the W4A8 int8 kernel
     python -m sailfish.bench.ptx --gemv               # the tensor-core GEMV: SASS instructions per weight
     python -m sailfish.bench.ptx --gluon --hazard     # the shipped tiles of the Hopper Gluon kernel
+    python -m sailfish.bench.ptx --gluon --overlap --config 16,64,256,1,4,3   # its overlap variant
 
 Per config it prints the PTX K-loop counts (st.shared / ldmatrix / bar.sync / wgmma) and the
 verdict `no-fp16-smem` or `fp16-smem-roundtrip`. tests/test_w4a16.py runs the same check on
@@ -259,13 +260,9 @@ def _written_registers(text: str) -> set:
     return set(range(int(m.group(1)), int(m.group(1)) + width))
 
 
-def wgmma_register_hazard(sass_text: str) -> bool:
-    """True if, in the innermost loop that issues wgmma (SASS HGMMA / IGMMA / QGMMA) with its A
-    operand in registers, an instruction writes a register that an earlier wgmma still in
-    flight reads as A (not yet retired by a WARPGROUP.DEPBAR.LE gsb0, N), the loop body walked
-    twice so that the back edge counts. Reading such registers while the wgmma runs is
-    undefined (PTX ISA, wgmma.mma_async); Triton 3.6-3.8 compile the mma kernel's loop that
-    way unless ACC_FENCE, and an H200 gave wrong, run-to-run different outputs for it."""
+def wgmma_loop(sass_text: str) -> Optional[list]:
+    """The SASS instructions of the innermost loop that issues wgmma (HGMMA / IGMMA / QGMMA), or
+    None."""
     ins = _sass_instructions(sass_text)
     body = None
     for addr, text in ins:
@@ -275,24 +272,52 @@ def wgmma_register_hazard(sass_text: str) -> bool:
         cand = [t for a, t in ins if int(b.group(1), 16) <= a <= addr]
         if any(re.search(r"[HIQ]GMMA", t) for t in cand) and (body is None or len(cand) < len(body)):
             body = cand
+    return body
+
+
+def overlap_loop_ok(sass_text: str) -> tuple:
+    """(ok, summary) for kernels/w4a16_gluon.w4a16_gluon_overlap_kernel's SASS K loop: two K steps
+    per iteration whose 32 wgmmas read 32 different A register quads, and one wait per step that
+    leaves the other step's two wgmma groups in flight (WARPGROUP.DEPBAR.LE gsb0, 0x2), i.e. each
+    step's dequantization overlaps the previous step's wgmmas."""
+    body = wgmma_loop(sass_text) or []
+    quads = [m.group(1) for t in body for m in [re.search(r"GMMA\S*\s+R\d+,\s*(R\d+)", t)] if m]
+    waits = [t.split()[-1] for t in body if "WARPGROUP.DEPBAR" in t]
+    ok = len(quads) == 32 and len(set(quads)) == 32 and waits == ["0x2", "0x2"]
+    return ok, f"{len(quads)} wgmmas over {len(set(quads))} A quads, waits {waits}"
+
+
+def wgmma_register_hazard(sass_text: str) -> bool:
+    """True if, in the innermost loop that issues wgmma (SASS HGMMA / IGMMA / QGMMA) with its A
+    operand in registers, an instruction writes a register that an earlier wgmma still in
+    flight reads as A (its group not yet retired by a WARPGROUP.DEPBAR.LE gsb0, N), the loop body
+    walked twice so that the back edge counts. Reading such registers while the wgmma runs is
+    undefined (PTX ISA, wgmma.mma_async); Triton 3.6-3.8 compile the mma kernel's loop that
+    way unless ACC_FENCE, and an H200 gave wrong, run-to-run different outputs for it."""
+    body = wgmma_loop(sass_text)
     if body is None:
         return False
+    # wgmma groups in flight (the A registers of each), the last one still open: SASS closes a
+    # group (wgmma.commit_group) with the gsb0 of its last HGMMA, and WARPGROUP.DEPBAR.LE gsb0, N
+    # waits until N groups are left
     inflight: list = []
+    cur: set = set()
     for walk in range(2):
         for text in body:
-            m = re.search(r"[HIQ]GMMA\S*\s+R\d+,\s*R(\d+)", text)
-            if m:
-                inflight.append(set(range(int(m.group(1)), int(m.group(1)) + 4)))
-                continue
-            if re.search(r"[HIQ]GMMA", text):  # A from shared memory
-                inflight.append(set())
+            if re.search(r"[HIQ]GMMA", text):
+                m = re.search(r"[HIQ]GMMA\S*\s+R\d+,\s*R(\d+)", text)  # (none: A from shared memory)
+                if m:
+                    cur |= set(range(int(m.group(1)), int(m.group(1)) + 4))
+                if "gsb0" in text:
+                    inflight.append(cur)
+                    cur = set()
                 continue
             d = re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)", text)
             if d:
                 n = int(d.group(1), 16)
                 inflight = inflight[len(inflight) - n:] if n else []
                 continue
-            if walk and inflight and any(_written_registers(text) & a for a in inflight):
+            if walk and any(_written_registers(text) & a for a in inflight + [cur]):
                 return True
     return False
 
@@ -394,17 +419,25 @@ def shipped_mma_configs(kernel: str = "mma"):
 
 def _main_gluon(cfgs, args) -> int:
     """The Gluon kernel's K loop for each config: shared-memory stores / ldmatrix (0: the weights
-    never leave registers), wgmma A in registers, the wait_group depths (only 0), and with
-    --hazard the SASS register-hazard check."""
+    never leave registers), wgmma A in registers, the wait_group depths (only 0; --overlap: the
+    overlap kernel's structure, overlap_loop_ok), and with --hazard the SASS register-hazard
+    check."""
     from ..kernels.w4a16_gluon import compile_sm90
 
     bad = 0
     for gpu, cfg in cfgs:
         k = compile_sm90(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_stages, args.group_size, cfg.SPLIT_K, args.dtype,
-                         num_warps=cfg.num_warps, pdl_early=cfg.SPLIT_K > 1, has_zeros=args.zeros)
+                         num_warps=cfg.num_warps, pdl_early=cfg.SPLIT_K > 1, has_zeros=args.zeros,
+                         overlap=args.overlap)
         st = k_loop_stats(k.asm["ptx"])
         waits = sorted(set(re.findall(r"wgmma.wait_group.sync.aligned (\d+)", k.asm["ptx"])))
-        ok = st is not None and not st.st_shared and not st.ldmatrix and st.wgmma_a_in_registers and waits == ["0"]
+        ok = st is not None and not st.st_shared and not st.ldmatrix and st.wgmma_a_in_registers
+        if args.overlap:
+            loop_ok, summary = overlap_loop_ok(sass(k.asm["cubin"]))
+            ok = ok and loop_ok
+            waits = summary
+        else:
+            ok = ok and waits == ["0"]
         verdict = "weights in registers" if ok else "SHARED-MEMORY TRIP OR OTHER WAITS"
         hz, verdict = _hazard_and_dump(k, args, verdict)
         bad += not ok or hz
@@ -464,6 +497,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gluon", action="store_true",
                     help="the Hopper Gluon W4A16 kernel instead (default configs: the shipped 'gluon' ones; "
                          "--group-size, --dtype, --zeros apply): its K loop and wgmma waits")
+    ap.add_argument("--overlap", action="store_true",
+                    help="with --gluon: its overlap variant (kernel 'gluon_overlap'; give --config, no table "
+                         "ships it): two steps' wgmmas in flight, each on its own A registers")
     args = ap.parse_args(argv)
     from ..tuning import Config
 

@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
                                                              warpgroup_mma_init, warpgroup_mma_wait)
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .w4a16 import _ASM_BF16_Q, _ASM_F16_Q
+from .w4a16 import _ASM_BF16, _ASM_BF16_Q, _ASM_F16, _ASM_F16_Q
 
 # names that differ between Triton 3.6 and 3.9
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
@@ -134,10 +134,15 @@ def _pair16(v):
 
 
 @gluon.jit
-def _chunk_weights(words, DT: gl.constexpr, BLOCK_N: gl.constexpr, DOT_A: gl.constexpr, z=None):
+def _chunk_weights(words, DT: gl.constexpr, BLOCK_N: gl.constexpr, DOT_A: gl.constexpr, z=None, s=None):
     """(BLOCK_N, 16) packed words of one chunk -> (BLOCK_N, 128) q - z in DOT_A, exact
     (|q - z| <= 16); z: None (8) or the chunk's zero point per row (BLOCK_N,) fp32 in the rows
-    of the words' layout, which enters the asm's magic constants (no extra instruction)."""
+    of the words' layout, which enters the asm's magic constants (no extra instruction).
+    s: None, or the chunk's scale per row (fp32, exact in x's dtype; the words' rows): s * (q - z) rounded
+    once to x's dtype (the scaled asm, kernels/w4a16._ASM_F16 / _ASM_BF16: one mul.x2 more
+    per pair)."""
+    if s is not None:  # the (s, s) pair of each word's row
+        s2 = gl.broadcast(_pair16(s.to(DT))[:, None], words)[0]
     if DT == gl.float16:
         if z is None:
             z2 = gl.full(words.shape, 0x64086408, gl.int32, layout=words.type.layout)
@@ -145,17 +150,27 @@ def _chunk_weights(words, DT: gl.constexpr, BLOCK_N: gl.constexpr, DOT_A: gl.con
         else:  # (1024 + z) pair and the odd nibbles' -(64 + z) pair, as kernels/w4a16._dequant_words
             z2 = gl.broadcast(_pair16((z + 1024.0).to(gl.float16))[:, None], words)[0]
             z16 = gl.broadcast(_pair16((-64.0 - z).to(gl.float16))[:, None], words)[0]
-        n0, n1, n2, n3, n4, n5, n6, n7 = gl.inline_asm_elementwise(
-            _ASM_F16_Q, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, z2, z16],
-            dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+        if s is None:
+            n0, n1, n2, n3, n4, n5, n6, n7 = gl.inline_asm_elementwise(
+                _ASM_F16_Q, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, z2, z16],
+                dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+        else:
+            n0, n1, n2, n3, n4, n5, n6, n7 = gl.inline_asm_elementwise(
+                _ASM_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r", [words, s2, z2, z16],
+                dtype=(gl.float16,) * 8, is_pure=True, pack=1)
     else:
         if z is None:
             z2 = gl.full(words.shape, 0x43084308, gl.int32, layout=words.type.layout)
         else:  # (128 + z) pair in bf16
             z2 = gl.broadcast(_pair16((z + 128.0).to(gl.bfloat16))[:, None], words)[0]
-        n0, n1, n2, n3, n4, n5, n6, n7 = gl.inline_asm_elementwise(
-            _ASM_BF16_Q, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, z2],
-            dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+        if s is None:
+            n0, n1, n2, n3, n4, n5, n6, n7 = gl.inline_asm_elementwise(
+                _ASM_BF16_Q, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, z2],
+                dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+        else:
+            n0, n1, n2, n3, n4, n5, n6, n7 = gl.inline_asm_elementwise(
+                _ASM_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, s2, z2],
+                dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
     # nibble 4e + 2h + r0 of word 16c + 4t + a is channel 32a + 16r0 + 8h + 2t + e of chunk c
     q = _join8(n0, n1, n2, n3, n4, n5, n6, n7)           # (n, w, e, h, r0)
     q = gl.reshape(q, (BLOCK_N, 4, 4, 2, 2, 2))          # (n, t, a, e, h, r0)
@@ -188,6 +203,59 @@ def _step_scales(base, step, GROUP_CHUNKS: gl.constexpr):
 
 
 @gluon.jit
+def _operands(x_ptr, qw_ptr, M, N, K, stride_xm, stride_qn, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, X_BLK: gl.constexpr, W_BLK: gl.constexpr):
+    """Program (tile, split)'s M / N tile, its first K step and step count (>= 1: the launcher
+    checks), and the pointers of that step's words (16 per row and chunk, 16 bytes per thread)
+    and x tile. Rows past N read row n % N, rows past M row m % M (their outputs are masked).
+    The M tiles of one N tile are adjacent programs: they read the same weight tile at about
+    the same time, so HBM delivers it once (L2) when M spans several BLOCK_M."""
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    pid_n = pid // tiles_m
+    pid_m = pid % tiles_m
+    steps = K // _STEP
+    per = gl.cdiv(steps, SPLIT_K)
+    first = pid_k * per
+    n = gl.minimum(per, steps - first)
+    wn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, W_BLK))
+    wn = (wn % N).to(gl.int64)
+    ww = gl.arange(0, 16, layout=gl.SliceLayout(0, W_BLK))
+    w_ptrs = qw_ptr + wn[:, None] * stride_qn + (first * 32 + ww)[None, :]
+    xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, X_BLK))
+    xm = (xm % M).to(gl.int64)
+    xk = gl.arange(0, _CHUNK, layout=gl.SliceLayout(0, X_BLK))
+    x_ptrs = x_ptr + xm[:, None] * stride_xm + (first * _STEP + xk)[None, :]
+    return pid_m, pid_n, pid_k, first, n, w_ptrs, x_ptrs
+
+
+@gluon.jit
+def _rows(ptr, pid_n, N, stride, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
+    """One pointer per row of the N tile (rows past N: row n % N), in LAYOUT's rows."""
+    rn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAYOUT))
+    return ptr + (rn % N).to(gl.int64) * stride
+
+
+@gluon.jit
+def _store(acc, y_ptr, ws_ptr, bias_ptr, pid_m, pid_n, pid_k, M, N, stride_ym, HAS_BIAS: gl.constexpr,
+           SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MMA: gl.constexpr):
+    """acc^T (BLOCK_N, BLOCK_M) fp32 -> y in x's dtype (+ bias), or with SPLIT_K > 1 the fp32
+    partial sums of split pid_k for the fixed-order reduce (kernels/w4a16._splitk_reduce_kernel)."""
+    an = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+    mask = (om < M)[None, :] & (an < N)[:, None]
+    om = om.to(gl.int64)
+    on = an.to(gl.int64)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += gl.load(bias_ptr + an, mask=an < N, other=0.0).to(gl.float32)[:, None]
+        gl.store(y_ptr + om[None, :] * stride_ym + on[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        gl.store(ws_ptr + (pid_k * M + om[None, :]) * N + on[:, None], acc, mask=mask)
+
+
+@gluon.jit
 def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_xm, stride_ym,
                        stride_qn, stride_sn, GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr,
                        HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr,
@@ -201,36 +269,12 @@ def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, 
     if PDL_EARLY:  # split-K: the reduce may launch now, it waits for the partial sums (kernels/common.py)
         gdc_launch_dependents()
     DT: gl.constexpr = x_ptr.dtype.element_ty
-    pid = gl.program_id(0)
-    pid_k = gl.program_id(1)
-    # the M tiles of one N tile are adjacent programs: they read the same weight tile at about
-    # the same time, so HBM delivers it once (L2) when M spans several BLOCK_M
-    tiles_m = gl.cdiv(M, BLOCK_M)
-    pid_n = pid // tiles_m
-    pid_m = pid % tiles_m
-    steps = K // _STEP
-    per = gl.cdiv(steps, SPLIT_K)
-    first = pid_k * per
-    n = gl.minimum(per, steps - first)  # K steps of this split (>= 1: the launcher checks)
-
-    # words of rows wn, 16 per chunk (16 bytes per thread); rows past N read row n % N
-    wn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, W_BLK))
-    wn = (wn % N).to(gl.int64)
-    ww = gl.arange(0, 16, layout=gl.SliceLayout(0, W_BLK))
-    w_ptrs = qw_ptr + wn[:, None] * stride_qn + (first * 32 + ww)[None, :]
-    # x rows past M read row m % M (their outputs are masked)
-    xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, X_BLK))
-    xm = (xm % M).to(gl.int64)
-    xk = gl.arange(0, _CHUNK, layout=gl.SliceLayout(0, X_BLK))
-    x_ptrs = x_ptr + xm[:, None] * stride_xm + (first * _STEP + xk)[None, :]
-    # scales: rows of the accumulator
-    an = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-    s_base = s_ptr + (an % N).to(gl.int64) * stride_sn
+    pid_m, pid_n, pid_k, first, n, w_ptrs, x_ptrs = _operands(x_ptr, qw_ptr, M, N, K, stride_xm, stride_qn, SPLIT_K,
+                                                              BLOCK_M, BLOCK_N, X_BLK, W_BLK)
+    s_base = _rows(s_ptr, pid_n, N, stride_sn, BLOCK_N, MMA)  # scales: rows of the accumulator
     if HAS_ZEROS:  # zero points (the scales' shape), rows of the words' layout
-        zn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WORDS))
-        z_base = z_ptr + (zn % N).to(gl.int64) * stride_sn
+        z_base = _rows(z_ptr, pid_n, N, stride_sn, BLOCK_N, WORDS)
         zn0, zn1 = _step_scales(z_base, first, GROUP_CHUNKS)
-
     x_buf = gl.allocate_shared_memory(DT, [2 * STAGES, BLOCK_M, _CHUNK], X_SMEM)
     w_buf = gl.allocate_shared_memory(gl.int32, [2 * STAGES, BLOCK_N, 16], W_SMEM)
     for s in gl.static_range(STAGES - 1):
@@ -276,22 +320,111 @@ def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, 
     if GROUP_CHUNKS == 0:
         acc = acc * gl.load(s_base).to(gl.float32)[:, None]
 
-    om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
-    mask = (om < M)[None, :] & (an < N)[:, None]
-    om = om.to(gl.int64)
-    on = an.to(gl.int64)
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += gl.load(bias_ptr + an, mask=an < N, other=0.0).to(gl.float32)[:, None]
-        gl.store(y_ptr + om[None, :] * stride_ym + on[:, None], acc.to(DT), mask=mask)
-    else:
-        gl.store(ws_ptr + (pid_k * M + om[None, :]) * N + on[:, None], acc, mask=mask)
+    _store(acc, y_ptr, ws_ptr, bias_ptr, pid_m, pid_n, pid_k, M, N, stride_ym, HAS_BIAS, SPLIT_K, BLOCK_M, BLOCK_N,
+           MMA)
+
+
+@gluon.jit
+def _overlap_step(i, n, first, acc, w0, w1, s0, s1, z0, z1, s_base, z_base, w_buf, x_buf, w_ptrs, x_ptrs,
+                  GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr, STAGES: gl.constexpr, RETIRE: gl.constexpr,
+                  DT: gl.constexpr, BLOCK_N: gl.constexpr, DOT_A: gl.constexpr, WORDS: gl.constexpr):
+    """K step i of w4a16_gluon_overlap_kernel. w0, w1: the A operands of step i - 2 (RETIRE:
+    its wgmmas are retired first, which frees their registers and ring slot, while step i - 1's
+    stay in flight); s0, s1, z0, z1: step i's scales and zero points. Returns the accumulator
+    with step i's wgmmas issued, their A operands, and step i + 1's scales and zero points."""
+    if RETIRE:
+        acc, w0, w1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, w0, w1))
+    async_copy.wait_group(STAGES - 3)  # step i's group has landed
+    _barrier()  # ... for every thread, and every warpgroup is past step i - 2's wgmmas
+    nxt = i + STAGES - 2  # into step i - 2's slot
+    _load_step(w_buf, x_buf, nxt % STAGES, w_ptrs, x_ptrs, nxt, nxt < n)
+    slot = i % STAGES
+    v0 = _chunk_weights(w_buf.index(2 * slot).load(WORDS), DT, BLOCK_N, DOT_A, z0 if HAS_ZEROS else None,
+                        s0 if GROUP_CHUNKS > 0 else None)
+    v1 = _chunk_weights(w_buf.index(2 * slot + 1).load(WORDS), DT, BLOCK_N, DOT_A, z1 if HAS_ZEROS else None,
+                        s1 if GROUP_CHUNKS > 0 else None)
+    # the next step's scales and zero points, a step early (a 2-byte load stalls the step that uses it)
+    if GROUP_CHUNKS > 0:
+        s0, s1 = _step_scales(s_base, first + gl.minimum(i + 1, n - 1), GROUP_CHUNKS)
+        if HAS_ZEROS:
+            z0, z1 = _step_scales(z_base, first + gl.minimum(i + 1, n - 1), GROUP_CHUNKS)
+    fence_async_shared()
+    acc = warpgroup_mma(v0, x_buf.index(2 * slot).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(v1, x_buf.index(2 * slot + 1).permute((1, 0)), acc, is_async=True)
+    return acc, v0, v1, s0, s1, z0, z1
+
+
+@gluon.jit
+def w4a16_gluon_overlap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_xm, stride_ym,
+                               stride_qn, stride_sn, GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr,
+                               HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
+                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL_EARLY: gl.constexpr,
+                               MMA: gl.constexpr, WORDS: gl.constexpr, DOT_A: gl.constexpr, X_BLK: gl.constexpr,
+                               X_SMEM: gl.constexpr, W_BLK: gl.constexpr, W_SMEM: gl.constexpr):
+    """w4a16_gluon_kernel's product with each step's dequantization overlapping the previous
+    step's wgmmas (same arguments; STAGES >= 3, every split an even number of K steps: the
+    launcher checks, overlap_split_ok).
+
+    Two steps' wgmmas are in flight: step i waits until only step i - 1's two wgmma groups (one
+    per chunk) are outstanding, which retires step i - 2's and frees its A registers, then
+    dequantizes step i. The loop is
+    unrolled twice so that the two steps' A operands are different values: compiled for sm_90a
+    (ptxas 12.8 and 13.4) as one loop with a wait per step, ptxas gave them the same registers
+    and moved each wait above the next step's dequantization (no overlap left); unrolled, the
+    32 wgmmas of two steps read 32 different register quads and the waits stay 'wait(2)'.
+    No product is read while a wgmma runs (ptxas serializes every wgmma otherwise: C7514 /
+    C7515, measured with the per-chunk scaled products of w4a16_gluon_kernel), so the group
+    scale is applied to the weights, rounded once to x's dtype (as the Triton tiles without
+    SCALE_ACC), and every chunk chains into one accumulator; per channel the scale multiplies
+    the accumulator at the end. The ring holds the in-flight step, the one being dequantized
+    and STAGES - 2 prefetched ones. (An odd step count would need one step after the loop: its
+    in-flight operands merged with the loop's cost ~40 registers, and a final wait in each
+    branch made ptxas serialize every wgmma, C7513; so the splits are even instead.)"""
+    if PDL_EARLY:
+        gdc_launch_dependents()
+    DT: gl.constexpr = x_ptr.dtype.element_ty
+    pid_m, pid_n, pid_k, first, n, w_ptrs, x_ptrs = _operands(x_ptr, qw_ptr, M, N, K, stride_xm, stride_qn, SPLIT_K,
+                                                              BLOCK_M, BLOCK_N, X_BLK, W_BLK)
+    s_base = _rows(s_ptr, pid_n, N, stride_sn, BLOCK_N, WORDS)  # scales and zero points: the words' rows
+    z_base = _rows(z_ptr, pid_n, N, stride_sn, BLOCK_N, WORDS)
+    s0, s1 = _step_scales(s_base, first, GROUP_CHUNKS)
+    z0 = s0  # (symmetric: unused)
+    z1 = s1
+    if HAS_ZEROS:
+        z0, z1 = _step_scales(z_base, first, GROUP_CHUNKS)
+    x_buf = gl.allocate_shared_memory(DT, [2 * STAGES, BLOCK_M, _CHUNK], X_SMEM)
+    w_buf = gl.allocate_shared_memory(gl.int32, [2 * STAGES, BLOCK_N, 16], W_SMEM)
+    for s in gl.static_range(STAGES - 2):
+        _load_step(w_buf, x_buf, s, w_ptrs, x_ptrs, s, s < n)
+    acc = warpgroup_mma_init(gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA))
+    # steps 0 and 1 retire nothing; then two steps per iteration, A operands (w0, w1) and (u0, u1)
+    # (n is even)
+    acc, w0, w1, s0, s1, z0, z1 = _overlap_step(0, n, first, acc, None, None, s0, s1, z0, z1, s_base, z_base, w_buf,
+                                                x_buf, w_ptrs, x_ptrs, GROUP_CHUNKS, HAS_ZEROS, STAGES, False, DT,
+                                                BLOCK_N, DOT_A, WORDS)
+    acc, u0, u1, s0, s1, z0, z1 = _overlap_step(1, n, first, acc, None, None, s0, s1, z0, z1, s_base, z_base, w_buf,
+                                                x_buf, w_ptrs, x_ptrs, GROUP_CHUNKS, HAS_ZEROS, STAGES, False, DT,
+                                                BLOCK_N, DOT_A, WORDS)
+    for j in range(1, n // 2):
+        acc, w0, w1, s0, s1, z0, z1 = _overlap_step(2 * j, n, first, acc, w0, w1, s0, s1, z0, z1, s_base, z_base,
+                                                    w_buf, x_buf, w_ptrs, x_ptrs, GROUP_CHUNKS, HAS_ZEROS, STAGES,
+                                                    True, DT, BLOCK_N, DOT_A, WORDS)
+        acc, u0, u1, s0, s1, z0, z1 = _overlap_step(2 * j + 1, n, first, acc, u0, u1, s0, s1, z0, z1, s_base, z_base,
+                                                    w_buf, x_buf, w_ptrs, x_ptrs, GROUP_CHUNKS, HAS_ZEROS, STAGES,
+                                                    True, DT, BLOCK_N, DOT_A, WORDS)
+    acc, w0, w1, u0, u1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0, w1, u0, u1))
+    async_copy.wait_group(0)
+    if GROUP_CHUNKS == 0:
+        acc = acc * gl.load(_rows(s_ptr, pid_n, N, stride_sn, BLOCK_N, MMA)).to(gl.float32)[:, None]
+    _store(acc, y_ptr, ws_ptr, bias_ptr, pid_m, pid_n, pid_k, M, N, stride_ym, HAS_BIAS, SPLIT_K, BLOCK_M, BLOCK_N,
+           MMA)
 
 
 def compile_sm90(BLOCK_M: int = 16, BLOCK_N: int = 64, STAGES: int = 3, group_size: int = 128, SPLIT_K: int = 1,
                  dtype: str = "fp16", has_bias: bool = False, num_warps: int = NUM_WARPS, pdl_early: bool = False,
-                 has_zeros: bool = False):
-    """triton.compile of the kernel for sm_90a without a GPU (PTX / SASS checks, tests).
+                 has_zeros: bool = False, overlap: bool = False):
+    """triton.compile of the kernel (overlap: w4a16_gluon_overlap_kernel) for sm_90a without a
+    GPU (PTX / SASS checks, tests).
     Needs a process in which the Triton interpreter has not run (it patches the frontend)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -312,7 +445,8 @@ def compile_sm90(BLOCK_M: int = 16, BLOCK_N: int = 64, STAGES: int = 3, group_si
     aligned = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "y_ptr", "ws_ptr", "N", "K", "stride_xm", "stride_ym",
                "stride_qn")
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned if sig[a] != "constexpr"}
-    src = GluonASTSource(fn=w4a16_gluon_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    cap = max_registers(BLOCK_M, BLOCK_N, STAGES, num_warps, has_zeros)
+    src = GluonASTSource(fn=w4a16_gluon_overlap_kernel if overlap else w4a16_gluon_kernel, signature=sig,
+                         constexprs=consts, attrs=attrs)
+    cap = None if overlap else max_registers(BLOCK_M, BLOCK_N, STAGES, num_warps, has_zeros)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, **({"maxnreg": cap} if cap else {})})

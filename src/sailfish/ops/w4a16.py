@@ -231,9 +231,10 @@ def _check_config(cfg: Config, kp: int, m: int, group_size: int = -1, general_gi
     if cfg.BLOCK_K % K_CHUNK:
         raise ValueError(f"config BLOCK_K={cfg.BLOCK_K} must be a multiple of {K_CHUNK} "
                          "(whole chunks of the fragment-order weight layout)")
-    if cfg.kernel not in ("mma", "gemv", "dequant", "gluon"):
-        raise ValueError(f"config kernel={cfg.kernel!r} is not one of 'mma', 'gemv', 'dequant', 'gluon'")
-    if cfg.kernel == "gluon":
+    if cfg.kernel not in ("mma", "gemv", "dequant") + GLUON_KERNELS:
+        raise ValueError(f"config kernel={cfg.kernel!r} is not one of 'mma', 'gemv', 'dequant', 'gluon', "
+                         "'gluon_overlap'")
+    if cfg.kernel in GLUON_KERNELS:
         _check_gluon_config(cfg, kp)
     if cfg.kernel == "gemv" and cfg.BLOCK_M < m:
         raise ValueError(f"config kernel='gemv' needs BLOCK_M >= M, got BLOCK_M={cfg.BLOCK_M}, M={m}")
@@ -254,23 +255,37 @@ def _check_gluon_config(cfg: Config, kp: int) -> None:
     """The tiles kernels/w4a16_gluon.py compiles: one or two warpgroups, BLOCK_K = one K step
     of two 128-channel chunks, BLOCK_M 8-64 (wgmma's N), BLOCK_N 64 or 128 (64 rows per
     warpgroup and slice; 256 would not fit the registers), a ring of >= 2 steps, every split
-    non-empty."""
+    non-empty. 'gluon_overlap' (two steps' wgmmas in flight): one 64-row slice per warpgroup,
+    BLOCK_M 64 over two warpgroups, a ring of >= 3 steps and an even number of K steps in every
+    split (gluon_overlap_split_ok)."""
+    k = cfg.kernel
     if cfg.BLOCK_K != GLUON_STEP:
-        raise ValueError(f"config kernel='gluon' needs BLOCK_K={GLUON_STEP}, got {cfg.BLOCK_K}")
+        raise ValueError(f"config kernel={k!r} needs BLOCK_K={GLUON_STEP}, got {cfg.BLOCK_K}")
     if cfg.BLOCK_M not in (8, 16, 32, 64):
-        raise ValueError(f"config kernel='gluon' needs BLOCK_M in (8, 16, 32, 64), got {cfg.BLOCK_M}")
+        raise ValueError(f"config kernel={k!r} needs BLOCK_M in (8, 16, 32, 64), got {cfg.BLOCK_M}")
     if cfg.BLOCK_N not in (64, 128):
-        raise ValueError(f"config kernel='gluon' needs BLOCK_N in (64, 128), got {cfg.BLOCK_N}")
+        raise ValueError(f"config kernel={k!r} needs BLOCK_N in (64, 128), got {cfg.BLOCK_N}")
     if cfg.num_warps not in (4, 8) or cfg.BLOCK_N < 16 * cfg.num_warps:
-        raise ValueError(f"config kernel='gluon' needs num_warps 4 (one warpgroup) or 8 (two, BLOCK_N >= 128), "
+        raise ValueError(f"config kernel={k!r} needs num_warps 4 (one warpgroup) or 8 (two, BLOCK_N >= 128), "
                          f"got num_warps={cfg.num_warps}, BLOCK_N={cfg.BLOCK_N}")
-    if cfg.num_stages < 2:
-        raise ValueError(f"config kernel='gluon' needs num_stages >= 2 (the cp.async ring), got {cfg.num_stages}")
+    if k == "gluon_overlap" and (cfg.BLOCK_N != 16 * cfg.num_warps or (cfg.BLOCK_M == 64 and cfg.num_warps == 4)):
+        # two steps' A operands per thread: 64 rows per warpgroup (BLOCK_N 64 / 4 warps, 128 / 8), and
+        # BLOCK_M 64 over two warpgroups only (one: 255 registers, spilling in the K loop on Triton 3.6)
+        raise ValueError(f"config kernel='gluon_overlap' needs BLOCK_N = 16 * num_warps and, for BLOCK_M 64, "
+                         f"num_warps 8; got BLOCK_M={cfg.BLOCK_M}, BLOCK_N={cfg.BLOCK_N}, num_warps={cfg.num_warps}")
+    ring = 3 if k == "gluon_overlap" else 2
+    if cfg.num_stages < ring:
+        raise ValueError(f"config kernel={k!r} needs num_stages >= {ring} (the cp.async ring), got {cfg.num_stages}")
     if cfg.scale_acc:
-        raise ValueError("config kernel='gluon' takes no scale_acc (it always scales the fp32 products)")
-    if not gluon_split_ok(cfg.SPLIT_K, kp // GLUON_STEP):
-        raise ValueError(f"config kernel='gluon' SPLIT_K={cfg.SPLIT_K} leaves a split of the {kp // GLUON_STEP} "
+        raise ValueError(f"config kernel={k!r} takes no scale_acc (where its scales go is the kernel's choice)")
+    steps = kp // GLUON_STEP
+    if k == "gluon" and not gluon_split_ok(cfg.SPLIT_K, steps):
+        raise ValueError(f"config kernel='gluon' SPLIT_K={cfg.SPLIT_K} leaves a split of the {steps} "
                          f"K steps empty (split k takes steps [k * ceil(steps / SPLIT_K), ...))")
+    if k == "gluon_overlap" and not gluon_overlap_split_ok(cfg.SPLIT_K, steps):
+        raise ValueError(f"config kernel='gluon_overlap' SPLIT_K={cfg.SPLIT_K} does not give every split an even "
+                         f"number (>= 2) of the {steps} K steps (split k takes steps [k * ceil(steps / SPLIT_K), "
+                         "...))")
 
 
 # ----------------------------------------------------------------------------------
@@ -398,6 +413,10 @@ GEMV_MMA = os.environ.get("SAILFISH_GEMV_MMA", "1") == "1"
 # keeps the Gluon tiles out of the tuner's candidates (to compare).
 GLUON = os.environ.get("SAILFISH_GLUON", "1") == "1"
 GLUON_STEP = 2 * K_CHUNK  # channels per K step of the Gluon kernel (its BLOCK_K)
+# 'gluon_overlap': the Gluon kernel that dequantizes each K step while the previous step's
+# wgmmas run (kernels/w4a16_gluon.w4a16_gluon_overlap_kernel; compiled for sm_90a, not yet
+# measured on a GPU: no table entry and no tuner candidate uses it, docs/perf_log.md v25)
+GLUON_KERNELS = ("gluon", "gluon_overlap")
 
 
 def gluon_format(group_size: int, general_gidx: bool, k: int) -> bool:
@@ -410,6 +429,16 @@ def gluon_split_ok(split: int, steps: int) -> bool:
     """Every one of `split` splits of `steps` K steps gets one at least (the Gluon kernel gives
     split k the steps from k * ceil(steps / split))."""
     return 1 <= split <= steps and (split - 1) * -(-steps // split) < steps
+
+
+def gluon_overlap_split_ok(split: int, steps: int) -> bool:
+    """Every one of `split` splits of `steps` K steps gets an even number of them, 2 at least
+    (kernels/w4a16_gluon.w4a16_gluon_overlap_kernel works through its steps two at a time)."""
+    if not gluon_split_ok(split, steps):
+        return False
+    per = -(-steps // split)
+    last = steps - (split - 1) * per
+    return per % 2 == 0 and last % 2 == 0 and last >= 2
 
 
 @lru_cache(maxsize=None)
@@ -448,11 +477,13 @@ def _gluon_compile_failed(err: Exception) -> bool:
     return True
 
 
-def gluon_twin(cfg: Config) -> Config:
-    """The Triton config that computes what a 'gluon' config does: the same tile (BLOCK_M at
-    least the mma kernel's 16), split and K step (two 128-channel halves with the scale on each
-    fp32 product, SCALE_ACC)."""
-    return replace(cfg, kernel="mma", scale_acc=True, BLOCK_M=max(16, cfg.BLOCK_M))
+def gluon_twin(cfg: Config, group_size: int = 128) -> Config:
+    """The Triton config that computes what a 'gluon' or 'gluon_overlap' config does: the same
+    tile (BLOCK_M at least the mma kernel's 16), split and K step. 'gluon': two 128-channel
+    halves with the scale on each fp32 product (SCALE_ACC); 'gluon_overlap': groups scale the
+    weights (rounded once to x's dtype, no SCALE_ACC), per channel the product (SCALE_ACC)."""
+    sa = cfg.kernel == "gluon" or group_size == -1
+    return replace(cfg, kernel="mma", scale_acc=sa, BLOCK_M=max(16, cfg.BLOCK_M))
 
 
 def gluon_applies(x: torch.Tensor, qweight: torch.Tensor, group_size: int, general_gidx: bool, use_asm: bool) -> bool:
@@ -503,8 +534,8 @@ class _GemmPlan:
         from ..kernels.w4a16 import (_splitk_reduce_kernel, _w4a16_gemv_kernel, _w4a16_gemv_mma_kernel,
                                      _w4a16_kernel, gemv_asm, gemv_pairs, gemv_warps)
 
-        if cfg.kernel == "gluon" and not gluon:  # (gluon_applies)
-            cfg = gluon_twin(cfg)
+        if cfg.kernel in GLUON_KERNELS and not gluon:  # (gluon_applies)
+            cfg = gluon_twin(cfg, group_size)
         self.config = cfg
         even_k = K % cfg.BLOCK_K == 0
         # PDL (ops/launch.py): the split-K GEMM lets the reduce launch at once, the reduce waits
@@ -512,12 +543,16 @@ class _GemmPlan:
         meta = dict(GROUP_SIZE=gs, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, EVEN_K=even_k, SPLIT_K=cfg.SPLIT_K,
                     EMU_BF16=emu, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, PDL_EARLY=chained,
                     **cfg.launch())
-        if cfg.kernel == "gluon":  # (takes no g_idx pointer)
-            from ..kernels.w4a16_gluon import layouts, max_registers, w4a16_gluon_kernel
+        if cfg.kernel in GLUON_KERNELS:  # (takes no g_idx pointer)
+            from ..kernels.w4a16_gluon import (layouts, max_registers, w4a16_gluon_kernel,
+                                               w4a16_gluon_overlap_kernel)
 
             self.kind = "gluon"
-            cap = max_registers(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_stages, cfg.num_warps, has_zeros)
-            self.gemm = Launch(w4a16_gluon_kernel, dict(
+            overlap = cfg.kernel == "gluon_overlap"
+            # (the overlap kernel's ~170-250 registers are its two steps' A operands: no cap)
+            cap = None if overlap else max_registers(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_stages, cfg.num_warps,
+                                                     has_zeros)
+            self.gemm = Launch(w4a16_gluon_overlap_kernel if overlap else w4a16_gluon_kernel, dict(
                 GROUP_CHUNKS=gs // K_CHUNK, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, STAGES=cfg.num_stages, PDL_EARLY=chained,
                 num_warps=cfg.num_warps, **({"maxnreg": cap} if cap else {}),
@@ -695,7 +730,7 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                              mma_asm=use_asm and _has_mma_asm(x),
                              tensor_core_gemv=gemv_on_tensor_cores(cfg, x, gs, sorted_g_idx is not None),
                              paired=pairable, bf16=x.dtype == torch.bfloat16, K=K, group_size=group_size,
-                             gluon=cfg.kernel == "gluon" and gluon_applies(x, qweight, group_size,
+                             gluon=cfg.kernel in GLUON_KERNELS and gluon_applies(x, qweight, group_size,
                                                                            sorted_g_idx is not None, use_asm))
 
         plan = build()
