@@ -195,6 +195,32 @@ def test_gluon_overlap_split_ok():
             assert gluon_overlap_split_ok(split, steps) == expect, (steps, split)
 
 
+def test_experimental_candidates_are_valid(monkeypatch):
+    """The offline tuner's --experimental tiles (the GEMV's cp.async ring, 'gluon_overlap') pass
+    the launcher's checks for every M bucket and format they are offered for, and the runtime
+    candidate list (the autotuner, which does not check outputs) holds none of them."""
+    monkeypatch.setattr(ops16, "gluon_device", lambda index: True)
+    monkeypatch.setattr(ops16, "sm_count", lambda index: 132)
+    dev = torch.device("cuda", 0)
+    kinds = set()
+    for kp, n in [(4096, 6144), (14336, 4096), (28672, 8192), (8192, 57344), (1536, 128)]:
+        for m in (1, 2, 4, 8, 16, 32, 64):
+            for gs, zeros in ((128, False), (-1, True), (256, True)):
+                problem = dict(device=dev, M=m, N=n, Kp=kp, group_size=gs, general_gidx=False, has_zeros=zeros)
+                extra = list(ops16._experimental_candidates(**problem))
+                for cfg in extra:
+                    ops16._check_config(cfg, kp, m, gs)
+                    kinds.add((cfg.kernel, cfg.num_stages >= 3))
+                regular = set(ops16._w4a16_candidates(**problem))
+                assert not regular & set(extra), (m, kp, n)
+                assert not any(c.kernel == "gluon_overlap" or (c.kernel == "gemv" and c.num_stages >= 3)
+                               for c in regular)
+    assert kinds == {("gemv", True), ("gluon_overlap", True)}
+    from sailfish.bench.tune import main
+    if not torch.cuda.is_available():
+        assert main(["--experimental", "--m", "1"]) == 2  # (parses; tuning needs a GPU)
+
+
 def test_wgmma_register_hazard_counts_groups():
     """bench.ptx.wgmma_register_hazard on hand-written SASS: a wait 'DEPBAR.LE gsb0, N' leaves
     the last N wgmma groups (each closed by the gsb0 of its last HGMMA) in flight, so writing

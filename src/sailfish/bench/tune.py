@@ -30,11 +30,13 @@ def _parse_shapes(s: str):
     return [tuple(int(v) for v in item.lower().split("x")) for item in s.split(",") if item]
 
 
-def _w4a16_family(k, n, group_size, sym, dtype):
-    """(layer factory, launcher(layer, x, cfg), reference(layer, x), candidates, keys)."""
+def _w4a16_family(k, n, group_size, sym, dtype, experimental=False):
+    """(layer factory, launcher(layer, x, cfg), reference(layer, x), candidates, keys).
+    experimental: the candidates also include ops/w4a16._experimental_candidates."""
     from ..formats.int4 import padded_k
     from ..nn import QuantLinear
-    from ..ops.w4a16 import _w4a16_candidates, _w4a16_heuristic, w4a16_key, w4a16_launch
+    from ..ops.w4a16 import (_experimental_candidates, _w4a16_candidates, _w4a16_heuristic, w4a16_key,
+                             w4a16_launch)
     from ..tuning import problem_key
     kp = padded_k(k)
 
@@ -50,7 +52,8 @@ def _w4a16_family(k, n, group_size, sym, dtype):
     def candidates(m):
         problem = dict(M=m, N=n, Kp=kp, group_size=group_size, general_gidx=False, has_zeros=not sym)
         dev = torch.device("cuda")
-        return [_w4a16_heuristic(device=dev, **problem), *_w4a16_candidates(device=dev, **problem)]
+        extra = _experimental_candidates(device=dev, **problem) if experimental else ()
+        return [_w4a16_heuristic(device=dev, **problem), *_w4a16_candidates(device=dev, **problem), *extra]
 
     def keys(m):
         out = [w4a16_key(kp, n, m, group_size, not sym, False, dtype)]
@@ -61,7 +64,7 @@ def _w4a16_family(k, n, group_size, sym, dtype):
     return make, launch, prepare, candidates, keys
 
 
-def _w4a8_family(k, n, group_size, sym, dtype):
+def _w4a8_family(k, n, group_size, sym, dtype, experimental=False):
     from ..formats.int4 import padded_k
     from ..nn import QuantLinear
     from ..ops.w4a8 import _w4a8_candidates, _w4a8_heuristic, w4a8_key, w4a8_launch
@@ -99,8 +102,8 @@ FAMILIES = {"w4a16": _w4a16_family, "w4a8": _w4a8_family}
 RETIME = 4  # candidates timed twice more before the choice
 
 
-def tune_shape(family, k, n, ms, group_size, sym, dtype, log=print):
-    make, launch, prepare, candidates, keys = FAMILIES[family](k, n, group_size, sym, dtype)
+def tune_shape(family, k, n, ms, group_size, sym, dtype, log=print, experimental=False):
+    make, launch, prepare, candidates, keys = FAMILIES[family](k, n, group_size, sym, dtype, experimental)
     lin = torch.nn.Linear(k, n, bias=False, dtype=dtype, device="cuda")
     base = make(lin)
     del lin
@@ -156,6 +159,9 @@ def main(argv=None) -> int:
     ap.add_argument("--asym", action="store_true")
     ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
     ap.add_argument("--out", default=None, help="config JSON to update")
+    ap.add_argument("--experimental", action="store_true",
+                    help="w4a16: also the tiles of paths not yet measured on a GPU (the GEMV's cp.async "
+                         "ring, 'gluon_overlap'); each is checked against the reference like every candidate")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("tuning needs a CUDA GPU", file=sys.stderr)
@@ -170,7 +176,8 @@ def main(argv=None) -> int:
             entries = {k: Config(**v) for k, v in json.load(f).get("configs", {}).items()}
     t0 = time.time()
     for k, n in _parse_shapes(args.shapes):
-        entries.update(tune_shape(args.family, k, n, ms, args.group_size, not args.asym, dtype))
+        entries.update(tune_shape(args.family, k, n, ms, args.group_size, not args.asym, dtype,
+                                  experimental=args.experimental))
         if args.out:
             save_table(args.out, gpu_key(torch.device("cuda")), entries,
                        {"device": torch.cuda.get_device_name(), "torch": torch.__version__,

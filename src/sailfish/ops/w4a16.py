@@ -210,6 +210,34 @@ def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros=F
                     yield c
 
 
+def _experimental_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros=False):
+    """Tiles of paths that compile for sm_90a and pass the interpreter tests but have not been
+    measured on a GPU yet (docs/perf_log.md v24, v25): the tensor-core GEMV with its words
+    through a cp.async ring (num_stages 3, 4) and the 'gluon_overlap' tiles. Only the offline
+    tuner offers them (`python -m sailfish.bench.tune --experimental`), and it checks every
+    candidate's output against the reference before timing it; the runtime autotuner does not
+    check outputs, so they are not among its candidates."""
+    sms = sm_count(device.index or 0)
+    if _tensor_core_gemv(M, group_size, general_gidx):
+        for bn, bk, warps in ((16, 1024, 8), (16, 512, 4), (32, 512, 4), (64, 512, 4)):
+            if Kp % bk:
+                continue
+            for split in sorted({1, split_k_for(-(-N // bn), Kp // bk, sms)}):
+                for stages in (3, 4):
+                    for sa in (False, True):
+                        yield Config(M, bn, bk, split, 8, warps, stages, kernel="gemv", scale_acc=sa)
+    if 2 <= M <= 64 and gluon_format(group_size, general_gidx, Kp) and gluon_device(device.index or 0):
+        bm = 8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64
+        # one 64-row slice per warpgroup; BLOCK_M 64 over two (_check_gluon_config)
+        tiles_ = [(64, 128, 8, 3), (64, 128, 8, 4)] if bm == 64 else [(bm, 64, 4, 3), (bm, 64, 4, 4),
+                                                                       (bm, 128, 8, 3)]
+        for bm_, bn, warps, stages in tiles_:
+            tiles = -(-M // bm_) * -(-N // bn)
+            for split in (1, 2, 3, 4, 6, 8):
+                if gluon_overlap_split_ok(split, Kp // GLUON_STEP) and tiles * split <= 8 * sms:
+                    yield Config(bm_, bn, GLUON_STEP, split, 8, warps, stages, kernel="gluon_overlap")
+
+
 def w4a16_key(kp: int, n: int, m: int, group_size: int, has_zeros: bool, general_gidx: bool,
               dtype: torch.dtype) -> str:
     flags = f"gs={group_size}|zeros={int(has_zeros)}|gidx={int(general_gidx)}|{str(dtype)[6:]}"
