@@ -35,6 +35,10 @@ Data path per K step (no shared-memory trip of the dequantized tile):
   the end.
 Output: y in x's dtype (+ bias), or with SPLIT_K > 1 fp32 partial sums for the package's
 fixed-order reduce (kernels/w4a16._splitk_reduce_kernel), as the Triton kernel.
+
+w4a16_gluon_overlap_kernel ('gluon_overlap' configs) computes the same with two K steps' wgmmas
+in flight, each step dequantized while the previous one's run (its docstring says what ptxas
+needs for that); compiled and checked for sm_90a, not yet measured on a GPU (docs/perf_log.md v25).
 """
 from __future__ import annotations
 
@@ -363,12 +367,12 @@ def w4a16_gluon_overlap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_
                                X_SMEM: gl.constexpr, W_BLK: gl.constexpr, W_SMEM: gl.constexpr):
     """w4a16_gluon_kernel's product with each step's dequantization overlapping the previous
     step's wgmmas (same arguments; STAGES >= 3, every split an even number of K steps: the
-    launcher checks, overlap_split_ok).
+    launcher checks, ops/w4a16.gluon_overlap_split_ok).
 
     Two steps' wgmmas are in flight: step i waits until only step i - 1's two wgmma groups (one
     per chunk) are outstanding, which retires step i - 2's and frees its A registers, then
-    dequantizes step i. The loop is
-    unrolled twice so that the two steps' A operands are different values: compiled for sm_90a
+    dequantizes step i. The loop is unrolled twice so that the two steps' A operands are
+    different values: compiled for sm_90a
     (ptxas 12.8 and 13.4) as one loop with a wait per step, ptxas gave them the same registers
     and moved each wait above the next step's dequantization (no overlap left); unrolled, the
     32 wgmmas of two steps read 32 different register quads and the waits stay 'wait(2)'.
