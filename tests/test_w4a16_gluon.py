@@ -92,6 +92,7 @@ OVERLAP_CASES = [
     (64, 1024, 320, -1, False, BF16, False, _overlap(64, 128, 1, 8, 3)),
     (40, 3072, 256, 128, True, BF16, True, _overlap(64, 128, 3, 8, 4)),
     (11, 1024, 128, 128, True, F16, False, _overlap(8, 64, 2, 4, 3)),
+    (1, 2048, 72, 128, False, F16, True, _overlap(8, 64, 2, 4, 4)),
 ]
 
 
