@@ -93,6 +93,7 @@ OVERLAP_CASES = [
     (40, 3072, 256, 128, True, BF16, True, _overlap(64, 128, 3, 8, 4)),
     (11, 1024, 128, 128, True, F16, False, _overlap(8, 64, 2, 4, 3)),
     (1, 2048, 72, 128, False, F16, True, _overlap(8, 64, 2, 4, 4)),
+    (100, 1024, 128, 128, True, F16, False, _overlap(64, 128, 2, 8, 3)),
 ]
 
 
@@ -205,7 +206,7 @@ def test_experimental_candidates_are_valid(monkeypatch):
     dev = torch.device("cuda", 0)
     kinds = set()
     for kp, n in [(4096, 6144), (14336, 4096), (28672, 8192), (8192, 57344), (1536, 128)]:
-        for m in (1, 2, 4, 8, 16, 32, 64):
+        for m in (1, 2, 4, 8, 16, 32, 64, 128):
             for gs, zeros in ((128, False), (-1, True), (256, True)):
                 problem = dict(device=dev, M=m, N=n, Kp=kp, group_size=gs, general_gidx=False, has_zeros=zeros)
                 extra = list(ops16._experimental_candidates(**problem))

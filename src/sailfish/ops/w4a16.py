@@ -226,8 +226,9 @@ def _experimental_candidates(*, device, M, N, Kp, group_size, general_gidx, has_
                 for stages in (3, 4):
                     for sa in (False, True):
                         yield Config(M, bn, bk, split, 8, warps, stages, kernel="gemv", scale_acc=sa)
-    # (from M = 1: there the GEMV beat the BM 8 tile of the Gluon kernel, 0.74-0.99x, v24)
-    if M <= 64 and gluon_format(group_size, general_gidx, Kp) and gluon_device(device.index or 0):
+    # (from M = 1: there the GEMV beat the BM 8 tile of the Gluon kernel, 0.74-0.99x, v24; up to
+    # M = 128, two BM 64 tiles per N tile, where the tensor cores take twice the HBM time)
+    if M <= 128 and gluon_format(group_size, general_gidx, Kp) and gluon_device(device.index or 0):
         bm = 8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64
         # one 64-row slice per warpgroup; BLOCK_M 64 over two (_check_gluon_config)
         tiles_ = [(64, 128, 8, 3), (64, 128, 8, 4)] if bm == 64 else [(bm, 64, 4, 3), (bm, 64, 4, 4),
