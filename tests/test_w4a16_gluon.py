@@ -221,6 +221,8 @@ def test_experimental_candidates_are_valid(monkeypatch):
     from sailfish.bench.tune import main
     if not torch.cuda.is_available():
         assert main(["--experimental", "--m", "1"]) == 2  # (parses; tuning needs a GPU)
+    with pytest.raises(SystemExit):  # no W4A8 tiles of that kind
+        main(["--experimental", "--family", "w4a8"])
 
 
 def test_wgmma_register_hazard_counts_groups():

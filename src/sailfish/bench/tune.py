@@ -65,6 +65,7 @@ def _w4a16_family(k, n, group_size, sym, dtype, experimental=False):
 
 
 def _w4a8_family(k, n, group_size, sym, dtype, experimental=False):
+    """As _w4a16_family (experimental: W4A8 has no such tiles; main refuses the flag)."""
     from ..formats.int4 import padded_k
     from ..nn import QuantLinear
     from ..ops.w4a8 import _w4a8_candidates, _w4a8_heuristic, w4a8_key, w4a8_launch
@@ -163,6 +164,8 @@ def main(argv=None) -> int:
                     help="w4a16: also the tiles of paths not yet measured on a GPU (the GEMV's cp.async "
                          "ring, 'gluon_overlap'); each is checked against the reference like every candidate")
     args = ap.parse_args(argv)
+    if args.experimental and args.family != "w4a16":
+        ap.error("--experimental has tiles for --family w4a16 only")
     if not torch.cuda.is_available():
         print("tuning needs a CUDA GPU", file=sys.stderr)
         return 2

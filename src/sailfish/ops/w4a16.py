@@ -53,7 +53,7 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=Fa
         tiles = -(-N // 64)
         split = next((s for s in (1, 2, 3, 4, 6, 8) if gluon_split_ok(s, Kp // GLUON_STEP) and tiles * s >= 2.9 * sms),
                      1)
-        return Config(8 if M <= 8 else 16, 64, GLUON_STEP, split, 8, 4, 3, kernel="gluon")
+        return Config(_gluon_block_m(M), 64, GLUON_STEP, split, 8, 4, 3, kernel="gluon")
     if _tensor_core_gemv(M, group_size, general_gidx):
         # tensor-core GEMV, H200 (GPU_CHECK.sh of issue 9, 8 Llama shapes): at M = 1, 16 rows x
         # 8 chunk slots / 8 warps without prefetch was best or within ~10% of the best tile on
@@ -134,18 +134,25 @@ def _gluon_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros):
     6 are tried too."""
     if not (2 <= M <= 64 and gluon_format(group_size, general_gidx, Kp) and gluon_device(device.index or 0)):
         return
-    sms = sm_count(device.index or 0)
-    steps = Kp // GLUON_STEP
-    if M <= 32:
-        bm = 8 if M <= 8 else 16 if M <= 16 else 32
-        tiles_ = [(bm, 64, 4, 3), (bm, 64, 4, 4)]
-    else:
-        tiles_ = [(64, 128, 8, 3)]
+    bm = _gluon_block_m(M)
+    tiles_ = [(bm, 64, 4, 3), (bm, 64, 4, 4)] if M <= 32 else [(64, 128, 8, 3)]
+    yield from _gluon_tiles("gluon", tiles_, M=M, N=N, Kp=Kp, sms=sm_count(device.index or 0))
+
+
+def _gluon_block_m(M: int) -> int:
+    """The Gluon kernels' BLOCK_M (wgmma's N) for a batch of M rows: the smallest of 8-64 that holds it."""
+    return 8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64
+
+
+def _gluon_tiles(kernel: str, tiles_, *, M, N, Kp, sms):
+    """Configs of a Gluon kernel for (BLOCK_M, BLOCK_N, num_warps, num_stages) tiles, with every
+    split in 1-8 that the kernel takes (_gluon_split_ok) and that keeps the programs within 8 per SM."""
+    split_ok = _gluon_split_ok(kernel)
     for bm, bn, warps, stages in tiles_:
         tiles = -(-M // bm) * -(-N // bn)
         for split in (1, 2, 3, 4, 6, 8):
-            if gluon_split_ok(split, steps) and tiles * split <= 8 * sms:
-                yield Config(bm, bn, GLUON_STEP, split, 8, warps, stages, kernel="gluon")
+            if split_ok(split, Kp // GLUON_STEP) and tiles * split <= 8 * sms:
+                yield Config(bm, bn, GLUON_STEP, split, 8, warps, stages, kernel=kernel)
 
 
 def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros=False):
@@ -217,27 +224,20 @@ def _experimental_candidates(*, device, M, N, Kp, group_size, general_gidx, has_
     tuner offers them (`python -m sailfish.bench.tune --experimental`), and it checks every
     candidate's output against the reference before timing it; the runtime autotuner does not
     check outputs, so they are not among its candidates."""
-    sms = sm_count(device.index or 0)
-    if _tensor_core_gemv(M, group_size, general_gidx):
-        for bn, bk, warps in ((16, 1024, 8), (16, 512, 4), (32, 512, 4), (64, 512, 4)):
-            if Kp % bk:
-                continue
-            for split in sorted({1, split_k_for(-(-N // bn), Kp // bk, sms)}):
-                for stages in (3, 4):
-                    for sa in (False, True):
-                        yield Config(M, bn, bk, split, 8, warps, stages, kernel="gemv", scale_acc=sa)
+    problem = dict(device=device, M=M, N=N, Kp=Kp, group_size=group_size, general_gidx=general_gidx,
+                   has_zeros=has_zeros)
+    if _tensor_core_gemv(M, group_size, general_gidx):  # the regular GEMV tiles, with a 3- or 4-stage ring
+        for cfg in _w4a16_candidates(**problem):
+            if cfg.kernel == "gemv" and cfg.num_stages == 1:
+                yield from (replace(cfg, num_stages=stages) for stages in (3, 4))
     # (from M = 1: there the GEMV beat the BM 8 tile of the Gluon kernel, 0.74-0.99x, v24; up to
     # M = 128, two BM 64 tiles per N tile, where the tensor cores take twice the HBM time)
     if M <= 128 and gluon_format(group_size, general_gidx, Kp) and gluon_device(device.index or 0):
-        bm = 8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64
+        bm = _gluon_block_m(M)
         # one 64-row slice per warpgroup; BLOCK_M 64 over two (_check_gluon_config)
         tiles_ = [(64, 128, 8, 3), (64, 128, 8, 4)] if bm == 64 else [(bm, 64, 4, 3), (bm, 64, 4, 4),
                                                                        (bm, 128, 8, 3)]
-        for bm_, bn, warps, stages in tiles_:
-            tiles = -(-M // bm_) * -(-N // bn)
-            for split in (1, 2, 3, 4, 6, 8):
-                if gluon_overlap_split_ok(split, Kp // GLUON_STEP) and tiles * split <= 8 * sms:
-                    yield Config(bm_, bn, GLUON_STEP, split, 8, warps, stages, kernel="gluon_overlap")
+        yield from _gluon_tiles("gluon_overlap", tiles_, M=M, N=N, Kp=Kp, sms=sm_count(device.index or 0))
 
 
 def w4a16_key(kp: int, n: int, m: int, group_size: int, has_zeros: bool, general_gidx: bool,
@@ -309,13 +309,11 @@ def _check_gluon_config(cfg: Config, kp: int) -> None:
     if cfg.scale_acc:
         raise ValueError(f"config kernel={k!r} takes no scale_acc (where its scales go is the kernel's choice)")
     steps = kp // GLUON_STEP
-    if k == "gluon" and not gluon_split_ok(cfg.SPLIT_K, steps):
-        raise ValueError(f"config kernel='gluon' SPLIT_K={cfg.SPLIT_K} leaves a split of the {steps} "
-                         f"K steps empty (split k takes steps [k * ceil(steps / SPLIT_K), ...))")
-    if k == "gluon_overlap" and not gluon_overlap_split_ok(cfg.SPLIT_K, steps):
-        raise ValueError(f"config kernel='gluon_overlap' SPLIT_K={cfg.SPLIT_K} does not give every split an even "
-                         f"number (>= 2) of the {steps} K steps (split k takes steps [k * ceil(steps / SPLIT_K), "
-                         "...))")
+    if not _gluon_split_ok(k)(cfg.SPLIT_K, steps):
+        what = (f"does not give every split an even number (>= 2) of the {steps} K steps" if k == "gluon_overlap"
+                else f"leaves a split of the {steps} K steps empty")
+        raise ValueError(f"config kernel={k!r} SPLIT_K={cfg.SPLIT_K} {what} (split k takes steps "
+                         "[k * ceil(steps / SPLIT_K), ...))")
 
 
 # ----------------------------------------------------------------------------------
@@ -445,7 +443,8 @@ GLUON = os.environ.get("SAILFISH_GLUON", "1") == "1"
 GLUON_STEP = 2 * K_CHUNK  # channels per K step of the Gluon kernel (its BLOCK_K)
 # 'gluon_overlap': the Gluon kernel that dequantizes each K step while the previous step's
 # wgmmas run (kernels/w4a16_gluon.w4a16_gluon_overlap_kernel; compiled for sm_90a, not yet
-# measured on a GPU: no table entry and no tuner candidate uses it, docs/perf_log.md v25)
+# measured on a GPU: no table entry or regular candidate uses it, only the offline tuner's
+# --experimental, _experimental_candidates; docs/perf_log.md v25)
 GLUON_KERNELS = ("gluon", "gluon_overlap")
 
 
@@ -469,6 +468,11 @@ def gluon_overlap_split_ok(split: int, steps: int) -> bool:
     per = -(-steps // split)
     last = steps - (split - 1) * per
     return per % 2 == 0 and last % 2 == 0 and last >= 2
+
+
+def _gluon_split_ok(kernel: str):
+    """The split rule of a Gluon kernel: gluon_split_ok or gluon_overlap_split_ok."""
+    return gluon_overlap_split_ok if kernel == "gluon_overlap" else gluon_split_ok
 
 
 @lru_cache(maxsize=None)
