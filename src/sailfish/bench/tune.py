@@ -3,10 +3,17 @@
     python -m sailfish.bench.tune --out src/sailfish/kernels/configs/h200.json
 
 For every shape and M, every candidate config of the kernel family (--family w4a16 or
-w4a8: the ops module's candidate list plus the heuristic's choice) is checked against
-the reference, then timed (CUDA graph over R weight copies); the fastest is written
-under the same key the launcher looks up.
+w4a8: the ops module's candidate list plus the heuristic's choice and the config the
+launcher uses today, "shipped": the package table's entry or the heuristic) is checked
+against the reference, then timed (CUDA graph over R weight copies); the fastest is
+written under the same key the launcher looks up. Each line of the log gives the best,
+the shipped and the heuristic times (--show N: the N fastest candidates too).
 Existing entries in --out are kept unless re-tuned.
+
+    python -m sailfish.bench.tune --kernels gluon_overlap --m 16,32,64 --show 3
+
+times only one kernel's tiles (here 'gluon_overlap') against the shipped config, which is how
+a new path is measured and a table updated for it without re-timing every candidate.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ import time
 
 import torch
 
+from ..tuning import m_bucket
 from .timing import copies_needed, graph_time_us
 
 LLAMA_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096),
@@ -35,10 +43,11 @@ def _w4a16_family(k, n, group_size, sym, dtype, experimental=False):
     experimental: the candidates also include ops/w4a16._experimental_candidates."""
     from ..formats.int4 import padded_k
     from ..nn import QuantLinear
-    from ..ops.w4a16 import (_experimental_candidates, _w4a16_candidates, _w4a16_heuristic, w4a16_key,
-                             w4a16_launch)
+    from ..ops.w4a16 import (W4A16_TUNER, _experimental_candidates, _w4a16_candidates, _w4a16_heuristic,
+                             w4a16_key, w4a16_launch)
     from ..tuning import problem_key
     kp = padded_k(k)
+    problem = dict(N=n, Kp=kp, group_size=group_size, general_gidx=False, has_zeros=not sym)
 
     def make(lin):
         return QuantLinear.from_linear(lin, group_size=group_size, sym=sym)
@@ -50,10 +59,10 @@ def _w4a16_family(k, n, group_size, sym, dtype, experimental=False):
         return x, x.float() @ l.dequantize().T
 
     def candidates(m):
-        problem = dict(M=m, N=n, Kp=kp, group_size=group_size, general_gidx=False, has_zeros=not sym)
         dev = torch.device("cuda")
-        extra = _experimental_candidates(device=dev, **problem) if experimental else ()
-        return [_w4a16_heuristic(device=dev, **problem), *_w4a16_candidates(device=dev, **problem), *extra]
+        extra = _experimental_candidates(device=dev, M=m, **problem) if experimental else ()
+        return [_w4a16_heuristic(device=dev, M=m, **problem), *_w4a16_candidates(device=dev, M=m, **problem),
+                *extra]
 
     def keys(m):
         out = [w4a16_key(kp, n, m, group_size, not sym, False, dtype)]
@@ -61,14 +70,20 @@ def _w4a16_family(k, n, group_size, sym, dtype, experimental=False):
             out.append(problem_key("w4a16", kp, n, m, "any"))
         return out
 
-    return make, launch, prepare, candidates, keys
+    def shipped(m):  # what the launcher picks without autotuning (ops/w4a16.w4a16_launch)
+        dev = torch.device("cuda")
+        return _table_entry(W4A16_TUNER, [w4a16_key(kp, n, m, group_size, not sym, False, dtype),
+                                          problem_key("w4a16", kp, n, m, "any")],
+                            lambda: _w4a16_heuristic(device=dev, M=m_bucket(m), **problem))
+
+    return make, launch, prepare, candidates, keys, shipped
 
 
 def _w4a8_family(k, n, group_size, sym, dtype, experimental=False):
     """As _w4a16_family (experimental: W4A8 has no such tiles; main refuses the flag)."""
     from ..formats.int4 import padded_k
     from ..nn import QuantLinear
-    from ..ops.w4a8 import _w4a8_candidates, _w4a8_heuristic, w4a8_key, w4a8_launch
+    from ..ops.w4a8 import W4A8_TUNER, _w4a8_candidates, _w4a8_heuristic, w4a8_key, w4a8_launch
     from ..tuning import problem_key
     kp = padded_k(k)
 
@@ -94,7 +109,22 @@ def _w4a8_family(k, n, group_size, sym, dtype, experimental=False):
             out.append(problem_key("w4a8", k, n, m, "any"))
         return out
 
-    return make, launch, prepare, candidates, keys
+    def shipped(m):
+        dev = torch.device("cuda")
+        return _table_entry(W4A8_TUNER, [w4a8_key(k, n, m, group_size, dtype), problem_key("w4a8", k, n, m, "any")],
+                            lambda: _w4a8_heuristic(device=dev, M=m_bucket(m), N=n, K=k, Kp=kp,
+                                                    group_size=group_size))
+
+    return make, launch, prepare, candidates, keys, shipped
+
+
+def _table_entry(tuner, keys, heuristic):
+    """The package table's entry under the first of `keys` present (the launcher's lookup
+    order: the format's key, then the shape's "any" key), else heuristic()."""
+    from ..tuning import Config
+    table = tuner.table(torch.device("cuda"))
+    entry = next((table[k] for k in keys if k in table), None)
+    return heuristic() if entry is None else Config(**entry)
 
 
 FAMILIES = {"w4a16": _w4a16_family, "w4a8": _w4a8_family}
@@ -103,8 +133,11 @@ FAMILIES = {"w4a16": _w4a16_family, "w4a8": _w4a8_family}
 RETIME = 4  # candidates timed twice more before the choice
 
 
-def tune_shape(family, k, n, ms, group_size, sym, dtype, log=print, experimental=False):
-    make, launch, prepare, candidates, keys = FAMILIES[family](k, n, group_size, sym, dtype, experimental)
+def tune_shape(family, k, n, ms, group_size, sym, dtype, log=print, experimental=False, kernels=None, show=0):
+    """kernels: only the candidates of these kernels (Config.kernel) are timed, with the shipped
+    config (None: all). show: log the `show` fastest candidates with their times."""
+    make, launch, prepare, candidates, keys, shipped = FAMILIES[family](k, n, group_size, sym, dtype,
+                                                                        experimental)
     lin = torch.nn.Linear(k, n, bias=False, dtype=dtype, device="cuda")
     base = make(lin)
     del lin
@@ -115,7 +148,9 @@ def tune_shape(family, k, n, ms, group_size, sym, dtype, log=print, experimental
     for m in ms:
         x = torch.randn(m, k, dtype=dtype, device="cuda")
         xin, ref = prepare(base, x)
-        cands = list(dict.fromkeys(candidates(m)))
+        now = shipped(m)
+        cands = [c for c in candidates(m) if kernels is None or c.kernel in kernels]
+        cands = list(dict.fromkeys([*cands, now]))
         results = []
         for cfg in cands:
             try:
@@ -138,11 +173,14 @@ def tune_shape(family, k, n, ms, group_size, sym, dtype, log=print, experimental
                 t = min(t, graph_time_us([lambda l=l, cfg=cfg: launch(l, xin, cfg) for l in layers]))
             top.append((t, cfg))
         results[:RETIME] = sorted(top, key=lambda tc: tc[0])
-        heur_t = next((t for t, c in results if c == cands[0]), float("nan"))
+        heur_t = next((t for t, c in results if c == cands[0]), float("nan")) if kernels is None else float("nan")
+        now_t = next((t for t, c in results if c == now), float("nan"))
         t, cfg = results[0]
         t_fp = graph_time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in fp16_w])
         log(f"{family} K={k} N={n} M={m}: best {t:.1f} us ({t_fp / t:.2f}x cuBLAS {t_fp:.1f} us) "
-            f"heuristic {heur_t:.1f} us; {cfg}")
+            f"shipped {now_t:.1f} us heuristic {heur_t:.1f} us; {cfg}")
+        for tc, c in results[:show]:
+            log(f"    {tc:8.1f} us {'*' if c == now else ' '} {c}")
         for key in keys(m):
             best[key] = cfg
     del layers, fp16_w, base
@@ -161,11 +199,23 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
     ap.add_argument("--out", default=None, help="config JSON to update")
     ap.add_argument("--experimental", action="store_true",
-                    help="w4a16: also the tiles of paths not yet measured on a GPU (the GEMV's cp.async "
-                         "ring, 'gluon_overlap'); each is checked against the reference like every candidate")
+                    help="w4a16: also the tiles that pass every test but did not win where measured (the "
+                         "GEMV's cp.async ring; 'gluon_overlap' outside M = 9-64); each is checked against "
+                         "the reference like every candidate")
+    ap.add_argument("--kernels", default=None,
+                    help="comma-separated Config.kernel names: time only their tiles and the shipped config")
+    ap.add_argument("--show", type=int, default=0, metavar="N", help="log the N fastest candidates per problem")
     args = ap.parse_args(argv)
+    kernels = None if args.kernels is None else set(args.kernels.split(","))
+    from ..ops.w4a16 import GLUON_KERNELS
+    from ..tuning import KERNELS
+    known = set(KERNELS) | set(GLUON_KERNELS)
+    if kernels is not None and not kernels <= known:
+        ap.error(f"--kernels: unknown {sorted(kernels - known)}; the kernels are {sorted(known)}")
     if args.experimental and args.family != "w4a16":
         ap.error("--experimental has tiles for --family w4a16 only")
+    if args.show < 0:
+        ap.error(f"--show must be >= 0, got {args.show}")
     if not torch.cuda.is_available():
         print("tuning needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -180,7 +230,8 @@ def main(argv=None) -> int:
     t0 = time.time()
     for k, n in _parse_shapes(args.shapes):
         entries.update(tune_shape(args.family, k, n, ms, args.group_size, not args.asym, dtype,
-                                  experimental=args.experimental))
+                                  experimental=args.experimental, kernels=kernels,
+                                  show=args.show))
         if args.out:
             save_table(args.out, gpu_key(torch.device("cuda")), entries,
                        {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
