@@ -198,15 +198,16 @@ def test_gluon_overlap_split_ok():
 
 
 def test_experimental_candidates_are_valid(monkeypatch):
-    """The offline tuner's --experimental tiles (the GEMV's cp.async ring, 'gluon_overlap') pass
-    the launcher's checks for every M bucket and format they are offered for, and the runtime
-    candidate list (the autotuner, which does not check outputs) holds none of them."""
+    """The offline tuner's --experimental tiles (the GEMV's cp.async ring, 'gluon_overlap' outside
+    M = 9-64) pass the launcher's checks for every M bucket and format they are offered for; the
+    runtime candidate list (the autotuner, which does not check outputs) holds none of them, and
+    holds the 'gluon_overlap' tiles at M = 9-64 only (measured there, docs/perf_log.md v26)."""
     monkeypatch.setattr(ops16, "gluon_device", lambda index: True)
     monkeypatch.setattr(ops16, "sm_count", lambda index: 132)
     dev = torch.device("cuda", 0)
-    kinds = set()
+    kinds, overlap_ms = set(), set()
     for kp, n in [(4096, 6144), (14336, 4096), (28672, 8192), (8192, 57344), (1536, 128)]:
-        for m in (1, 2, 4, 8, 16, 32, 64, 128):
+        for m in (1, 2, 4, 8, 9, 16, 32, 64, 128):
             for gs, zeros in ((128, False), (-1, True), (256, True)):
                 problem = dict(device=dev, M=m, N=n, Kp=kp, group_size=gs, general_gidx=False, has_zeros=zeros)
                 extra = list(ops16._experimental_candidates(**problem))
@@ -215,14 +216,22 @@ def test_experimental_candidates_are_valid(monkeypatch):
                     kinds.add((cfg.kernel, cfg.num_stages >= 3))
                 regular = set(ops16._w4a16_candidates(**problem))
                 assert not regular & set(extra), (m, kp, n)
-                assert not any(c.kernel == "gluon_overlap" or (c.kernel == "gemv" and c.num_stages >= 3)
-                               for c in regular)
+                assert not any(c.kernel == "gemv" and c.num_stages >= 3 for c in regular)
+                for c in regular:
+                    ops16._check_config(c, kp, m, gs)
+                    if c.kernel == "gluon_overlap":
+                        overlap_ms.add(m)
+                assert all(c.kernel != "gluon_overlap" or m <= 8 or m > 64 for c in extra)
     assert kinds == {("gemv", True), ("gluon_overlap", True)}
+    assert overlap_ms == {9, 16, 32, 64}
     from sailfish.bench.tune import main
     if not torch.cuda.is_available():
         assert main(["--experimental", "--m", "1"]) == 2  # (parses; tuning needs a GPU)
-    with pytest.raises(SystemExit):  # no W4A8 tiles of that kind
-        main(["--experimental", "--family", "w4a8"])
+        assert main(["--kernels", "gluon_overlap,mma", "--show", "3"]) == 2
+    for bad in (["--experimental", "--family", "w4a8"],  # no W4A8 tiles of that kind
+                ["--kernels", "gluon_overlapp"], ["--show", "-1"]):
+        with pytest.raises(SystemExit):
+            main(bad)
 
 
 def test_wgmma_register_hazard_counts_groups():

@@ -908,8 +908,9 @@ def _w4a16_gemv_mma_kernel(
     (tl.range num_stages): RING - 1 tiles of words in flight through a cp.async ring in shared
     memory, read back in the same lane order (bench/ptx.gemv_lane_order checks it), at no
     register cost; ncu (H100, 8192x8192 M = 1) put 46% of the loop's stalls on the first use of
-    a tile's words with one tile in flight per warp (docs/perf_log.md v24; not measured on a
-    GPU yet). SCALE_ACC: each chunk's fp32 product is scaled once per row (ASM must be the
+    a tile's words with one tile in flight per warp (docs/perf_log.md v24); measured (H100, v26)
+    6-12% slower than RING = 1 on the 8 Llama shapes at M = 1-2, so only the offline tuner's
+    --experimental offers it. SCALE_ACC: each chunk's fp32 product is scaled once per row (ASM must be the
     gemv_asm(..., scale_acc=True) text). Split-K as _w4a16_kernel. Accumulator acc_{4p + i} (V, 4): lane (v, t) holds
     y[2t + i % 2] of row 16 (P rb + p) + g + 8 (i // 2) over chunk slot c."""
     pdl_release(PDL_EARLY)

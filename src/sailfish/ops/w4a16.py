@@ -135,8 +135,18 @@ def _gluon_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros):
     if not (2 <= M <= 64 and gluon_format(group_size, general_gidx, Kp) and gluon_device(device.index or 0)):
         return
     bm = _gluon_block_m(M)
+    sms = sm_count(device.index or 0)
     tiles_ = [(bm, 64, 4, 3), (bm, 64, 4, 4)] if M <= 32 else [(64, 128, 8, 3)]
-    yield from _gluon_tiles("gluon", tiles_, M=M, N=N, Kp=Kp, sms=sm_count(device.index or 0))
+    yield from _gluon_tiles("gluon", tiles_, M=M, N=N, Kp=Kp, sms=sms)
+    if M > 8:  # the overlap kernel (docs/perf_log.md v26: best on 4-5 of 8 Llama shapes at M = 16-64, H100)
+        yield from _gluon_tiles("gluon_overlap", _overlap_tiles(M), M=M, N=N, Kp=Kp, sms=sms)
+
+
+def _overlap_tiles(M: int):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the 'gluon_overlap' kernel: one 64-row slice
+    per warpgroup, BLOCK_M 64 over two (_check_gluon_config)."""
+    bm = _gluon_block_m(M)
+    return [(64, 128, 8, 3), (64, 128, 8, 4)] if bm == 64 else [(bm, 64, 4, 3), (bm, 64, 4, 4), (bm, 128, 8, 3)]
 
 
 def _gluon_block_m(M: int) -> int:
@@ -218,26 +228,25 @@ def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros=F
 
 
 def _experimental_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros=False):
-    """Tiles of paths that compile for sm_90a and pass the interpreter tests but have not been
-    measured on a GPU yet (docs/perf_log.md v24, v25): the tensor-core GEMV with its words
-    through a cp.async ring (num_stages 3, 4) and the 'gluon_overlap' tiles. Only the offline
-    tuner offers them (`python -m sailfish.bench.tune --experimental`), and it checks every
-    candidate's output against the reference before timing it; the runtime autotuner does not
-    check outputs, so they are not among its candidates."""
+    """Tiles that pass every test (interpreter and H100) but did not win where measured, kept for
+    the offline tuner on other GPUs and Triton versions (docs/perf_log.md v26): the tensor-core
+    GEMV with its words through a cp.async ring (num_stages 3, 4; H100 M = 1-2: 6-12% slower than
+    the table on all 8 Llama shapes) and the 'gluon_overlap' tiles outside M = 9-64. Only the
+    offline tuner offers them (`python -m sailfish.bench.tune --experimental`), and it checks
+    every candidate's output against the reference before timing it; the runtime autotuner does
+    not check outputs, so they are not among its candidates."""
     problem = dict(device=device, M=M, N=N, Kp=Kp, group_size=group_size, general_gidx=general_gidx,
                    has_zeros=has_zeros)
     if _tensor_core_gemv(M, group_size, general_gidx):  # the regular GEMV tiles, with a 3- or 4-stage ring
         for cfg in _w4a16_candidates(**problem):
             if cfg.kernel == "gemv" and cfg.num_stages == 1:
                 yield from (replace(cfg, num_stages=stages) for stages in (3, 4))
-    # (from M = 1: there the GEMV beat the BM 8 tile of the Gluon kernel, 0.74-0.99x, v24; up to
-    # M = 128, two BM 64 tiles per N tile, where the tensor cores take twice the HBM time)
-    if M <= 128 and gluon_format(group_size, general_gidx, Kp) and gluon_device(device.index or 0):
-        bm = _gluon_block_m(M)
-        # one 64-row slice per warpgroup; BLOCK_M 64 over two (_check_gluon_config)
-        tiles_ = [(64, 128, 8, 3), (64, 128, 8, 4)] if bm == 64 else [(bm, 64, 4, 3), (bm, 64, 4, 4),
-                                                                       (bm, 128, 8, 3)]
-        yield from _gluon_tiles("gluon_overlap", tiles_, M=M, N=N, Kp=Kp, sms=sm_count(device.index or 0))
+    # the 'gluon_overlap' tiles where the regular list has none (M = 9-64 it has, v26): M = 1-8
+    # (H100: 1-2% ahead of the table on 1 of 8 shapes at M = 2, v26) and M = 65-128 (two BM 64
+    # tiles per N tile, where the tensor cores take twice the HBM time)
+    if ((M <= 8 or 64 < M <= 128) and gluon_format(group_size, general_gidx, Kp)
+            and gluon_device(device.index or 0)):
+        yield from _gluon_tiles("gluon_overlap", _overlap_tiles(M), M=M, N=N, Kp=Kp, sms=sm_count(device.index or 0))
 
 
 def w4a16_key(kp: int, n: int, m: int, group_size: int, has_zeros: bool, general_gidx: bool,
@@ -442,9 +451,9 @@ GEMV_MMA = os.environ.get("SAILFISH_GEMV_MMA", "1") == "1"
 GLUON = os.environ.get("SAILFISH_GLUON", "1") == "1"
 GLUON_STEP = 2 * K_CHUNK  # channels per K step of the Gluon kernel (its BLOCK_K)
 # 'gluon_overlap': the Gluon kernel that dequantizes each K step while the previous step's
-# wgmmas run (kernels/w4a16_gluon.w4a16_gluon_overlap_kernel; compiled for sm_90a, not yet
-# measured on a GPU: no table entry or regular candidate uses it, only the offline tuner's
-# --experimental, _experimental_candidates; docs/perf_log.md v25)
+# wgmmas run (kernels/w4a16_gluon.w4a16_gluon_overlap_kernel; docs/perf_log.md v25). H100: 3-9%
+# faster than the shipped tile at M = 64 on 4 of 8 Llama shapes, 1-8% at M = 16-32 on 3-4, slower on
+# 8192x57344 (v26); a regular candidate at M = 9-64, the offline tuner's --experimental elsewhere
 GLUON_KERNELS = ("gluon", "gluon_overlap")
 
 
