@@ -17,7 +17,8 @@ from sailfish.ops.w4a16 import w4a16_key
 from sailfish.tuning import CONFIG_DIR, Config, Tuner, problem_key
 
 TABLES = sorted(CONFIG_DIR.glob("*.json"))
-KERNELS = {"w4a16": {"mma", "gemv", "dequant", "gluon", "gluon_overlap"}, "w4a8": {"mma", "gemv", "dequant"}}
+KERNELS = {"w4a16": {"mma", "gemv", "dequant", "gluon", "gluon_overlap", "gluon_overlap_regs"},
+           "w4a8": {"mma", "gemv", "dequant"}}
 
 
 def test_tables_shipped():

@@ -78,12 +78,17 @@ def test_gluon_config_matches_reference(m, k, n, gs, sym, dtype, bias, cfg, devi
     assert_close_per_element(y, x, layer.quantized_weight().dequantize(rounded=False), layer.bias)
 
 
-def _overlap(bm, bn, split, warps, stages):
-    return Config(bm, bn, 256, split, 8, warps, stages, kernel="gluon_overlap")
+def _overlap(bm, bn, split, warps, stages, kernel="gluon_overlap"):
+    return Config(bm, bn, 256, split, 8, warps, stages, kernel=kernel)
+
+
+def _regs(bm, bn, split, warps, stages):
+    return _overlap(bm, bn, split, warps, stages, "gluon_overlap_regs")
 
 
 # 'gluon_overlap' (the kernel that dequantizes a K step while the previous one's wgmmas run):
-# every split an even number of K steps (2 at least), rings of 3 and 4 steps, the formats above
+# every split an even number of K steps (2 at least), rings of 3 and 4 steps, the formats above;
+# 'gluon_overlap_regs' (its words straight into registers) on a few (the CPU runs the same twin)
 OVERLAP_CASES = [
     (16, 1024, 192, 128, True, F16, False, _overlap(16, 64, 1, 4, 3)),
     (5, 2048, 200, 128, False, BF16, True, _overlap(16, 64, 2, 4, 3)),
@@ -94,13 +99,17 @@ OVERLAP_CASES = [
     (11, 1024, 128, 128, True, F16, False, _overlap(8, 64, 2, 4, 3)),
     (1, 2048, 72, 128, False, F16, True, _overlap(8, 64, 2, 4, 4)),
     (100, 1024, 128, 128, True, F16, False, _overlap(64, 128, 2, 8, 3)),
+    (16, 1024, 192, 128, False, BF16, True, _regs(16, 64, 2, 4, 3)),
+    (2, 1536, 136, -1, True, F16, False, _regs(8, 64, 1, 4, 4)),
+    (40, 3072, 256, 128, False, BF16, False, _regs(64, 128, 3, 8, 4)),
+    (30, 2048, 200, 256, True, F16, True, _regs(32, 64, 4, 4, 3)),
 ]
 
 
 @pytest.mark.parametrize("m,k,n,gs,sym,dtype,bias,cfg", OVERLAP_CASES, ids=[_case_id(c) for c in OVERLAP_CASES])
 def test_gluon_overlap_config_matches_reference(m, k, n, gs, sym, dtype, bias, cfg, device):
-    """As above for 'gluon_overlap': its groups scale the weights (rounded once to x's dtype,
-    as its twin, the mma tile without SCALE_ACC), per channel the fp32 product."""
+    """As above for the overlap kernels: their groups scale the weights (rounded once to x's
+    dtype, as their twin, the mma tile without SCALE_ACC), per channel the fp32 product."""
     layer = _layer(k, n, gs, dtype, bias, device, sym=sym)
     x = torch.randn(m, k, device=device).to(dtype)
     y = _launch(layer, x, cfg)
@@ -126,10 +135,10 @@ def test_gluon_config_falls_back_to_its_twin(gidx, k, device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Gluon kernel's dispatch, on a GPU")
-@pytest.mark.parametrize("kernel", ["gluon", "gluon_overlap"])
+@pytest.mark.parametrize("kernel", ["gluon", "gluon_overlap", "gluon_overlap_regs"])
 def test_gluon_kernel_is_used_on_hopper(kernel):
-    """On an sm_90 GPU the plan of a 'gluon' or 'gluon_overlap' config launches that Gluon
-    kernel; elsewhere its twin (kind 'mma')."""
+    """On an sm_90 GPU the plan of a Gluon config launches that Gluon kernel (the overlap kernel
+    with WORDS_IN_REGS for 'gluon_overlap_regs'); elsewhere its twin (kind 'mma')."""
     from sailfish.kernels.w4a16_gluon import w4a16_gluon_kernel, w4a16_gluon_overlap_kernel
 
     layer = _layer(1024, 256, 128, F16, False, "cuda")
@@ -140,12 +149,13 @@ def test_gluon_kernel_is_used_on_hopper(kernel):
                            gluon=ops16.gluon_applies(x, layer.qweight, 128, False, True))
     assert plan.kind == ("gluon" if _on_hopper() else "mma")
     if _on_hopper():
-        assert plan.gemm.fn is (w4a16_gluon_overlap_kernel if kernel == "gluon_overlap" else w4a16_gluon_kernel)
+        assert plan.gemm.fn is (w4a16_gluon_kernel if kernel == "gluon" else w4a16_gluon_overlap_kernel)
+        assert plan.gemm.meta.get("WORDS_IN_REGS", False) == (kernel == "gluon_overlap_regs")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="determinism of the compiled kernel, on the GPU")
-@pytest.mark.parametrize("cfg", [Config(16, 64, 256, 6, 8, 4, 3, kernel="gluon"), _overlap(16, 64, 4, 4, 3)],
-                         ids=["gluon", "gluon_overlap"])
+@pytest.mark.parametrize("cfg", [Config(16, 64, 256, 6, 8, 4, 3, kernel="gluon"), _overlap(16, 64, 4, 4, 3),
+                                 _regs(16, 64, 4, 4, 3)], ids=["gluon", "gluon_overlap", "gluon_overlap_regs"])
 def test_gluon_split_k_is_deterministic(cfg):
     """Split-K partial sums reduced in a fixed order: the same bits on every call."""
     layer = _layer(8192, 1024, 128, F16, True, "cuda")
@@ -170,6 +180,8 @@ def test_gluon_split_k_is_deterministic(cfg):
     (Config(16, 64, 256, 1, 8, 4, 3, kernel="gluon_ws"), "is not one of"),
     (_overlap(64, 64, 1, 4, 3), "for BLOCK_M 64, num_warps 8"),
     (_overlap(16, 128, 1, 4, 3), "BLOCK_N = 16 \\* num_warps"),
+    (_regs(16, 64, 3, 4, 3), "SPLIT_K=3 does not give every split an even number"),
+    (_regs(64, 64, 1, 4, 3), "kernel='gluon_overlap_regs' needs BLOCK_N = 16 \\* num_warps"),
 ])
 def test_bad_gluon_config(cfg, match, device):
     layer = _layer(1024, 128, 128, F16, False, device)  # 4 K steps: 3 splits of 2 leave one empty
@@ -198,14 +210,14 @@ def test_gluon_overlap_split_ok():
 
 
 def test_experimental_candidates_are_valid(monkeypatch):
-    """The offline tuner's --experimental tiles (the GEMV's cp.async ring, 'gluon_overlap' outside
-    M = 9-64) pass the launcher's checks for every M bucket and format they are offered for; the
-    runtime candidate list (the autotuner, which does not check outputs) holds none of them, and
-    holds the 'gluon_overlap' tiles at M = 9-64 only (measured there, docs/perf_log.md v26)."""
+    """The offline tuner's --experimental tiles (the GEMV's cp.async ring, the overlap kernels
+    outside M = 9-64) pass the launcher's checks for every M bucket and format they are offered
+    for; the runtime candidate list (the autotuner, which does not check outputs) holds none of
+    them, and holds both overlap kernels' tiles at M = 9-64 only (measured there, perf_log v26)."""
     monkeypatch.setattr(ops16, "gluon_device", lambda index: True)
     monkeypatch.setattr(ops16, "sm_count", lambda index: 132)
     dev = torch.device("cuda", 0)
-    kinds, overlap_ms = set(), set()
+    kinds, overlap_ms, overlap_kernels = set(), set(), set()
     for kp, n in [(4096, 6144), (14336, 4096), (28672, 8192), (8192, 57344), (1536, 128)]:
         for m in (1, 2, 4, 8, 9, 16, 32, 64, 128):
             for gs, zeros in ((128, False), (-1, True), (256, True)):
@@ -219,11 +231,12 @@ def test_experimental_candidates_are_valid(monkeypatch):
                 assert not any(c.kernel == "gemv" and c.num_stages >= 3 for c in regular)
                 for c in regular:
                     ops16._check_config(c, kp, m, gs)
-                    if c.kernel == "gluon_overlap":
+                    if c.kernel in ops16.OVERLAP_KERNELS:
                         overlap_ms.add(m)
-                assert all(c.kernel != "gluon_overlap" or m <= 8 or m > 64 for c in extra)
-    assert kinds == {("gemv", True), ("gluon_overlap", True)}
-    assert overlap_ms == {9, 16, 32, 64}
+                        overlap_kernels.add(c.kernel)
+                assert all(c.kernel not in ops16.OVERLAP_KERNELS or m <= 8 or m > 64 for c in extra)
+    assert kinds == {("gemv", True), ("gluon_overlap", True), ("gluon_overlap_regs", True)}
+    assert overlap_ms == {9, 16, 32, 64} and overlap_kernels == set(ops16.OVERLAP_KERNELS)
     from sailfish.bench.tune import main
     if not torch.cuda.is_available():
         assert main(["--experimental", "--m", "1"]) == 2  # (parses; tuning needs a GPU)
@@ -365,10 +378,18 @@ cases = [dict(), dict(BLOCK_M=8), dict(BLOCK_M=32, STAGES=4), dict(BLOCK_M=64, B
          dict(dtype="bf16", has_zeros=True), dict(has_zeros=True, SPLIT_K=2, pdl_early=True),
          dict(BLOCK_M=32, group_size=-1, dtype="bf16", has_zeros=True, SPLIT_K=3),
          dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, group_size=256, dtype="bf16", has_zeros=True, STAGES=4),
-         dict(BLOCK_M=16, BLOCK_N=128, num_warps=8)]
+         dict(BLOCK_M=16, BLOCK_N=128, num_warps=8),
+         # the words straight into registers ('gluon_overlap_regs')
+         dict(words_in_regs=True), dict(BLOCK_M=8, group_size=-1, words_in_regs=True),
+         dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, dtype="bf16", has_zeros=True, SPLIT_K=2, pdl_early=True,
+              STAGES=4, words_in_regs=True)]
 bad = []
 for kw in cases:
     k = compile_sm90(overlap=True, **kw)
+    if kw.get("words_in_regs"):  # the ring holds x only: 2 chunks of (BLOCK_M, 128) 2-byte values a step
+        ring = 2 * kw.get("STAGES", 3) * kw.get("BLOCK_M", 16) * 128 * 2
+        if k.metadata.shared != ring:
+            bad.append((kw, f"shared memory {k.metadata.shared}, the x ring is {ring}"))
     st = k_loop_stats(k.asm["ptx"])
     rep = ptxas_report(k.asm["ptx"])
     text = sass(k.asm["cubin"])

@@ -40,7 +40,9 @@ w4a16_gluon_overlap_kernel ('gluon_overlap' configs) computes the same with two 
 in flight, each step dequantized while the previous one's run (its docstring says what ptxas
 needs for that; docs/perf_log.md v25). H100: up to 9% faster than the other tiles at M = 16-64 on
 about half the Llama shapes; ncu puts its remaining time on the per-step CTA barrier of the
-cp.async ring and the words' shared-memory loads (v26).
+cp.async ring and the words' shared-memory loads (v26). WORDS_IN_REGS ('gluon_overlap_regs'
+configs) takes the words from global memory straight into registers, two steps ahead, and the
+ring holds x only.
 """
 from __future__ import annotations
 
@@ -186,13 +188,24 @@ def _chunk_weights(words, DT: gl.constexpr, BLOCK_N: gl.constexpr, DOT_A: gl.con
 
 
 @gluon.jit
-def _load_step(w_buf, x_buf, slot, w_ptrs, x_ptrs, step, ok):
-    """cp.async the two chunks of K step `step` into ring slot `slot` (one commit group)."""
-    _async_load(w_buf.index(2 * slot), w_ptrs + step * 32, mask=ok, eviction_policy="evict_first")
-    _async_load(w_buf.index(2 * slot + 1), w_ptrs + (step * 32 + 16), mask=ok, eviction_policy="evict_first")
+def _load_step(w_buf, x_buf, slot, w_ptrs, x_ptrs, step, ok, WITH_WORDS: gl.constexpr = True):
+    """cp.async the two chunks of K step `step` into ring slot `slot` (one commit group): x's, and
+    the words' unless WITH_WORDS is False (they go to registers, _words)."""
+    if WITH_WORDS:
+        _async_load(w_buf.index(2 * slot), w_ptrs + step * 32, mask=ok, eviction_policy="evict_first")
+        _async_load(w_buf.index(2 * slot + 1), w_ptrs + (step * 32 + 16), mask=ok, eviction_policy="evict_first")
     _async_load(x_buf.index(2 * slot), x_ptrs + step * _STEP, mask=ok)
     _async_load(x_buf.index(2 * slot + 1), x_ptrs + (step * _STEP + _CHUNK), mask=ok)
     async_copy.commit_group()
+
+
+@gluon.jit
+def _words(w_rows, step):
+    """The two chunks' words of K step `step` straight from global memory, in the WORDS layout
+    (w_rows: (BLOCK_N, 16) pointers of the program's first step)."""
+    q0 = gl.load(w_rows + step * 32, eviction_policy="evict_first")
+    q1 = gl.load(w_rows + (step * 32 + 16), eviction_policy="evict_first")
+    return q0, q1
 
 
 @gluon.jit
@@ -331,24 +344,32 @@ def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, 
 
 
 @gluon.jit
-def _overlap_step(i, n, first, acc, w0, w1, s0, s1, z0, z1, s_base, z_base, w_buf, x_buf, w_ptrs, x_ptrs,
-                  GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr, STAGES: gl.constexpr, RETIRE: gl.constexpr,
-                  DT: gl.constexpr, BLOCK_N: gl.constexpr, DOT_A: gl.constexpr, WORDS: gl.constexpr):
+def _overlap_step(i, n, first, acc, w0, w1, q0, q1, s0, s1, z0, z1, s_base, z_base, w_buf, x_buf, w_ptrs, x_ptrs,
+                  w_rows, GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr, STAGES: gl.constexpr,
+                  RETIRE: gl.constexpr, WORDS_IN_REGS: gl.constexpr, DT: gl.constexpr, BLOCK_N: gl.constexpr,
+                  DOT_A: gl.constexpr, WORDS: gl.constexpr):
     """K step i of w4a16_gluon_overlap_kernel. w0, w1: the A operands of step i - 2 (RETIRE:
     its wgmmas are retired first, which frees their registers and ring slot, while step i - 1's
-    stay in flight); s0, s1, z0, z1: step i's scales and zero points. Returns the accumulator
-    with step i's wgmmas issued, their A operands, and step i + 1's scales and zero points."""
+    stay in flight); q0, q1 (WORDS_IN_REGS): step i's words, loaded two steps earlier; s0, s1,
+    z0, z1: step i's scales and zero points. Returns the accumulator with step i's wgmmas issued,
+    their A operands, step i + 2's words and step i + 1's scales and zero points."""
     if RETIRE:
         acc, w0, w1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, w0, w1))
     async_copy.wait_group(STAGES - 3)  # step i's group has landed
     _barrier()  # ... for every thread, and every warpgroup is past step i - 2's wgmmas
     nxt = i + STAGES - 2  # into step i - 2's slot
-    _load_step(w_buf, x_buf, nxt % STAGES, w_ptrs, x_ptrs, nxt, nxt < n)
+    _load_step(w_buf, x_buf, nxt % STAGES, w_ptrs, x_ptrs, nxt, nxt < n, not WORDS_IN_REGS)
     slot = i % STAGES
-    v0 = _chunk_weights(w_buf.index(2 * slot).load(WORDS), DT, BLOCK_N, DOT_A, z0 if HAS_ZEROS else None,
-                        s0 if GROUP_CHUNKS > 0 else None)
-    v1 = _chunk_weights(w_buf.index(2 * slot + 1).load(WORDS), DT, BLOCK_N, DOT_A, z1 if HAS_ZEROS else None,
-                        s1 if GROUP_CHUNKS > 0 else None)
+    if WORDS_IN_REGS:
+        k0 = q0
+        k1 = q1
+    else:
+        k0 = w_buf.index(2 * slot).load(WORDS)
+        k1 = w_buf.index(2 * slot + 1).load(WORDS)
+    v0 = _chunk_weights(k0, DT, BLOCK_N, DOT_A, z0 if HAS_ZEROS else None, s0 if GROUP_CHUNKS > 0 else None)
+    v1 = _chunk_weights(k1, DT, BLOCK_N, DOT_A, z1 if HAS_ZEROS else None, s1 if GROUP_CHUNKS > 0 else None)
+    if WORDS_IN_REGS:  # step i + 2's words (the last step's again past the end: no mask, an L2 hit)
+        q0, q1 = _words(w_rows, gl.minimum(i + 2, n - 1))
     # the next step's scales and zero points, a step early (a 2-byte load stalls the step that uses it)
     if GROUP_CHUNKS > 0:
         s0, s1 = _step_scales(s_base, first + gl.minimum(i + 1, n - 1), GROUP_CHUNKS)
@@ -357,7 +378,7 @@ def _overlap_step(i, n, first, acc, w0, w1, s0, s1, z0, z1, s_base, z_base, w_bu
     fence_async_shared()
     acc = warpgroup_mma(v0, x_buf.index(2 * slot).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma(v1, x_buf.index(2 * slot + 1).permute((1, 0)), acc, is_async=True)
-    return acc, v0, v1, s0, s1, z0, z1
+    return acc, v0, v1, q0, q1, s0, s1, z0, z1
 
 
 @gluon.jit
@@ -366,7 +387,8 @@ def w4a16_gluon_overlap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_
                                HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL_EARLY: gl.constexpr,
                                MMA: gl.constexpr, WORDS: gl.constexpr, DOT_A: gl.constexpr, X_BLK: gl.constexpr,
-                               X_SMEM: gl.constexpr, W_BLK: gl.constexpr, W_SMEM: gl.constexpr):
+                               X_SMEM: gl.constexpr, W_BLK: gl.constexpr, W_SMEM: gl.constexpr,
+                               WORDS_IN_REGS: gl.constexpr = False):
     """w4a16_gluon_kernel's product with each step's dequantization overlapping the previous
     step's wgmmas (same arguments; STAGES >= 3, every split an even number of K steps: the
     launcher checks, ops/w4a16.gluon_overlap_split_ok).
@@ -385,7 +407,11 @@ def w4a16_gluon_overlap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_
     the accumulator at the end. The ring holds the in-flight step, the one being dequantized
     and STAGES - 2 prefetched ones. (An odd step count would need one step after the loop: its
     in-flight operands merged with the loop's cost ~40 registers, and a final wait in each
-    branch made ptxas serialize every wgmma, C7513; so the splits are even instead.)"""
+    branch made ptxas serialize every wgmma, C7513; so the splits are even instead.)
+    WORDS_IN_REGS: the words skip the ring; each step loads step i + 2's (16-byte loads in the
+    WORDS layout, 16 registers per step and thread at BLOCK_N 16 * num_warps) after dequantizing
+    its own, so the shared-memory round trip of the words and a third of the ring go (+20-30
+    registers, no spill; sm_90a, Triton 3.6)."""
     if PDL_EARLY:
         gdc_launch_dependents()
     DT: gl.constexpr = x_ptr.dtype.element_ty
@@ -399,25 +425,37 @@ def w4a16_gluon_overlap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_
     if HAS_ZEROS:
         z0, z1 = _step_scales(z_base, first, GROUP_CHUNKS)
     x_buf = gl.allocate_shared_memory(DT, [2 * STAGES, BLOCK_M, _CHUNK], X_SMEM)
-    w_buf = gl.allocate_shared_memory(gl.int32, [2 * STAGES, BLOCK_N, 16], W_SMEM)
+    w_buf = None
+    w_rows = None
+    qa0 = 0  # the words of the even (qa) and odd (qb) steps, WORDS_IN_REGS (else unused constants:
+    qa1 = 0  # a jit function cannot return None)
+    qb0 = 0
+    qb1 = 0
+    if WORDS_IN_REGS:
+        w_rows = (_rows(qw_ptr, pid_n, N, stride_qn, BLOCK_N, WORDS)[:, None]
+                  + (first * 32 + gl.arange(0, 16, layout=gl.SliceLayout(0, WORDS)))[None, :])
+        qa0, qa1 = _words(w_rows, 0)
+        qb0, qb1 = _words(w_rows, 1)
+    else:
+        w_buf = gl.allocate_shared_memory(gl.int32, [2 * STAGES, BLOCK_N, 16], W_SMEM)
     for s in gl.static_range(STAGES - 2):
-        _load_step(w_buf, x_buf, s, w_ptrs, x_ptrs, s, s < n)
+        _load_step(w_buf, x_buf, s, w_ptrs, x_ptrs, s, s < n, not WORDS_IN_REGS)
     acc = warpgroup_mma_init(gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA))
     # steps 0 and 1 retire nothing; then two steps per iteration, A operands (w0, w1) and (u0, u1)
     # (n is even)
-    acc, w0, w1, s0, s1, z0, z1 = _overlap_step(0, n, first, acc, None, None, s0, s1, z0, z1, s_base, z_base, w_buf,
-                                                x_buf, w_ptrs, x_ptrs, GROUP_CHUNKS, HAS_ZEROS, STAGES, False, DT,
-                                                BLOCK_N, DOT_A, WORDS)
-    acc, u0, u1, s0, s1, z0, z1 = _overlap_step(1, n, first, acc, None, None, s0, s1, z0, z1, s_base, z_base, w_buf,
-                                                x_buf, w_ptrs, x_ptrs, GROUP_CHUNKS, HAS_ZEROS, STAGES, False, DT,
-                                                BLOCK_N, DOT_A, WORDS)
+    acc, w0, w1, qa0, qa1, s0, s1, z0, z1 = _overlap_step(
+        0, n, first, acc, None, None, qa0, qa1, s0, s1, z0, z1, s_base, z_base, w_buf, x_buf, w_ptrs, x_ptrs, w_rows,
+        GROUP_CHUNKS, HAS_ZEROS, STAGES, False, WORDS_IN_REGS, DT, BLOCK_N, DOT_A, WORDS)
+    acc, u0, u1, qb0, qb1, s0, s1, z0, z1 = _overlap_step(
+        1, n, first, acc, None, None, qb0, qb1, s0, s1, z0, z1, s_base, z_base, w_buf, x_buf, w_ptrs, x_ptrs, w_rows,
+        GROUP_CHUNKS, HAS_ZEROS, STAGES, False, WORDS_IN_REGS, DT, BLOCK_N, DOT_A, WORDS)
     for j in range(1, n // 2):
-        acc, w0, w1, s0, s1, z0, z1 = _overlap_step(2 * j, n, first, acc, w0, w1, s0, s1, z0, z1, s_base, z_base,
-                                                    w_buf, x_buf, w_ptrs, x_ptrs, GROUP_CHUNKS, HAS_ZEROS, STAGES,
-                                                    True, DT, BLOCK_N, DOT_A, WORDS)
-        acc, u0, u1, s0, s1, z0, z1 = _overlap_step(2 * j + 1, n, first, acc, u0, u1, s0, s1, z0, z1, s_base, z_base,
-                                                    w_buf, x_buf, w_ptrs, x_ptrs, GROUP_CHUNKS, HAS_ZEROS, STAGES,
-                                                    True, DT, BLOCK_N, DOT_A, WORDS)
+        acc, w0, w1, qa0, qa1, s0, s1, z0, z1 = _overlap_step(
+            2 * j, n, first, acc, w0, w1, qa0, qa1, s0, s1, z0, z1, s_base, z_base, w_buf, x_buf, w_ptrs, x_ptrs,
+            w_rows, GROUP_CHUNKS, HAS_ZEROS, STAGES, True, WORDS_IN_REGS, DT, BLOCK_N, DOT_A, WORDS)
+        acc, u0, u1, qb0, qb1, s0, s1, z0, z1 = _overlap_step(
+            2 * j + 1, n, first, acc, u0, u1, qb0, qb1, s0, s1, z0, z1, s_base, z_base, w_buf, x_buf, w_ptrs, x_ptrs,
+            w_rows, GROUP_CHUNKS, HAS_ZEROS, STAGES, True, WORDS_IN_REGS, DT, BLOCK_N, DOT_A, WORDS)
     acc, w0, w1, u0, u1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0, w1, u0, u1))
     async_copy.wait_group(0)
     if GROUP_CHUNKS == 0:
@@ -428,9 +466,9 @@ def w4a16_gluon_overlap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_
 
 def compile_sm90(BLOCK_M: int = 16, BLOCK_N: int = 64, STAGES: int = 3, group_size: int = 128, SPLIT_K: int = 1,
                  dtype: str = "fp16", has_bias: bool = False, num_warps: int = NUM_WARPS, pdl_early: bool = False,
-                 has_zeros: bool = False, overlap: bool = False):
-    """triton.compile of the kernel (overlap: w4a16_gluon_overlap_kernel) for sm_90a without a
-    GPU (PTX / SASS checks, tests).
+                 has_zeros: bool = False, overlap: bool = False, words_in_regs: bool = False):
+    """triton.compile of the kernel (overlap: w4a16_gluon_overlap_kernel, words_in_regs: its
+    WORDS_IN_REGS form) for sm_90a without a GPU (PTX / SASS checks, tests).
     Needs a process in which the Triton interpreter has not run (it patches the frontend)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -442,6 +480,8 @@ def compile_sm90(BLOCK_M: int = 16, BLOCK_N: int = 64, STAGES: int = 3, group_si
     consts = dict(GROUP_CHUNKS=0 if group_size == -1 else group_size // CHUNK, HAS_ZEROS=has_zeros,
                   HAS_BIAS=has_bias, SPLIT_K=SPLIT_K, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
                   PDL_EARLY=pdl_early, **layouts(BLOCK_M, BLOCK_N, num_warps))
+    if overlap:
+        consts["WORDS_IN_REGS"] = words_in_regs
     if not has_bias:
         consts["bias_ptr"] = None
     if SPLIT_K == 1:

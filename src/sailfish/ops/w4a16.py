@@ -138,12 +138,13 @@ def _gluon_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros):
     sms = sm_count(device.index or 0)
     tiles_ = [(bm, 64, 4, 3), (bm, 64, 4, 4)] if M <= 32 else [(64, 128, 8, 3)]
     yield from _gluon_tiles("gluon", tiles_, M=M, N=N, Kp=Kp, sms=sms)
-    if M > 8:  # the overlap kernel (docs/perf_log.md v26: best on 4-5 of 8 Llama shapes at M = 16-64, H100)
-        yield from _gluon_tiles("gluon_overlap", _overlap_tiles(M), M=M, N=N, Kp=Kp, sms=sms)
+    if M > 8:  # the overlap kernels (docs/perf_log.md v26: best on 4-5 of 8 Llama shapes at M = 16-64, H100)
+        for kernel in OVERLAP_KERNELS:
+            yield from _gluon_tiles(kernel, _overlap_tiles(M), M=M, N=N, Kp=Kp, sms=sms)
 
 
 def _overlap_tiles(M: int):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the 'gluon_overlap' kernel: one 64-row slice
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the overlap kernels: one 64-row slice
     per warpgroup, BLOCK_M 64 over two (_check_gluon_config)."""
     bm = _gluon_block_m(M)
     return [(64, 128, 8, 3), (64, 128, 8, 4)] if bm == 64 else [(bm, 64, 4, 3), (bm, 64, 4, 4), (bm, 128, 8, 3)]
@@ -231,7 +232,7 @@ def _experimental_candidates(*, device, M, N, Kp, group_size, general_gidx, has_
     """Tiles that pass every test (interpreter and H100) but did not win where measured, kept for
     the offline tuner on other GPUs and Triton versions (docs/perf_log.md v26): the tensor-core
     GEMV with its words through a cp.async ring (num_stages 3, 4; H100 M = 1-2: 6-12% slower than
-    the table on all 8 Llama shapes) and the 'gluon_overlap' tiles outside M = 9-64. Only the
+    the table on all 8 Llama shapes) and the overlap kernels' tiles outside M = 9-64. Only the
     offline tuner offers them (`python -m sailfish.bench.tune --experimental`), and it checks
     every candidate's output against the reference before timing it; the runtime autotuner does
     not check outputs, so they are not among its candidates."""
@@ -246,7 +247,8 @@ def _experimental_candidates(*, device, M, N, Kp, group_size, general_gidx, has_
     # tiles per N tile, where the tensor cores take twice the HBM time)
     if ((M <= 8 or 64 < M <= 128) and gluon_format(group_size, general_gidx, Kp)
             and gluon_device(device.index or 0)):
-        yield from _gluon_tiles("gluon_overlap", _overlap_tiles(M), M=M, N=N, Kp=Kp, sms=sm_count(device.index or 0))
+        for kernel in OVERLAP_KERNELS:
+            yield from _gluon_tiles(kernel, _overlap_tiles(M), M=M, N=N, Kp=Kp, sms=sm_count(device.index or 0))
 
 
 def w4a16_key(kp: int, n: int, m: int, group_size: int, has_zeros: bool, general_gidx: bool,
@@ -272,7 +274,7 @@ def _check_config(cfg: Config, kp: int, m: int, group_size: int = -1, general_gi
                          "(whole chunks of the fragment-order weight layout)")
     if cfg.kernel not in ("mma", "gemv", "dequant") + GLUON_KERNELS:
         raise ValueError(f"config kernel={cfg.kernel!r} is not one of 'mma', 'gemv', 'dequant', 'gluon', "
-                         "'gluon_overlap'")
+                         "'gluon_overlap', 'gluon_overlap_regs'")
     if cfg.kernel in GLUON_KERNELS:
         _check_gluon_config(cfg, kp)
     if cfg.kernel == "gemv" and cfg.BLOCK_M < m:
@@ -294,9 +296,9 @@ def _check_gluon_config(cfg: Config, kp: int) -> None:
     """The tiles kernels/w4a16_gluon.py compiles: one or two warpgroups, BLOCK_K = one K step
     of two 128-channel chunks, BLOCK_M 8-64 (wgmma's N), BLOCK_N 64 or 128 (64 rows per
     warpgroup and slice; 256 would not fit the registers), a ring of >= 2 steps, every split
-    non-empty. 'gluon_overlap' (two steps' wgmmas in flight): one 64-row slice per warpgroup,
-    BLOCK_M 64 over two warpgroups, a ring of >= 3 steps and an even number of K steps in every
-    split (gluon_overlap_split_ok)."""
+    non-empty. 'gluon_overlap' and 'gluon_overlap_regs' (two steps' wgmmas in flight): one 64-row
+    slice per warpgroup, BLOCK_M 64 over two warpgroups, a ring of >= 3 steps and an even number
+    of K steps in every split (gluon_overlap_split_ok)."""
     k = cfg.kernel
     if cfg.BLOCK_K != GLUON_STEP:
         raise ValueError(f"config kernel={k!r} needs BLOCK_K={GLUON_STEP}, got {cfg.BLOCK_K}")
@@ -307,19 +309,19 @@ def _check_gluon_config(cfg: Config, kp: int) -> None:
     if cfg.num_warps not in (4, 8) or cfg.BLOCK_N < 16 * cfg.num_warps:
         raise ValueError(f"config kernel={k!r} needs num_warps 4 (one warpgroup) or 8 (two, BLOCK_N >= 128), "
                          f"got num_warps={cfg.num_warps}, BLOCK_N={cfg.BLOCK_N}")
-    if k == "gluon_overlap" and (cfg.BLOCK_N != 16 * cfg.num_warps or (cfg.BLOCK_M == 64 and cfg.num_warps == 4)):
+    if k in OVERLAP_KERNELS and (cfg.BLOCK_N != 16 * cfg.num_warps or (cfg.BLOCK_M == 64 and cfg.num_warps == 4)):
         # two steps' A operands per thread: 64 rows per warpgroup (BLOCK_N 64 / 4 warps, 128 / 8), and
         # BLOCK_M 64 over two warpgroups only (one: 255 registers, spilling in the K loop on Triton 3.6)
-        raise ValueError(f"config kernel='gluon_overlap' needs BLOCK_N = 16 * num_warps and, for BLOCK_M 64, "
+        raise ValueError(f"config kernel={k!r} needs BLOCK_N = 16 * num_warps and, for BLOCK_M 64, "
                          f"num_warps 8; got BLOCK_M={cfg.BLOCK_M}, BLOCK_N={cfg.BLOCK_N}, num_warps={cfg.num_warps}")
-    ring = 3 if k == "gluon_overlap" else 2
+    ring = 3 if k in OVERLAP_KERNELS else 2
     if cfg.num_stages < ring:
         raise ValueError(f"config kernel={k!r} needs num_stages >= {ring} (the cp.async ring), got {cfg.num_stages}")
     if cfg.scale_acc:
         raise ValueError(f"config kernel={k!r} takes no scale_acc (where its scales go is the kernel's choice)")
     steps = kp // GLUON_STEP
     if not _gluon_split_ok(k)(cfg.SPLIT_K, steps):
-        what = (f"does not give every split an even number (>= 2) of the {steps} K steps" if k == "gluon_overlap"
+        what = (f"does not give every split an even number (>= 2) of the {steps} K steps" if k in OVERLAP_KERNELS
                 else f"leaves a split of the {steps} K steps empty")
         raise ValueError(f"config kernel={k!r} SPLIT_K={cfg.SPLIT_K} {what} (split k takes steps "
                          "[k * ceil(steps / SPLIT_K), ...))")
@@ -453,8 +455,14 @@ GLUON_STEP = 2 * K_CHUNK  # channels per K step of the Gluon kernel (its BLOCK_K
 # 'gluon_overlap': the Gluon kernel that dequantizes each K step while the previous step's
 # wgmmas run (kernels/w4a16_gluon.w4a16_gluon_overlap_kernel; docs/perf_log.md v25). H100: 3-9%
 # faster than the shipped tile at M = 64 on 4 of 8 Llama shapes, 1-8% at M = 16-32 on 3-4, slower on
-# 8192x57344 (v26); a regular candidate at M = 9-64, the offline tuner's --experimental elsewhere
-GLUON_KERNELS = ("gluon", "gluon_overlap")
+# 8192x57344 (v26); a regular candidate at M = 9-64, the offline tuner's --experimental elsewhere.
+# 'gluon_overlap_regs': the same with the packed words loaded from global memory straight into
+# registers two steps ahead (the ring holds x only: no LDS of the words, a third less shared
+# memory); H100, same process: 1.02-1.17x faster than 'gluon_overlap' at BLOCK_M 64 on 6 of 6
+# (shape, format) rows tried, 0.89-1.19x at BLOCK_M 16-32 (fp16 mostly slower, bf16 with zero
+# points faster), bit-identical outputs (v26); both are candidates and the tables pick
+OVERLAP_KERNELS = ("gluon_overlap", "gluon_overlap_regs")
+GLUON_KERNELS = ("gluon",) + OVERLAP_KERNELS
 
 
 def gluon_format(group_size: int, general_gidx: bool, k: int) -> bool:
@@ -481,7 +489,7 @@ def gluon_overlap_split_ok(split: int, steps: int) -> bool:
 
 def _gluon_split_ok(kernel: str):
     """The split rule of a Gluon kernel: gluon_split_ok or gluon_overlap_split_ok."""
-    return gluon_overlap_split_ok if kernel == "gluon_overlap" else gluon_split_ok
+    return gluon_overlap_split_ok if kernel in OVERLAP_KERNELS else gluon_split_ok
 
 
 @lru_cache(maxsize=None)
@@ -521,10 +529,10 @@ def _gluon_compile_failed(err: Exception) -> bool:
 
 
 def gluon_twin(cfg: Config, group_size: int = 128) -> Config:
-    """The Triton config that computes what a 'gluon' or 'gluon_overlap' config does: the same
-    tile (BLOCK_M at least the mma kernel's 16), split and K step. 'gluon': two 128-channel
-    halves with the scale on each fp32 product (SCALE_ACC); 'gluon_overlap': groups scale the
-    weights (rounded once to x's dtype, no SCALE_ACC), per channel the product (SCALE_ACC)."""
+    """The Triton config that computes what a Gluon config does: the same tile (BLOCK_M at least
+    the mma kernel's 16), split and K step. 'gluon': two 128-channel halves with the scale on each
+    fp32 product (SCALE_ACC); the overlap kernels: groups scale the weights (rounded once to x's
+    dtype, no SCALE_ACC), per channel the product (SCALE_ACC)."""
     sa = cfg.kernel == "gluon" or group_size == -1
     return replace(cfg, kernel="mma", scale_acc=sa, BLOCK_M=max(16, cfg.BLOCK_M))
 
@@ -591,7 +599,7 @@ class _GemmPlan:
                                                w4a16_gluon_overlap_kernel)
 
             self.kind = "gluon"
-            overlap = cfg.kernel == "gluon_overlap"
+            overlap = cfg.kernel in OVERLAP_KERNELS
             # (the overlap kernel's ~170-250 registers are its two steps' A operands: no cap)
             cap = None if overlap else max_registers(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_stages, cfg.num_warps,
                                                      has_zeros)
@@ -599,6 +607,7 @@ class _GemmPlan:
                 GROUP_CHUNKS=gs // K_CHUNK, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, STAGES=cfg.num_stages, PDL_EARLY=chained,
                 num_warps=cfg.num_warps, **({"maxnreg": cap} if cap else {}),
+                **({"WORDS_IN_REGS": cfg.kernel == "gluon_overlap_regs"} if overlap else {}),
                 **layouts(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_warps)),
                 device_index)
         elif cfg.kernel == "gemv" and tensor_core_gemv:  # (takes no g_idx pointer)
