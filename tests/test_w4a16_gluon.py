@@ -211,9 +211,9 @@ def test_gluon_overlap_split_ok():
 
 def test_experimental_candidates_are_valid(monkeypatch):
     """The offline tuner's --experimental tiles (the GEMV's cp.async ring, the overlap kernels
-    outside M = 9-64) pass the launcher's checks for every M bucket and format they are offered
+    outside M = 9-128) pass the launcher's checks for every M bucket and format they are offered
     for; the runtime candidate list (the autotuner, which does not check outputs) holds none of
-    them, and holds both overlap kernels' tiles at M = 9-64 only (measured there, perf_log v26)."""
+    them, and holds both overlap kernels' tiles at M = 9-128 only (measured there, perf_log v26)."""
     monkeypatch.setattr(ops16, "gluon_device", lambda index: True)
     monkeypatch.setattr(ops16, "sm_count", lambda index: 132)
     dev = torch.device("cuda", 0)
@@ -234,9 +234,9 @@ def test_experimental_candidates_are_valid(monkeypatch):
                     if c.kernel in ops16.OVERLAP_KERNELS:
                         overlap_ms.add(m)
                         overlap_kernels.add(c.kernel)
-                assert all(c.kernel not in ops16.OVERLAP_KERNELS or m <= 8 or m > 64 for c in extra)
+                assert all(c.kernel not in ops16.OVERLAP_KERNELS or m <= 8 for c in extra)
     assert kinds == {("gemv", True), ("gluon_overlap", True), ("gluon_overlap_regs", True)}
-    assert overlap_ms == {9, 16, 32, 64} and overlap_kernels == set(ops16.OVERLAP_KERNELS)
+    assert overlap_ms == {9, 16, 32, 64, 128} and overlap_kernels == set(ops16.OVERLAP_KERNELS)
     from sailfish.bench.tune import main
     if not torch.cuda.is_available():
         assert main(["--experimental", "--m", "1"]) == 2  # (parses; tuning needs a GPU)
@@ -272,24 +272,26 @@ def test_wgmma_register_hazard_counts_groups():
 
 def test_gluon_candidates_are_valid(monkeypatch):
     """The tuner's Gluon tiles pass the launcher's checks, and none is offered where the
-    kernel cannot run (a general g_idx, group 64, M outside 2..64); M <= 8 gets BLOCK_M 8."""
+    kernel cannot run (a general g_idx, group 64, M outside 2..128); M <= 8 gets BLOCK_M 8, M > 64
+    only the overlap kernels (two BLOCK_M 64 tiles per N tile)."""
     monkeypatch.setattr(ops16, "gluon_device", lambda index: True)
     monkeypatch.setattr(ops16, "sm_count", lambda index: 132)
     dev = torch.device("cuda", 0)
     seen = 0
     for kp, n in [(4096, 6144), (14336, 4096), (28672, 8192), (8192, 57344), (1024, 128)]:
-        for m in (2, 4, 8, 16, 32, 64):
+        for m in (2, 4, 8, 16, 32, 64, 128):
             for cfg in ops16._gluon_candidates(device=dev, M=m, N=n, Kp=kp, group_size=128, general_gidx=False,
                                                has_zeros=False):
                 ops16._check_config(cfg, kp, m, 128)
                 assert (cfg.BLOCK_M == 8) == (m <= 8), (m, cfg)
+                assert m <= 64 or cfg.kernel in ops16.OVERLAP_KERNELS, (m, cfg)
                 seen += 1
     assert seen > 0
     base = dict(device=dev, N=4096, Kp=4096)
     assert list(ops16._gluon_candidates(**base, M=16, group_size=128, general_gidx=False, has_zeros=True))
     for kw in (dict(M=16, group_size=128, general_gidx=True, has_zeros=False),
                dict(M=16, group_size=64, general_gidx=False, has_zeros=False),
-               dict(M=128, group_size=128, general_gidx=False, has_zeros=False),
+               dict(M=129, group_size=128, general_gidx=False, has_zeros=False),
                dict(M=1, group_size=-1, general_gidx=False, has_zeros=False)):
         assert not list(ops16._gluon_candidates(**base, **kw)), kw
     monkeypatch.setattr(ops16, "gluon_device", lambda index: False)

@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="config JSON to update")
     ap.add_argument("--experimental", action="store_true",
                     help="w4a16: also the tiles that pass every test but did not win where measured (the "
-                         "GEMV's cp.async ring; the overlap kernels outside M = 9-64); each is checked against "
+                         "GEMV's cp.async ring; the overlap kernels outside M = 9-128); each is checked against "
                          "the reference like every candidate")
     ap.add_argument("--kernels", default=None,
                     help="comma-separated Config.kernel names: time only their tiles and the shipped config")

@@ -132,13 +132,17 @@ def _gluon_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros):
     came close to the Triton tiles (4096x4096 1.10x, 14336x4096 1.04x of them, elsewhere
     slower). The split-K that fills the SMs ~3-4 times decides the rest, so the splits 3 and
     6 are tried too."""
-    if not (2 <= M <= 64 and gluon_format(group_size, general_gidx, Kp) and gluon_device(device.index or 0)):
+    if not (2 <= M <= 128 and gluon_format(group_size, general_gidx, Kp) and gluon_device(device.index or 0)):
         return
     bm = _gluon_block_m(M)
     sms = sm_count(device.index or 0)
-    tiles_ = [(bm, 64, 4, 3), (bm, 64, 4, 4)] if M <= 32 else [(64, 128, 8, 3)]
-    yield from _gluon_tiles("gluon", tiles_, M=M, N=N, Kp=Kp, sms=sms)
-    if M > 8:  # the overlap kernels (docs/perf_log.md v26: best on 4-5 of 8 Llama shapes at M = 16-64, H100)
+    if M <= 64:
+        tiles_ = [(bm, 64, 4, 3), (bm, 64, 4, 4)] if M <= 32 else [(64, 128, 8, 3)]
+        yield from _gluon_tiles("gluon", tiles_, M=M, N=N, Kp=Kp, sms=sms)
+    # the overlap kernels (docs/perf_log.md v26, H100): best on 4-5 of 8 Llama shapes at M = 16-64; at
+    # M = 65-128 (two BLOCK_M 64 tiles per N tile) 'gluon_overlap_regs' was 1.05-1.21x faster than
+    # the table on 6 of 8 shapes
+    if M > 8:
         for kernel in OVERLAP_KERNELS:
             yield from _gluon_tiles(kernel, _overlap_tiles(M), M=M, N=N, Kp=Kp, sms=sms)
 
@@ -232,7 +236,7 @@ def _experimental_candidates(*, device, M, N, Kp, group_size, general_gidx, has_
     """Tiles that pass every test (interpreter and H100) but did not win where measured, kept for
     the offline tuner on other GPUs and Triton versions (docs/perf_log.md v26): the tensor-core
     GEMV with its words through a cp.async ring (num_stages 3, 4; H100 M = 1-2: 6-12% slower than
-    the table on all 8 Llama shapes) and the overlap kernels' tiles outside M = 9-64. Only the
+    the table on all 8 Llama shapes) and the overlap kernels' tiles outside M = 9-128. Only the
     offline tuner offers them (`python -m sailfish.bench.tune --experimental`), and it checks
     every candidate's output against the reference before timing it; the runtime autotuner does
     not check outputs, so they are not among its candidates."""
@@ -242,11 +246,9 @@ def _experimental_candidates(*, device, M, N, Kp, group_size, general_gidx, has_
         for cfg in _w4a16_candidates(**problem):
             if cfg.kernel == "gemv" and cfg.num_stages == 1:
                 yield from (replace(cfg, num_stages=stages) for stages in (3, 4))
-    # the 'gluon_overlap' tiles where the regular list has none (M = 9-64 it has, v26): M = 1-8
-    # (H100: 1-2% ahead of the table on 1 of 8 shapes at M = 2, v26) and M = 65-128 (two BM 64
-    # tiles per N tile, where the tensor cores take twice the HBM time)
-    if ((M <= 8 or 64 < M <= 128) and gluon_format(group_size, general_gidx, Kp)
-            and gluon_device(device.index or 0)):
+    # the overlap kernels' tiles where the regular list has none (M = 9-128 it has, v26): M = 1-8
+    # (H100: 1-4% ahead of the table on 5 of 8 shapes at M = 4-8, noise level, v26)
+    if M <= 8 and gluon_format(group_size, general_gidx, Kp) and gluon_device(device.index or 0):
         for kernel in OVERLAP_KERNELS:
             yield from _gluon_tiles(kernel, _overlap_tiles(M), M=M, N=N, Kp=Kp, sms=sm_count(device.index or 0))
 
@@ -455,7 +457,7 @@ GLUON_STEP = 2 * K_CHUNK  # channels per K step of the Gluon kernel (its BLOCK_K
 # 'gluon_overlap': the Gluon kernel that dequantizes each K step while the previous step's
 # wgmmas run (kernels/w4a16_gluon.w4a16_gluon_overlap_kernel; docs/perf_log.md v25). H100: 3-9%
 # faster than the shipped tile at M = 64 on 4 of 8 Llama shapes, 1-8% at M = 16-32 on 3-4, slower on
-# 8192x57344 (v26); a regular candidate at M = 9-64, the offline tuner's --experimental elsewhere.
+# 8192x57344 (v26); a regular candidate at M = 9-128 (v26), the offline tuner's --experimental elsewhere.
 # 'gluon_overlap_regs': the same with the packed words loaded from global memory straight into
 # registers two steps ahead (the ring holds x only: no LDS of the words, a third less shared
 # memory); H100, same process: 1.02-1.17x faster than 'gluon_overlap' at BLOCK_M 64 on 6 of 6
