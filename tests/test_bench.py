@@ -12,7 +12,7 @@ from sailfish.bench import kernels as KR
 from sailfish.bench import report as RP
 from sailfish.bench.__main__ import QUICK_SHAPES, parse_m, parse_shapes, run_benchmark
 from sailfish.bench.timing import w4a16_min_bytes
-from sailfish.bench.tune import LLAMA_SHAPES, M_LIST
+from sailfish.bench.tune import LLAMA_SHAPES, M_LIST, RETIME, best_of_three
 
 
 def test_min_bytes_models():
@@ -145,6 +145,28 @@ def test_wrong_kernel_is_not_timed():
                         timer=lambda calls: timed.append(1) or 1.0, hbm_gbps=1.0, base_spec=spec,
                         report_base=True, prog=prog)
     assert not timed and not res.rows and res.failures and res.checks[0]["ok"] is False
+
+
+def test_tuner_retimes_the_fastest_and_the_shipped_config():
+    """bench.tune.best_of_three: the RETIME fastest and the shipped config (wherever it ranks)
+    are timed twice more and keep their best of three; the rest keep their one timing."""
+    first = [(float(i + 1), f"c{i}") for i in range(RETIME + 3)]  # c0 fastest
+    later = {"c1": [0.5, 0.7]}  # c1 turns out fastest
+    shipped = f"c{RETIME + 2}"  # the slowest at first
+    later[shipped] = [RETIME + 9.0, 1.5]
+    calls = []
+
+    def time(cfg):
+        calls.append(cfg)
+        return later.get(cfg, [99.0, 99.0])[calls.count(cfg) - 1]
+
+    got = best_of_three(first, shipped, time)
+    assert sorted(calls) == sorted([f"c{i}" for i in range(RETIME)] * 2 + [shipped] * 2)
+    assert [c for _, c in got][:3] == ["c1", "c0", shipped] and got[0][0] == 0.5 and got[2][0] == 1.5
+    assert dict((c, t) for t, c in got)[f"c{RETIME}"] == RETIME + 1.0  # not timed again
+    calls.clear()  # the shipped config among the fastest: timed twice more, once
+    best_of_three(first, "c0", time)
+    assert sorted(calls) == sorted([f"c{i}" for i in range(RETIME)] * 2)
 
 
 def test_merge_later_runs_replace_rows():

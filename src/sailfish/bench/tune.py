@@ -6,8 +6,9 @@ For every shape and M, every candidate config of the kernel family (--family w4a
 w4a8: the ops module's candidate list plus the heuristic's choice and the config the
 launcher uses today, "shipped": the package table's entry or the heuristic) is checked
 against the reference, then timed (CUDA graph over R weight copies); the fastest is
-written under the same key the launcher looks up. Each line of the log gives the best,
-the shipped and the heuristic times (--show N: the N fastest candidates too).
+written under the same key the launcher looks up (the 4 fastest and the shipped config are
+timed twice more, best of three). Each line of the log gives the best, the shipped and the
+heuristic times (--show N: the N fastest candidates too).
 Existing entries in --out are kept unless re-tuned.
 
     python -m sailfish.bench.tune --kernels gluon_overlap --m 16,32,64 --show 3
@@ -133,6 +134,22 @@ FAMILIES = {"w4a16": _w4a16_family, "w4a8": _w4a8_family}
 RETIME = 4  # candidates timed twice more before the choice
 
 
+def best_of_three(results, shipped, time):
+    """results: (time, config) pairs sorted by time. The RETIME fastest, and the shipped config
+    wherever it ranks, are timed twice more (time(config)) and keep their best of three; the
+    pairs come back sorted. One timing each let a 5-10% outlier decide between near-equal tiles
+    (H200: the same config's time spread 3-7% between runs), and a single timing of the shipped
+    config once read 36.1 us against 19-22 us in other runs (H100), which the log compares with."""
+    again = results[:RETIME] + [tc for tc in results[RETIME:] if tc[1] == shipped]
+    rest = [tc for tc in results[RETIME:] if tc[1] != shipped]
+    top = []
+    for t, cfg in again:
+        for _ in range(2):
+            t = min(t, time(cfg))
+        top.append((t, cfg))
+    return sorted(top + rest, key=lambda tc: tc[0])
+
+
 def tune_shape(family, k, n, ms, group_size, sym, dtype, log=print, experimental=False, kernels=None, show=0):
     """kernels: only the candidates of these kernels (Config.kernel) are timed, with the shipped
     config (None: all). show: log the `show` fastest candidates with their times."""
@@ -165,14 +182,11 @@ def tune_shape(family, k, n, ms, group_size, sym, dtype, log=print, experimental
                 continue
             results.append((t, cfg))
         results.sort(key=lambda tc: tc[0])
-        # the few fastest again, best of three: one timing each let a 5-10% outlier decide
-        # between near-equal tiles (H200: the same config's time spread 3-7% between runs)
-        top = []
-        for t, cfg in results[:RETIME]:
-            for _ in range(2):
-                t = min(t, graph_time_us([lambda l=l, cfg=cfg: launch(l, xin, cfg) for l in layers]))
-            top.append((t, cfg))
-        results[:RETIME] = sorted(top, key=lambda tc: tc[0])
+
+        def timed(cfg, xin=xin, layers=layers):  # (defaults: the loop's current values)
+            return graph_time_us([lambda l=l: launch(l, xin, cfg) for l in layers])
+
+        results = best_of_three(results, now, timed)
         heur_t = next((t for t, c in results if c == cands[0]), float("nan")) if kernels is None else float("nan")
         now_t = next((t for t, c in results if c == now), float("nan"))
         t, cfg = results[0]
