@@ -58,7 +58,7 @@ def fake_gpu(monkeypatch, tmp_path):
     like an H200, never capturing, with a user table in tmp_path."""
     monkeypatch.setattr(tuning, "gpu_key", lambda device: "h200")
     monkeypatch.setattr(tuning, "_capturing", lambda: False)
-    for var in ("SAILFISH_HEURISTICS_ONLY", "SAILFISH_AUTOTUNE", "SAILFISH_CONFIG_FILE"):
+    for var in ("SAILFISH_HEURISTICS_ONLY", "SAILFISH_AUTOTUNE", "SAILFISH_CONFIG_FILE", "SAILFISH_CONFIG_REPLACE"):
         monkeypatch.delenv(var, raising=False)
     tuning.clear_caches()
     table = tmp_path / "table.json"
@@ -108,6 +108,31 @@ def test_lookup_order(fake_gpu):
     # no entry and no way to autotune (run=None): the heuristic
     assert _tuner().get("test|other", dev, None, fallback_key="test|none").kernel == "heuristic"
     assert _tuner().get("test|other", dev, None).kernel == "heuristic"
+
+
+def test_config_replace_uses_the_user_table_alone(fake_gpu, monkeypatch, tmp_path):
+    """SAILFISH_CONFIG_REPLACE=1: the user file instead of the shipped table (merged over it
+    otherwise), so a key only the shipped table holds falls to the heuristic; a missing file is
+    an error, not a silent switch to the heuristics."""
+    dev, use = fake_gpu
+    shipped, mine = Config(16, 128, 128, 2), Config(32, 64, 256, 4)
+    monkeypatch.setattr(tuning, "CONFIG_DIR", tmp_path)
+    (tmp_path / "h200.json").write_text(json.dumps({"configs": {"test|shipped": vars(shipped)}}))
+    use({"test|mine": vars(mine)})
+    assert _tuner().get("test|shipped", dev, None) == shipped
+    assert _tuner().get("test|mine", dev, None) == mine
+    monkeypatch.setenv("SAILFISH_CONFIG_REPLACE", "1")
+    tuning.clear_caches()
+    assert _tuner().get("test|shipped", dev, None).kernel == "heuristic"
+    assert _tuner().get("test|mine", dev, None) == mine
+    monkeypatch.setenv("SAILFISH_CONFIG_FILE", str(tmp_path / "nope.json"))
+    tuning.clear_caches()
+    with pytest.raises(ValueError, match="SAILFISH_CONFIG_REPLACE=1 needs SAILFISH_CONFIG_FILE"):
+        _tuner().get("test|mine", dev, None)
+    monkeypatch.delenv("SAILFISH_CONFIG_FILE")
+    tuning.clear_caches()
+    with pytest.raises(ValueError, match="SAILFISH_CONFIG_REPLACE=1 needs SAILFISH_CONFIG_FILE"):
+        _tuner().get("test|mine", dev, None)
 
 
 def test_heuristics_only_switch(fake_gpu, monkeypatch):

@@ -6,8 +6,9 @@ Lookup order for a problem (kernel family, K, N, bucketed M, format flags) on a 
      captures agree) and a steady-state call costs one dict lookup (the launchers keep a
      launch plan per problem on top, `Tuner.plans`, dropped whenever a config changes);
   2. the table for this GPU (kernels/configs/<gpu_key>.json), merged with the user file
-     named by SAILFISH_CONFIG_FILE; a format without an entry may use its shape's entry
-     (`fallback_key`);
+     named by SAILFISH_CONFIG_FILE (with SAILFISH_CONFIG_REPLACE=1 the user file alone, so
+     that an A/B of two tables compares them key for key); a format without an entry may use
+     its shape's entry (`fallback_key`);
   3. only when opted in with SAILFISH_AUTOTUNE=1, on CUDA and outside graph capture:
      benchmark the candidate list once (seconds per problem, so never by default inside
      a forward);
@@ -304,6 +305,11 @@ class Tuner:
 
     def table(self, device: torch.device) -> Dict[str, dict]:
         user = os.environ.get("SAILFISH_CONFIG_FILE")
+        if _env_flag("SAILFISH_CONFIG_REPLACE"):
+            if not user or not os.path.isfile(user):  # (else only the heuristics would be left, silently)
+                raise ValueError(f"SAILFISH_CONFIG_REPLACE=1 needs SAILFISH_CONFIG_FILE to name a config table; "
+                                 f"{user!r} is not a file")
+            return dict(_load_table(user))
         merged = dict(_load_table(str(CONFIG_DIR / f"{gpu_key(device)}.json")))
         if user:
             merged.update(_load_table(user))
