@@ -71,11 +71,9 @@ def _w4a16_family(k, n, group_size, sym, dtype, experimental=False):
             out.append(problem_key("w4a16", kp, n, m, "any"))
         return out
 
-    def shipped(m):  # what the launcher picks without autotuning (ops/w4a16.w4a16_launch)
-        dev = torch.device("cuda")
-        return _table_entry(W4A16_TUNER, [w4a16_key(kp, n, m, group_size, not sym, False, dtype),
-                                          problem_key("w4a16", kp, n, m, "any")],
-                            lambda: _w4a16_heuristic(device=dev, M=m_bucket(m), **problem))
+    def shipped(m):  # what the launcher picks without autotuning: its lookup (ops/w4a16.w4a16_launch)
+        return W4A16_TUNER.get(w4a16_key(kp, n, m, group_size, not sym, False, dtype), torch.device("cuda"), None,
+                               fallback_key=problem_key("w4a16", kp, n, m, "any"), M=m_bucket(m), **problem)
 
     return make, launch, prepare, candidates, keys, shipped
 
@@ -110,22 +108,12 @@ def _w4a8_family(k, n, group_size, sym, dtype, experimental=False):
             out.append(problem_key("w4a8", k, n, m, "any"))
         return out
 
-    def shipped(m):
-        dev = torch.device("cuda")
-        return _table_entry(W4A8_TUNER, [w4a8_key(k, n, m, group_size, dtype), problem_key("w4a8", k, n, m, "any")],
-                            lambda: _w4a8_heuristic(device=dev, M=m_bucket(m), N=n, K=k, Kp=kp,
-                                                    group_size=group_size))
+    def shipped(m):  # the launcher's lookup (ops/w4a8.w4a8_launch)
+        return W4A8_TUNER.get(w4a8_key(k, n, m, group_size, dtype), torch.device("cuda"), None,
+                              fallback_key=problem_key("w4a8", k, n, m, "any"), M=m_bucket(m), N=n, K=k, Kp=kp,
+                              group_size=group_size)
 
     return make, launch, prepare, candidates, keys, shipped
-
-
-def _table_entry(tuner, keys, heuristic):
-    """The package table's entry under the first of `keys` present (the launcher's lookup
-    order: the format's key, then the shape's "any" key), else heuristic()."""
-    from ..tuning import Config
-    table = tuner.table(torch.device("cuda"))
-    entry = next((table[k] for k in keys if k in table), None)
-    return heuristic() if entry is None else Config(**entry)
 
 
 FAMILIES = {"w4a16": _w4a16_family, "w4a8": _w4a8_family}

@@ -274,9 +274,9 @@ def _check_config(cfg: Config, kp: int, m: int, group_size: int = -1, general_gi
     if cfg.BLOCK_K % K_CHUNK:
         raise ValueError(f"config BLOCK_K={cfg.BLOCK_K} must be a multiple of {K_CHUNK} "
                          "(whole chunks of the fragment-order weight layout)")
-    if cfg.kernel not in ("mma", "gemv", "dequant") + GLUON_KERNELS:
-        raise ValueError(f"config kernel={cfg.kernel!r} is not one of 'mma', 'gemv', 'dequant', 'gluon', "
-                         "'gluon_overlap', 'gluon_overlap_regs'")
+    kernels = ("mma", "gemv", "dequant") + GLUON_KERNELS
+    if cfg.kernel not in kernels:
+        raise ValueError(f"config kernel={cfg.kernel!r} is not one of {', '.join(map(repr, kernels))}")
     if cfg.kernel in GLUON_KERNELS:
         _check_gluon_config(cfg, kp)
     if cfg.kernel == "gemv" and cfg.BLOCK_M < m:
