@@ -497,8 +497,9 @@ def main(argv=None) -> int:
                     help="the Hopper Gluon W4A16 kernel instead (default configs: the shipped 'gluon' ones; "
                          "--group-size, --dtype, --zeros apply): its K loop and wgmma waits")
     ap.add_argument("--overlap", action="store_true",
-                    help="with --gluon: its overlap variant (kernel 'gluon_overlap'; give --config, no table "
-                         "ships it): two steps' wgmmas in flight, each on its own A registers")
+                    help="with --gluon: its overlap variant (kernel 'gluon_overlap', the words through the "
+                         "ring; give --config: the default configs are the plain kernel's): two steps' wgmmas in "
+                         "flight, each on its own A registers")
     args = ap.parse_args(argv)
     from ..tuning import Config
 

@@ -209,9 +209,8 @@ def main(argv=None) -> int:
     ap.add_argument("--show", type=int, default=0, metavar="N", help="log the N fastest candidates per problem")
     args = ap.parse_args(argv)
     kernels = None if args.kernels is None else set(args.kernels.split(","))
-    from ..ops.w4a16 import GLUON_KERNELS
-    from ..tuning import KERNELS
-    known = set(KERNELS) | set(GLUON_KERNELS)
+    from ..ops.w4a16 import W4A16_KERNELS
+    known = set(W4A16_KERNELS)
     if kernels is not None and not kernels <= known:
         ap.error(f"--kernels: unknown {sorted(kernels - known)}; the kernels are {sorted(known)}")
     if args.experimental and args.family != "w4a16":

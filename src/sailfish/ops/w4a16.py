@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from ..formats.int4 import K_CHUNK, K_PAD
-from ..tuning import (Config, Tuner, m_bucket, next_pow2, problem_key, scratch_runner, sm_count,
+from ..tuning import (KERNELS, Config, Tuner, m_bucket, next_pow2, problem_key, scratch_runner, sm_count,
                       split_k_for)
 from . import define_op, device_of, use_triton
 from .launch import Launch, aligned, current_device, hooks_idle, pdl, pointers
@@ -274,9 +274,8 @@ def _check_config(cfg: Config, kp: int, m: int, group_size: int = -1, general_gi
     if cfg.BLOCK_K % K_CHUNK:
         raise ValueError(f"config BLOCK_K={cfg.BLOCK_K} must be a multiple of {K_CHUNK} "
                          "(whole chunks of the fragment-order weight layout)")
-    kernels = ("mma", "gemv", "dequant") + GLUON_KERNELS
-    if cfg.kernel not in kernels:
-        raise ValueError(f"config kernel={cfg.kernel!r} is not one of {', '.join(map(repr, kernels))}")
+    if cfg.kernel not in W4A16_KERNELS:
+        raise ValueError(f"config kernel={cfg.kernel!r} is not one of {', '.join(map(repr, W4A16_KERNELS))}")
     if cfg.kernel in GLUON_KERNELS:
         _check_gluon_config(cfg, kp)
     if cfg.kernel == "gemv" and cfg.BLOCK_M < m:
@@ -465,6 +464,7 @@ GLUON_STEP = 2 * K_CHUNK  # channels per K step of the Gluon kernel (its BLOCK_K
 # points faster), bit-identical outputs (v26); both are candidates and the tables pick
 OVERLAP_KERNELS = ("gluon_overlap", "gluon_overlap_regs")
 GLUON_KERNELS = ("gluon",) + OVERLAP_KERNELS
+W4A16_KERNELS = KERNELS + GLUON_KERNELS  # every Config.kernel the W4A16 launcher takes
 
 
 def gluon_format(group_size: int, general_gidx: bool, k: int) -> bool:
