@@ -377,14 +377,16 @@ from sailfish.bench.ptx import k_loop_stats, overlap_loop_ok, ptxas_report, sass
 from sailfish.kernels.w4a16_gluon import compile_sm90
 cases = [dict(), dict(BLOCK_M=8), dict(BLOCK_M=32, STAGES=4), dict(BLOCK_M=64, BLOCK_N=128, num_warps=8),
          dict(group_size=-1, has_bias=True),
-         dict(dtype="bf16", has_zeros=True), dict(has_zeros=True, SPLIT_K=2, pdl_early=True),
+         dict(dtype="bf16", has_zeros=True), dict(dtype="bf16", has_zeros=True, paired=True),
+         dict(has_zeros=True, SPLIT_K=2, pdl_early=True, paired=True),
          dict(BLOCK_M=32, group_size=-1, dtype="bf16", has_zeros=True, SPLIT_K=3),
          dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, group_size=256, dtype="bf16", has_zeros=True, STAGES=4),
          dict(BLOCK_M=16, BLOCK_N=128, num_warps=8),
          # the words straight into registers ('gluon_overlap_regs')
          dict(words_in_regs=True), dict(BLOCK_M=8, group_size=-1, words_in_regs=True),
          dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, dtype="bf16", has_zeros=True, SPLIT_K=2, pdl_early=True,
-              STAGES=4, words_in_regs=True)]
+              STAGES=4, words_in_regs=True), dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, dtype="bf16", has_zeros=True,
+                                                  SPLIT_K=2, STAGES=3, words_in_regs=True, paired=True)]
 bad = []
 for kw in cases:
     k = compile_sm90(overlap=True, **kw)

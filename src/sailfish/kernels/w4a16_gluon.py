@@ -209,16 +209,30 @@ def _words(w_rows, step):
 
 
 @gluon.jit
-def _step_scales(base, step, GROUP_CHUNKS: gl.constexpr):
-    """The fp32 scales or zero points of the two chunks of K step `step` (base: one pointer per
-    row, in the layout the caller wants them in); per channel (GROUP_CHUNKS 0) the row's one."""
-    if GROUP_CHUNKS > 0:
-        v0 = gl.load(base + (2 * step) // GROUP_CHUNKS).to(gl.float32)
-        v1 = gl.load(base + (2 * step + 1) // GROUP_CHUNKS).to(gl.float32)
+def _step_scales(base, step, GROUP_CHUNKS: gl.constexpr, PAIRED: gl.constexpr = False):
+    """The scales or zero points of the two chunks of K step `step` as loaded (base: one pointer
+    per row, in the layout the caller wants them in; _scale_values converts them where they are
+    used: an instruction on a loaded value makes the warp wait for the load there). Per channel
+    (GROUP_CHUNKS 0) the row's one. PAIRED (GROUP_CHUNKS 1, rows 4-byte aligned: the launcher
+    checks): both chunks' values in one int32 load, returned twice."""
+    if PAIRED:
+        p = gl.load((base + 2 * step).to(gl.pointer_type(gl.int32), bitcast=True))
+        return p, p
+    elif GROUP_CHUNKS > 0:
+        return gl.load(base + (2 * step) // GROUP_CHUNKS), gl.load(base + (2 * step + 1) // GROUP_CHUNKS)
     else:
-        v0 = gl.load(base).to(gl.float32)
-        v1 = v0
-    return v0, v1
+        v = gl.load(base)
+        return v, v
+
+
+@gluon.jit
+def _scale_values(r0, r1, DT: gl.constexpr, PAIRED: gl.constexpr = False):
+    """_step_scales' values -> the two chunks' fp32 values (exact)."""
+    if PAIRED:
+        return ((r0 & 0xFFFF).to(gl.int16).to(DT, bitcast=True).to(gl.float32),
+                (r0 >> 16).to(gl.int16).to(DT, bitcast=True).to(gl.float32))
+    else:
+        return r0.to(gl.float32), r1.to(gl.float32)
 
 
 @gluon.jit
@@ -313,8 +327,7 @@ def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, 
         z0 = None
         z1 = None
         if HAS_ZEROS:
-            z0 = zn0
-            z1 = zn1
+            z0, z1 = _scale_values(zn0, zn1, DT)
             # the next step's zero points, a step early (as the scales)
             zn0, zn1 = _step_scales(z_base, first + gl.minimum(i + 1, n - 1), GROUP_CHUNKS)
         w0 = _chunk_weights(w_buf.index(2 * slot).load(WORDS), DT, BLOCK_N, DOT_A, z0)
@@ -323,8 +336,7 @@ def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, 
         x0 = x_buf.index(2 * slot).permute((1, 0))
         x1 = x_buf.index(2 * slot + 1).permute((1, 0))
         if GROUP_CHUNKS > 0:
-            s0 = sn0
-            s1 = sn1
+            s0, s1 = _scale_values(sn0, sn1, DT)
             # the next step's scales, a step early (a 2-byte load stalls the step that uses it)
             sn0, sn1 = _step_scales(s_base, first + gl.minimum(i + 1, n - 1), GROUP_CHUNKS)
             p0 = warpgroup_mma(w0, x0, zero, use_acc=False, is_async=True)
@@ -344,15 +356,15 @@ def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, 
 
 
 @gluon.jit
-def _overlap_step(i, n, first, acc, w0, w1, q0, q1, s0, s1, z0, z1, s_base, z_base, w_buf, x_buf, w_ptrs, x_ptrs,
-                  w_rows, GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr, STAGES: gl.constexpr,
-                  RETIRE: gl.constexpr, WORDS_IN_REGS: gl.constexpr, DT: gl.constexpr, BLOCK_N: gl.constexpr,
-                  DOT_A: gl.constexpr, WORDS: gl.constexpr):
+def _overlap_step(i, n, first, acc, w0, w1, q0, q1, rs0, rs1, rz0, rz1, s_base, z_base, w_buf, x_buf, w_ptrs,
+                  x_ptrs, w_rows, GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr, PAIRED: gl.constexpr,
+                  STAGES: gl.constexpr, RETIRE: gl.constexpr, WORDS_IN_REGS: gl.constexpr, DT: gl.constexpr,
+                  BLOCK_N: gl.constexpr, DOT_A: gl.constexpr, WORDS: gl.constexpr):
     """K step i of w4a16_gluon_overlap_kernel. w0, w1: the A operands of step i - 2 (RETIRE:
     its wgmmas are retired first, which frees their registers and ring slot, while step i - 1's
-    stay in flight); q0, q1 (WORDS_IN_REGS): step i's words, loaded two steps earlier; s0, s1,
-    z0, z1: step i's scales and zero points. Returns the accumulator with step i's wgmmas issued,
-    their A operands, step i + 2's words and step i + 1's scales and zero points."""
+    stay in flight); q0, q1 (WORDS_IN_REGS): step i's words, and rs0, rs1, rz0, rz1 its scales and
+    zero points as loaded (_step_scales), all loaded two steps earlier. Returns the accumulator
+    with step i's wgmmas issued, their A operands, and step i + 2's words, scales and zero points."""
     if RETIRE:
         acc, w0, w1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, w0, w1))
     async_copy.wait_group(STAGES - 3)  # step i's group has landed
@@ -366,19 +378,32 @@ def _overlap_step(i, n, first, acc, w0, w1, q0, q1, s0, s1, z0, z1, s_base, z_ba
     else:
         k0 = w_buf.index(2 * slot).load(WORDS)
         k1 = w_buf.index(2 * slot + 1).load(WORDS)
-    v0 = _chunk_weights(k0, DT, BLOCK_N, DOT_A, z0 if HAS_ZEROS else None, s0 if GROUP_CHUNKS > 0 else None)
-    v1 = _chunk_weights(k1, DT, BLOCK_N, DOT_A, z1 if HAS_ZEROS else None, s1 if GROUP_CHUNKS > 0 else None)
-    if WORDS_IN_REGS:  # step i + 2's words (the last step's again past the end: no mask, an L2 hit)
-        q0, q1 = _words(w_rows, gl.minimum(i + 2, n - 1))
-    # the next step's scales and zero points, a step early (a 2-byte load stalls the step that uses it)
+    s0 = None
+    s1 = None
+    z0 = None
+    z1 = None
     if GROUP_CHUNKS > 0:
-        s0, s1 = _step_scales(s_base, first + gl.minimum(i + 1, n - 1), GROUP_CHUNKS)
+        s0, s1 = _scale_values(rs0, rs1, DT, PAIRED)
+    if HAS_ZEROS:
+        z0, z1 = _scale_values(rz0, rz1, DT, PAIRED)
+    v0 = _chunk_weights(k0, DT, BLOCK_N, DOT_A, z0, s0)
+    v1 = _chunk_weights(k1, DT, BLOCK_N, DOT_A, z1, s1)
+    # step i + 2's words, scales and zero points (the last step's again past the end: no mask, an
+    # L2 hit). Two steps early: ptxas starts a step's dequantization among the previous step's
+    # wgmma issues, so scales loaded one step early were waited for there (ncu, v28: bf16's
+    # scale / zero point pairing, ~21% of the stall samples). H100, table tiles, 3 rounds
+    # (docs/perf_log.md v29): bf16 asymmetric 2-6% faster at M = 32-128, fp16 symmetric -5..+3%
+    ahead = gl.minimum(i + 2, n - 1)
+    if WORDS_IN_REGS:
+        q0, q1 = _words(w_rows, ahead)
+    if GROUP_CHUNKS > 0:
+        rs0, rs1 = _step_scales(s_base, first + ahead, GROUP_CHUNKS, PAIRED)
         if HAS_ZEROS:
-            z0, z1 = _step_scales(z_base, first + gl.minimum(i + 1, n - 1), GROUP_CHUNKS)
+            rz0, rz1 = _step_scales(z_base, first + ahead, GROUP_CHUNKS, PAIRED)
     fence_async_shared()
     acc = warpgroup_mma(v0, x_buf.index(2 * slot).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma(v1, x_buf.index(2 * slot + 1).permute((1, 0)), acc, is_async=True)
-    return acc, v0, v1, q0, q1, s0, s1, z0, z1
+    return acc, v0, v1, q0, q1, rs0, rs1, rz0, rz1
 
 
 @gluon.jit
@@ -388,7 +413,7 @@ def w4a16_gluon_overlap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_
                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL_EARLY: gl.constexpr,
                                MMA: gl.constexpr, WORDS: gl.constexpr, DOT_A: gl.constexpr, X_BLK: gl.constexpr,
                                X_SMEM: gl.constexpr, W_BLK: gl.constexpr, W_SMEM: gl.constexpr,
-                               WORDS_IN_REGS: gl.constexpr = False):
+                               WORDS_IN_REGS: gl.constexpr = False, PAIRED: gl.constexpr = False):
     """w4a16_gluon_kernel's product with each step's dequantization overlapping the previous
     step's wgmmas (same arguments; STAGES >= 3, every split an even number of K steps: the
     launcher checks, ops/w4a16.gluon_overlap_split_ok).
@@ -411,7 +436,9 @@ def w4a16_gluon_overlap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_
     WORDS_IN_REGS: the words skip the ring; each step loads step i + 2's (16-byte loads in the
     WORDS layout, 16 registers per step and thread at BLOCK_N 16 * num_warps) after dequantizing
     its own, so the shared-memory round trip of the words and a third of the ring go (+20-30
-    registers, no spill; sm_90a, Triton 3.6)."""
+    registers, no spill; sm_90a, Triton 3.6). The scales and zero points are loaded two steps
+    early too; PAIRED (group size 128, rows 4-byte aligned: the launcher checks): each row's pair
+    of a step in one int32 load."""
     if PDL_EARLY:
         gdc_launch_dependents()
     DT: gl.constexpr = x_ptr.dtype.element_ty
@@ -419,11 +446,16 @@ def w4a16_gluon_overlap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_
                                                               BLOCK_M, BLOCK_N, X_BLK, W_BLK)
     s_base = _rows(s_ptr, pid_n, N, stride_sn, BLOCK_N, WORDS)  # scales and zero points: the words' rows
     z_base = _rows(z_ptr, pid_n, N, stride_sn, BLOCK_N, WORDS)
-    s0, s1 = _step_scales(s_base, first, GROUP_CHUNKS)
-    z0 = s0  # (symmetric: unused)
-    z1 = s1
+    # the scales and zero points as loaded (_step_scales) of the even (a) and odd (b) steps
+    sa0, sa1 = _step_scales(s_base, first, GROUP_CHUNKS, PAIRED)
+    sb0, sb1 = _step_scales(s_base, first + 1, GROUP_CHUNKS, PAIRED)  # (n >= 2)
+    za0 = sa0  # (symmetric: unused)
+    za1 = sa1
+    zb0 = sb0
+    zb1 = sb1
     if HAS_ZEROS:
-        z0, z1 = _step_scales(z_base, first, GROUP_CHUNKS)
+        za0, za1 = _step_scales(z_base, first, GROUP_CHUNKS, PAIRED)
+        zb0, zb1 = _step_scales(z_base, first + 1, GROUP_CHUNKS, PAIRED)
     x_buf = gl.allocate_shared_memory(DT, [2 * STAGES, BLOCK_M, _CHUNK], X_SMEM)
     w_buf = None
     w_rows = None
@@ -443,19 +475,19 @@ def w4a16_gluon_overlap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_
     acc = warpgroup_mma_init(gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA))
     # steps 0 and 1 retire nothing; then two steps per iteration, A operands (w0, w1) and (u0, u1)
     # (n is even)
-    acc, w0, w1, qa0, qa1, s0, s1, z0, z1 = _overlap_step(
-        0, n, first, acc, None, None, qa0, qa1, s0, s1, z0, z1, s_base, z_base, w_buf, x_buf, w_ptrs, x_ptrs, w_rows,
-        GROUP_CHUNKS, HAS_ZEROS, STAGES, False, WORDS_IN_REGS, DT, BLOCK_N, DOT_A, WORDS)
-    acc, u0, u1, qb0, qb1, s0, s1, z0, z1 = _overlap_step(
-        1, n, first, acc, None, None, qb0, qb1, s0, s1, z0, z1, s_base, z_base, w_buf, x_buf, w_ptrs, x_ptrs, w_rows,
-        GROUP_CHUNKS, HAS_ZEROS, STAGES, False, WORDS_IN_REGS, DT, BLOCK_N, DOT_A, WORDS)
+    acc, w0, w1, qa0, qa1, sa0, sa1, za0, za1 = _overlap_step(
+        0, n, first, acc, None, None, qa0, qa1, sa0, sa1, za0, za1, s_base, z_base, w_buf, x_buf, w_ptrs, x_ptrs,
+        w_rows, GROUP_CHUNKS, HAS_ZEROS, PAIRED, STAGES, False, WORDS_IN_REGS, DT, BLOCK_N, DOT_A, WORDS)
+    acc, u0, u1, qb0, qb1, sb0, sb1, zb0, zb1 = _overlap_step(
+        1, n, first, acc, None, None, qb0, qb1, sb0, sb1, zb0, zb1, s_base, z_base, w_buf, x_buf, w_ptrs, x_ptrs,
+        w_rows, GROUP_CHUNKS, HAS_ZEROS, PAIRED, STAGES, False, WORDS_IN_REGS, DT, BLOCK_N, DOT_A, WORDS)
     for j in range(1, n // 2):
-        acc, w0, w1, qa0, qa1, s0, s1, z0, z1 = _overlap_step(
-            2 * j, n, first, acc, w0, w1, qa0, qa1, s0, s1, z0, z1, s_base, z_base, w_buf, x_buf, w_ptrs, x_ptrs,
-            w_rows, GROUP_CHUNKS, HAS_ZEROS, STAGES, True, WORDS_IN_REGS, DT, BLOCK_N, DOT_A, WORDS)
-        acc, u0, u1, qb0, qb1, s0, s1, z0, z1 = _overlap_step(
-            2 * j + 1, n, first, acc, u0, u1, qb0, qb1, s0, s1, z0, z1, s_base, z_base, w_buf, x_buf, w_ptrs, x_ptrs,
-            w_rows, GROUP_CHUNKS, HAS_ZEROS, STAGES, True, WORDS_IN_REGS, DT, BLOCK_N, DOT_A, WORDS)
+        acc, w0, w1, qa0, qa1, sa0, sa1, za0, za1 = _overlap_step(
+            2 * j, n, first, acc, w0, w1, qa0, qa1, sa0, sa1, za0, za1, s_base, z_base, w_buf, x_buf, w_ptrs,
+            x_ptrs, w_rows, GROUP_CHUNKS, HAS_ZEROS, PAIRED, STAGES, True, WORDS_IN_REGS, DT, BLOCK_N, DOT_A, WORDS)
+        acc, u0, u1, qb0, qb1, sb0, sb1, zb0, zb1 = _overlap_step(
+            2 * j + 1, n, first, acc, u0, u1, qb0, qb1, sb0, sb1, zb0, zb1, s_base, z_base, w_buf, x_buf, w_ptrs,
+            x_ptrs, w_rows, GROUP_CHUNKS, HAS_ZEROS, PAIRED, STAGES, True, WORDS_IN_REGS, DT, BLOCK_N, DOT_A, WORDS)
     acc, w0, w1, u0, u1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0, w1, u0, u1))
     async_copy.wait_group(0)
     if GROUP_CHUNKS == 0:
@@ -466,9 +498,11 @@ def w4a16_gluon_overlap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_
 
 def compile_sm90(BLOCK_M: int = 16, BLOCK_N: int = 64, STAGES: int = 3, group_size: int = 128, SPLIT_K: int = 1,
                  dtype: str = "fp16", has_bias: bool = False, num_warps: int = NUM_WARPS, pdl_early: bool = False,
-                 has_zeros: bool = False, overlap: bool = False, words_in_regs: bool = False):
+                 has_zeros: bool = False, overlap: bool = False, words_in_regs: bool = False,
+                 paired: bool = False):
     """triton.compile of the kernel (overlap: w4a16_gluon_overlap_kernel, words_in_regs: its
-    WORDS_IN_REGS form) for sm_90a without a GPU (PTX / SASS checks, tests).
+    WORDS_IN_REGS form, paired: its PAIRED scale loads at group size 128) for sm_90a without a
+    GPU (PTX / SASS checks, tests).
     Needs a process in which the Triton interpreter has not run (it patches the frontend)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -482,6 +516,7 @@ def compile_sm90(BLOCK_M: int = 16, BLOCK_N: int = 64, STAGES: int = 3, group_si
                   PDL_EARLY=pdl_early, **layouts(BLOCK_M, BLOCK_N, num_warps))
     if overlap:
         consts["WORDS_IN_REGS"] = words_in_regs
+        consts["PAIRED"] = paired and group_size == CHUNK
     if not has_bias:
         consts["bias_ptr"] = None
     if SPLIT_K == 1:

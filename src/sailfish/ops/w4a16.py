@@ -609,7 +609,8 @@ class _GemmPlan:
                 GROUP_CHUNKS=gs // K_CHUNK, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, STAGES=cfg.num_stages, PDL_EARLY=chained,
                 num_warps=cfg.num_warps, **({"maxnreg": cap} if cap else {}),
-                **({"WORDS_IN_REGS": cfg.kernel == "gluon_overlap_regs"} if overlap else {}),
+                **({"WORDS_IN_REGS": cfg.kernel == "gluon_overlap_regs", "PAIRED": paired and gs == K_CHUNK}
+                   if overlap else {}),
                 **layouts(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_warps)),
                 device_index)
         elif cfg.kernel == "gemv" and tensor_core_gemv:  # (takes no g_idx pointer)
