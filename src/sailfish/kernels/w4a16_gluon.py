@@ -216,6 +216,7 @@ def _step_scales(base, step, GROUP_CHUNKS: gl.constexpr, PAIRED: gl.constexpr = 
     (GROUP_CHUNKS 0) the row's one. PAIRED (GROUP_CHUNKS 1, rows 4-byte aligned: the launcher
     checks): both chunks' values in one int32 load, returned twice."""
     if PAIRED:
+        gl.static_assert(GROUP_CHUNKS == 1, "PAIRED loads need group size 128 (one chunk per group)")
         p = gl.load((base + 2 * step).to(gl.pointer_type(gl.int32), bitcast=True))
         return p, p
     elif GROUP_CHUNKS > 0:
