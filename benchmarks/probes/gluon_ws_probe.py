@@ -1,0 +1,250 @@
+"""Probe (not part of the package; Hopper GPU; Triton 3.6 and 3.9): the one-step Gluon W4A16 kernel
+warp-specialized (docs/perf_log.md v29). A producer (1 or 4 warps) streams each K step's packed words
+and x tile into a ring with cp.async and signals a per-slot 'ready' mbarrier (cp.async.mbarrier.arrive
+.noinc, one arrival per producer thread); the consumer warpgroup waits on 'ready', dequantizes (q - z exactly, the package's asm),
+issues both chunks' wgmmas, waits for them, arrives on 'empty' and scales the two products into
+the accumulator. Nothing is in flight across an mbarrier wait (ptxas serialized v26's overlap
+consumer there: C7513), and there is no CTA barrier in the K loop.
+
+    PYTHONPATH=src python benchmarks/probes/gluon_ws_probe.py compile   # no GPU: registers, spills, setmaxnreg
+    PYTHONPATH=src python benchmarks/probes/gluon_ws_probe.py ab        # GPU: against the table and the overlap tile
+
+What it showed (H100, fp16 g128, M = 16, split 1, same process): 8192x57344 table 103.4 us, the
+overlap tile 108.2, this kernel 104.7 (4 stages) / 107.2 (6); 4096x28672 29.2 / 31.5 / 30.8 / 34.1;
+outputs within the one-step kernel's error (3e-4 relative); that run used maxnreg 128 and a 1-warp
+producer (2 CTAs per SM). Triton rounds a 1-warp worker up to a warpgroup and redistributes the
+registers with setmaxnreg (`compile` prints it): with maxnreg 80 (3 CTAs of 256 threads per SM)
+the consumer gets 136 and the producer 24, which a 1-warp producer cannot live with (240 bytes of
+spill: its per-vector cp.async pointers) but a 4-warp one can (no spill, fp16 and bf16 with zero
+points, BM 16; sm_90a, Triton 3.6). That 3-CTA form (12 consumer warps per SM instead of 8) is
+in `ab` and not yet measured.
+"""
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
+                                                             warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+from sailfish.kernels.w4a16_gluon import (_CHUNK, _STEP, _async_load, _chunk_weights, _rows, _scale_values,
+                                          _step_scales, _store, layouts, CHUNK)
+
+
+@gluon.jit
+def _program(M, N, K, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr):
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    steps = K // _STEP
+    per = gl.cdiv(steps, SPLIT_K)
+    first = pid_k * per
+    return pid // tiles_m, pid % tiles_m, pid_k, first, gl.minimum(per, steps - first)
+
+
+@gluon.jit
+def _producer(x_ptr, qw_ptr, M, N, K, stride_xm, stride_qn, x_buf, w_buf, ready, empty, SPLIT_K: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, X_BLK1: gl.constexpr,
+              W_BLK1: gl.constexpr):
+    pid_n, pid_m, pid_k, first, n = _program(M, N, K, SPLIT_K, BLOCK_M)
+    wn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, W_BLK1))
+    wn = (wn % N).to(gl.int64)
+    ww = gl.arange(0, 16, layout=gl.SliceLayout(0, W_BLK1))
+    w_ptrs = qw_ptr + wn[:, None] * stride_qn + (first * 32 + ww)[None, :]
+    xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, X_BLK1))
+    xm = (xm % M).to(gl.int64)
+    xk = gl.arange(0, _CHUNK, layout=gl.SliceLayout(0, X_BLK1))
+    x_ptrs = x_ptr + xm[:, None] * stride_xm + (first * _STEP + xk)[None, :]
+    for j in range(n):
+        s = j % STAGES
+        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+        _async_load(w_buf.index(2 * s), w_ptrs + j * 32, eviction_policy="evict_first")
+        _async_load(w_buf.index(2 * s + 1), w_ptrs + (j * 32 + 16), eviction_policy="evict_first")
+        _async_load(x_buf.index(2 * s), x_ptrs + j * _STEP)
+        _async_load(x_buf.index(2 * s + 1), x_ptrs + (j * _STEP + _CHUNK))
+        async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+
+
+@gluon.jit
+def _consumer(s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_ym, stride_sn, x_buf, w_buf, ready, empty,
+              GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr,
+              WORDS: gl.constexpr, DOT_A: gl.constexpr, DT: gl.constexpr):
+    pid_n, pid_m, pid_k, first, n = _program(M, N, K, SPLIT_K, BLOCK_M)
+    s_base = _rows(s_ptr, pid_n, N, stride_sn, BLOCK_N, MMA)
+    z_base = _rows(z_ptr, pid_n, N, stride_sn, BLOCK_N, WORDS)
+    zn0, zn1 = _step_scales(s_base, first, GROUP_CHUNKS)  # (symmetric: unused)
+    if HAS_ZEROS:
+        zn0, zn1 = _step_scales(z_base, first, GROUP_CHUNKS)
+    sn0, sn1 = _step_scales(s_base, first, GROUP_CHUNKS)
+    acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA)
+    zero = warpgroup_mma_init(gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA))
+    for i in range(n):
+        slot = i % STAGES
+        z0 = None
+        z1 = None
+        if HAS_ZEROS:
+            z0, z1 = _scale_values(zn0, zn1, DT)
+            zn0, zn1 = _step_scales(z_base, first + gl.minimum(i + 1, n - 1), GROUP_CHUNKS)
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        w0 = _chunk_weights(w_buf.index(2 * slot).load(WORDS), DT, BLOCK_N, DOT_A, z0)
+        w1 = _chunk_weights(w_buf.index(2 * slot + 1).load(WORDS), DT, BLOCK_N, DOT_A, z1)
+        fence_async_shared()
+        x0 = x_buf.index(2 * slot).permute((1, 0))
+        x1 = x_buf.index(2 * slot + 1).permute((1, 0))
+        if GROUP_CHUNKS > 0:
+            s0, s1 = _scale_values(sn0, sn1, DT)
+            sn0, sn1 = _step_scales(s_base, first + gl.minimum(i + 1, n - 1), GROUP_CHUNKS)
+            p0 = warpgroup_mma(w0, x0, zero, use_acc=False, is_async=True)
+            p1 = warpgroup_mma(w1, x1, zero, use_acc=False, is_async=True)
+            p0, p1, w0, w1 = warpgroup_mma_wait(num_outstanding=0, deps=(p0, p1, w0, w1))
+            mbarrier.arrive(empty.index(slot), count=1)
+            acc += p0 * s0[:, None] + p1 * s1[:, None]
+        else:
+            acc = warpgroup_mma(w0, x0, acc, is_async=True)
+            acc = warpgroup_mma(w1, x1, acc, is_async=True)
+            acc, w0, w1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0, w1))
+            mbarrier.arrive(empty.index(slot), count=1)
+    if GROUP_CHUNKS == 0:
+        acc = acc * gl.load(s_base).to(gl.float32)[:, None]
+    _store(acc, y_ptr, ws_ptr, bias_ptr, pid_m, pid_n, pid_k, M, N, stride_ym, HAS_BIAS, SPLIT_K, BLOCK_M, BLOCK_N,
+           MMA)
+
+
+@gluon.jit
+def ws_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_xm, stride_ym,
+               stride_qn, stride_sn, GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr,
+               HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL_EARLY: gl.constexpr,
+               MMA: gl.constexpr, WORDS: gl.constexpr, DOT_A: gl.constexpr, X_BLK: gl.constexpr,
+               X_SMEM: gl.constexpr, W_BLK: gl.constexpr, W_SMEM: gl.constexpr,
+               X_BLK1: gl.constexpr, W_BLK1: gl.constexpr, PROD_REGS: gl.constexpr, PROD_WARPS: gl.constexpr):
+    DT: gl.constexpr = x_ptr.dtype.element_ty
+    x_buf = gl.allocate_shared_memory(DT, [2 * STAGES, BLOCK_M, _CHUNK], X_SMEM)
+    w_buf = gl.allocate_shared_memory(gl.int32, [2 * STAGES, BLOCK_N, 16], W_SMEM)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=32 * PROD_WARPS)  # every producer thread
+        mbarrier.init(empty.index(s), count=1)
+    gl.warp_specialize([
+        (_consumer, (s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_ym, stride_sn, x_buf, w_buf, ready, empty,
+                     GROUP_CHUNKS, HAS_ZEROS, HAS_BIAS, SPLIT_K, BLOCK_M, BLOCK_N, STAGES, MMA, WORDS, DOT_A, DT)),
+        (_producer, (x_ptr, qw_ptr, M, N, K, stride_xm, stride_qn, x_buf, w_buf, ready, empty, SPLIT_K, BLOCK_M,
+                     BLOCK_N, STAGES, X_BLK1, W_BLK1)),
+    ], [PROD_WARPS], [PROD_REGS])
+
+
+def producer_layouts(warps=1):
+    """The producer's cp.async layouts over `warps` warps (Triton gives a 1-warp worker a whole
+    warpgroup's registers anyway; 4 warps hold a quarter of the pointers each)."""
+    return dict(X_BLK1=gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[warps, 1],
+                                        order=[1, 0]),
+                W_BLK1=gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4], warps_per_cta=[warps, 1],
+                                        order=[1, 0]))
+
+
+def consts(BLOCK_M, BLOCK_N, STAGES, group_size, SPLIT_K, has_zeros, num_warps, prod_regs=40, prod_warps=1):
+    return dict(GROUP_CHUNKS=0 if group_size == -1 else group_size // CHUNK, HAS_ZEROS=has_zeros,
+                HAS_BIAS=False, SPLIT_K=SPLIT_K, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
+                PDL_EARLY=False, PROD_REGS=prod_regs, PROD_WARPS=prod_warps, **layouts(BLOCK_M, BLOCK_N, num_warps),
+                **producer_layouts(prod_warps))
+
+
+def compile_sm90(BLOCK_M=16, BLOCK_N=64, STAGES=4, group_size=128, SPLIT_K=1, dtype="fp16", num_warps=4,
+                 has_zeros=False, maxnreg=None, prod_regs=40, prod_warps=1):
+    """triton.compile of ws_kernel for sm_90a without a GPU (Triton 3.6 / 3.9)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    ty = "*fp16" if dtype == "fp16" else "*bf16"
+    sig = {"x_ptr": ty, "qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "bias_ptr": "constexpr",
+           "y_ptr": ty, "ws_ptr": "*fp32" if SPLIT_K > 1 else "constexpr", "M": "i32", "N": "i32", "K": "i32",
+           "stride_xm": "i32", "stride_ym": "i32", "stride_qn": "i32", "stride_sn": "i32"}
+    c = consts(BLOCK_M, BLOCK_N, STAGES, group_size, SPLIT_K, has_zeros, num_warps, prod_regs, prod_warps)
+    c["bias_ptr"] = None
+    if SPLIT_K == 1:
+        c["ws_ptr"] = None
+    sig.update({k: "constexpr" for k in c})
+    names = list(sig)
+    aligned = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr", "ws_ptr", "N", "K", "stride_xm", "stride_ym", "stride_qn")
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned if sig[a] != "constexpr"}
+    src = GluonASTSource(fn=ws_kernel, signature=sig, constexprs=c, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})})
+
+
+def main_compile():
+    import re
+
+    from sailfish.bench.ptx import ptxas_report, sass
+    # (BLOCK_M, BLOCK_N, stages, consumer warps, dtype, zeros, maxnreg, producer registers, producer warps)
+    cases = [(16, 64, 4, 4, "fp16", False, 128, 64, 1), (16, 64, 6, 4, "bf16", True, 168, 88, 1),
+             (16, 64, 4, 4, "fp16", False, 80, 24, 1), (16, 128, 4, 8, "fp16", False, 168, 40, 1),
+             (16, 64, 4, 4, "fp16", False, 80, 24, 4), (16, 64, 4, 4, "fp16", False, 80, 32, 4),
+             (16, 64, 4, 4, "bf16", True, 80, 24, 4), (32, 64, 4, 4, "fp16", False, 80, 24, 4)]
+    for bm, bn, st, w, dt, z, mr, pr, pw in cases:
+        k = compile_sm90(bm, bn, st, 128, 1, dt, w, z, mr, pr, pw)
+        ptx = k.asm["ptx"]
+        rep = ptxas_report(ptx)
+        what = f"BM {bm} / BN {bn} / {w} + {pw} warps / {st} stages {dt}{' zeros' if z else ''}"
+        print(f"{what}, maxnreg {mr}, producer {pr}:",
+              re.findall(r"\.reqntid \d+", ptx), re.findall(r"Used \d+ registers", rep),
+              re.findall(r"\d+ bytes spill stores", rep),
+              re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+\d+", ptx)[:2],
+              "STL", sass(k.asm["cubin"]).count("STL"), [ln for ln in rep.splitlines() if "C75" in ln][:2], flush=True)
+
+
+def main_ab(M=16, shapes=((8192, 57344), (4096, 28672))):
+    import copy
+
+    from sailfish import Config, QuantLinear
+    from sailfish.bench.timing import copies_needed, graph_time_us
+    from sailfish.ops.w4a16 import W4A16_TUNER, w4a16_key, w4a16_launch
+    from sailfish.tuning import m_bucket, problem_key
+    print(torch.cuda.get_device_name())
+    for K, N in shapes:
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(K, N, bias=False, dtype=torch.float16, device="cuda")
+        base = QuantLinear.from_linear(lin, group_size=128, sym=True)
+        del lin
+        R = copies_needed(sum(b.numel() * b.element_size() for b in base.buffers()))
+        layers = [base] + [copy.deepcopy(base) for _ in range(R - 1)]
+        x = torch.randn(M, K, dtype=torch.float16, device="cuda")
+        ref = x.float() @ base.dequantize().float().T
+        cfg = W4A16_TUNER.get(w4a16_key(K, N, M, 128, False, False, torch.float16), torch.device("cuda"), None,
+                              fallback_key=problem_key("w4a16", K, N, M, "any"), M=m_bucket(M), N=N, Kp=K,
+                              group_size=128, general_gidx=False, has_zeros=False)
+        ov = Config(16, 64, 256, 1, 8, 4, 4, kernel="gluon_overlap")
+
+        def launch(c):
+            return lambda lay: w4a16_launch(x, lay.qweight, lay.scales, None, None, None, None, K, 128, config=c)
+
+        fns = {"table": launch(cfg), "overlap": launch(ov)}
+        # (stages, maxnreg, producer registers, producer warps): 2 CTAs per SM with a 1-warp producer (measured,
+        # module docstring), then 3 per SM: maxnreg 80 x 256 threads, setmaxnreg 136 / 24 (compile-only so far)
+        for st, mr, pr, pw in ((4, 128, 64, 1), (6, 128, 64, 1), (4, 80, 24, 4), (3, 80, 24, 4)):
+            def run(lay, c=consts(16, 64, st, 128, 1, False, 4, pr, pw), mr=mr):
+                y = torch.empty(M, N, dtype=torch.float16, device="cuda")
+                ws_kernel[(N // 64, 1)](x, lay.qweight, lay.scales, lay.scales, None, y, None, M, N, K, x.stride(0),
+                                        y.stride(0), lay.qweight.stride(0), lay.scales.stride(0), **c, num_warps=4,
+                                        maxnreg=mr)
+                return y
+            fns[f"ws {st} stages / maxnreg {mr} / {pw}-warp producer"] = run
+        err = {k: ((f(base).float() - ref).norm() / ref.norm()).item() for k, f in fns.items()}
+        ts = {}
+        for _ in range(3):
+            for k, f in fns.items():
+                ts[k] = min(ts.get(k, 1e9), graph_time_us([lambda lay=lay, f=f: f(lay) for lay in layers]))
+        print(f"{K}x{N} M = {M} (table: {cfg.kernel} BM {cfg.BLOCK_M} / BN {cfg.BLOCK_N} / split {cfg.SPLIT_K}): "
+              + " | ".join(f"{k} {ts[k]:.1f} us (rel. err {err[k]:.1e})" for k in fns), flush=True)
+        del layers, base
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["compile"]:
+        main_compile()
+    elif sys.argv[1:2] == ["ab"]:
+        main_ab()
+    else:
+        sys.exit(__doc__)
