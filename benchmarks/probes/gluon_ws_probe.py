@@ -1,13 +1,14 @@
 """Probe (not part of the package; Hopper GPU; Triton 3.6 and 3.9): the one-step Gluon W4A16 kernel
 warp-specialized (docs/perf_log.md v29). A producer (1 or 4 warps) streams each K step's packed words
 and x tile into a ring with cp.async and signals a per-slot 'ready' mbarrier (cp.async.mbarrier.arrive
-.noinc, one arrival per producer thread); the consumer warpgroup waits on 'ready', dequantizes (q - z exactly, the package's asm),
-issues both chunks' wgmmas, waits for them, arrives on 'empty' and scales the two products into
-the accumulator. Nothing is in flight across an mbarrier wait (ptxas serialized v26's overlap
-consumer there: C7513), and there is no CTA barrier in the K loop.
+.noinc, one arrival per producer thread); the consumer warpgroup waits on 'ready', dequantizes (q - z
+exactly, the package's asm), issues both chunks' wgmmas, waits for them, arrives on 'empty' and
+scales the two products into the accumulator. Nothing is in flight across an mbarrier wait (ptxas
+serialized v26's overlap consumer there: C7513), and there is no CTA barrier in the K loop.
 
     PYTHONPATH=src python benchmarks/probes/gluon_ws_probe.py compile   # no GPU: registers, spills, setmaxnreg
-    PYTHONPATH=src python benchmarks/probes/gluon_ws_probe.py ab        # GPU: against the table and the overlap tile
+    PYTHONPATH=src python benchmarks/probes/gluon_ws_probe.py ab        # GPU: against the table and the overlap
+                                                                        # tile, M = 16 / 32, 5 shapes, splits 1-4
 
 What it showed (H100, fp16 g128, M = 16, split 1, same process): 8192x57344 table 103.4 us, the
 overlap tile 108.2, this kernel 104.7 (4 stages) / 107.2 (6); 4096x28672 29.2 / 31.5 / 30.8 / 34.1;
@@ -27,6 +28,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
                                                              warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+from triton.language.extra.cuda import gdc_launch_dependents
+
 from sailfish.kernels.w4a16_gluon import (_CHUNK, _STEP, _async_load, _chunk_weights, _rows, _scale_values,
                                           _step_scales, _store, layouts, CHUNK)
 
@@ -119,6 +122,8 @@ def ws_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, str
                MMA: gl.constexpr, WORDS: gl.constexpr, DOT_A: gl.constexpr, X_BLK: gl.constexpr,
                X_SMEM: gl.constexpr, W_BLK: gl.constexpr, W_SMEM: gl.constexpr,
                X_BLK1: gl.constexpr, W_BLK1: gl.constexpr, PROD_REGS: gl.constexpr, PROD_WARPS: gl.constexpr):
+    if PDL_EARLY:  # split-K: the reduce may launch now, it waits for the partial sums (kernels/common.py)
+        gdc_launch_dependents()
     DT: gl.constexpr = x_ptr.dtype.element_ty
     x_buf = gl.allocate_shared_memory(DT, [2 * STAGES, BLOCK_M, _CHUNK], X_SMEM)
     w_buf = gl.allocate_shared_memory(gl.int32, [2 * STAGES, BLOCK_N, 16], W_SMEM)
@@ -194,14 +199,18 @@ def main_compile():
               "STL", sass(k.asm["cubin"]).count("STL"), [ln for ln in rep.splitlines() if "C75" in ln][:2], flush=True)
 
 
-def main_ab(M=16, shapes=((8192, 57344), (4096, 28672))):
+def main_ab(Ms=(16, 32), shapes=((8192, 57344), (28672, 8192), (8192, 10240), (8192, 8192), (4096, 28672))):
+    """fp16 g128: the table's config, the overlap tile and this kernel's forms and splits, alternating, best of 3."""
     import copy
 
     from sailfish import Config, QuantLinear
     from sailfish.bench.timing import copies_needed, graph_time_us
-    from sailfish.ops.w4a16 import W4A16_TUNER, w4a16_key, w4a16_launch
+    from sailfish.kernels.w4a16 import _splitk_reduce_kernel
+    from sailfish.ops.launch import pdl
+    from sailfish.ops.w4a16 import _REDUCE_BLOCK, W4A16_TUNER, gluon_split_ok, w4a16_key, w4a16_launch
     from sailfish.tuning import m_bucket, problem_key
     print(torch.cuda.get_device_name())
+    chained = pdl(torch.cuda.current_device())
     for K, N in shapes:
         torch.manual_seed(0)
         lin = torch.nn.Linear(K, N, bias=False, dtype=torch.float16, device="cuda")
@@ -209,34 +218,49 @@ def main_ab(M=16, shapes=((8192, 57344), (4096, 28672))):
         del lin
         R = copies_needed(sum(b.numel() * b.element_size() for b in base.buffers()))
         layers = [base] + [copy.deepcopy(base) for _ in range(R - 1)]
-        x = torch.randn(M, K, dtype=torch.float16, device="cuda")
-        ref = x.float() @ base.dequantize().float().T
-        cfg = W4A16_TUNER.get(w4a16_key(K, N, M, 128, False, False, torch.float16), torch.device("cuda"), None,
-                              fallback_key=problem_key("w4a16", K, N, M, "any"), M=m_bucket(M), N=N, Kp=K,
-                              group_size=128, general_gidx=False, has_zeros=False)
-        ov = Config(16, 64, 256, 1, 8, 4, 4, kernel="gluon_overlap")
+        for M in Ms:
+            bm = 16 if M <= 16 else 32
+            x = torch.randn(M, K, dtype=torch.float16, device="cuda")
+            ref = x.float() @ base.dequantize().float().T
+            cfg = W4A16_TUNER.get(w4a16_key(K, N, M, 128, False, False, torch.float16), torch.device("cuda"), None,
+                                  fallback_key=problem_key("w4a16", K, N, M, "any"), M=m_bucket(M), N=N, Kp=K,
+                                  group_size=128, general_gidx=False, has_zeros=False)
 
-        def launch(c):
-            return lambda lay: w4a16_launch(x, lay.qweight, lay.scales, None, None, None, None, K, 128, config=c)
+            def launch(c):
+                return lambda lay: w4a16_launch(x, lay.qweight, lay.scales, None, None, None, None, K, 128, config=c)
 
-        fns = {"table": launch(cfg), "overlap": launch(ov)}
-        # (stages, maxnreg, producer registers, producer warps): 2 CTAs per SM with a 1-warp producer (measured,
-        # module docstring), then 3 per SM: maxnreg 80 x 256 threads, setmaxnreg 136 / 24 (compile-only so far)
-        for st, mr, pr, pw in ((4, 128, 64, 1), (6, 128, 64, 1), (4, 80, 24, 4), (3, 80, 24, 4)):
-            def run(lay, c=consts(16, 64, st, 128, 1, False, 4, pr, pw), mr=mr):
-                y = torch.empty(M, N, dtype=torch.float16, device="cuda")
-                ws_kernel[(N // 64, 1)](x, lay.qweight, lay.scales, lay.scales, None, y, None, M, N, K, x.stride(0),
-                                        y.stride(0), lay.qweight.stride(0), lay.scales.stride(0), **c, num_warps=4,
-                                        maxnreg=mr)
-                return y
-            fns[f"ws {st} stages / maxnreg {mr} / {pw}-warp producer"] = run
-        err = {k: ((f(base).float() - ref).norm() / ref.norm()).item() for k, f in fns.items()}
-        ts = {}
-        for _ in range(3):
-            for k, f in fns.items():
-                ts[k] = min(ts.get(k, 1e9), graph_time_us([lambda lay=lay, f=f: f(lay) for lay in layers]))
-        print(f"{K}x{N} M = {M} (table: {cfg.kernel} BM {cfg.BLOCK_M} / BN {cfg.BLOCK_N} / split {cfg.SPLIT_K}): "
-              + " | ".join(f"{k} {ts[k]:.1f} us (rel. err {err[k]:.1e})" for k in fns), flush=True)
+            fns = {"table": launch(cfg), "overlap s2": launch(Config(bm, 64, 256, 2, 8, 4, 4, kernel="gluon_overlap"))}
+            # (stages, maxnreg, producer registers, producer warps): 2 CTAs per SM with a 1-warp producer
+            # (measured, module docstring); 3 per SM: maxnreg 80 x 256 threads, setmaxnreg 136 / 24
+            for st, mr, pr, pw in ((4, 128, 64, 1), (4, 80, 24, 4), (3, 80, 24, 4)):
+                for split in (1, 2, 4):
+                    if not gluon_split_ok(split, K // 256):
+                        continue
+
+                    def run(lay, c=consts(bm, 64, st, 128, split, False, 4, pr, pw), mr=mr, split=split):
+                        y = torch.empty(M, N, dtype=torch.float16, device="cuda")
+                        ws = torch.empty(split, M, N, dtype=torch.float32, device="cuda") if split > 1 else None
+                        c = dict(c, PDL_EARLY=split > 1 and chained)
+                        ws_kernel[(-(-M // bm) * (N // 64), split)](
+                            x, lay.qweight, lay.scales, lay.scales, None, y, ws, M, N, K, x.stride(0), y.stride(0),
+                            lay.qweight.stride(0), lay.scales.stride(0), **c, num_warps=4, maxnreg=mr)
+                        if split > 1:
+                            _splitk_reduce_kernel[(-(-(M * N) // _REDUCE_BLOCK), 1)](
+                                ws, None, y, M, N, y.stride(0), SPLIT_K=split, HAS_BIAS=False, EMU_BF16=False,
+                                BLOCK=_REDUCE_BLOCK, PDL=chained, num_warps=4,
+                                **({"launch_pdl": True} if chained else {}))
+                        return y
+                    fns[f"ws st{st} mr{mr} p{pw} s{split}"] = run
+            err = {k: ((f(base).float() - ref).norm() / ref.norm()).item() for k, f in fns.items()}
+            ts = {}
+            for _ in range(3):
+                for k, f in fns.items():
+                    ts[k] = min(ts.get(k, 1e9), graph_time_us([lambda lay=lay, f=f: f(lay) for lay in layers]))
+            best = min((t, k) for k, t in ts.items() if k.startswith("ws"))
+            print(f"{K}x{N} M = {M} (table: {cfg.kernel} BM {cfg.BLOCK_M} / BN {cfg.BLOCK_N} / split {cfg.SPLIT_K}): "
+                  f"table {ts['table']:.1f} us, overlap s2 {ts['overlap s2']:.1f}, best ws {best[0]:.1f} ({best[1]}); "
+                  f"worst rel. err {max(err.values()):.1e}\n    "
+                  + " | ".join(f"{k} {t:.1f}" for k, t in ts.items()), flush=True)
         del layers, base
         torch.cuda.empty_cache()
 
