@@ -57,6 +57,11 @@ CASES = [
     (2, 1024, 200, 128, True, F16, True, Config(8, 64, 256, 2, 8, 4, 3, kernel="gluon")),
     (8, 1536, 136, -1, False, BF16, False, Config(8, 64, 256, 3, 8, 4, 4, kernel="gluon")),
     (11, 1024, 128, 128, False, F16, False, Config(8, 64, 256, 1, 8, 4, 2, kernel="gluon")),
+    # BLOCK_M 128 (large M: the group scale on the weights, in place): one and two M tiles
+    (130, 1024, 256, 128, True, F16, True, Config(128, 128, 256, 1, 8, 8, 2, kernel="gluon")),
+    (96, 1536, 136, 128, False, BF16, False, Config(128, 128, 256, 2, 8, 8, 2, kernel="gluon")),
+    (200, 1024, 192, -1, True, F16, False, Config(128, 64, 256, 1, 8, 4, 3, kernel="gluon")),
+    (128, 2048, 128, 256, False, F16, True, Config(128, 128, 256, 3, 8, 8, 2, kernel="gluon")),
 ]
 
 
@@ -74,8 +79,11 @@ def test_gluon_config_matches_reference(m, k, n, gs, sym, dtype, bias, cfg, devi
     x = torch.randn(m, k, device=device).to(dtype)
     y = _launch(layer, x, cfg)
     assert y.shape == (m, n) and y.dtype == dtype
-    # the exact s * (q - 8): both kernels scale the fp32 products, no weight is rounded
-    assert_close_per_element(y, x, layer.quantized_weight().dequantize(rounded=False), layer.bias)
+    # below BLOCK_M 128 the exact s * (q - z): both kernels scale the fp32 products, no weight is
+    # rounded; from 128 the groups scale the weights, rounded once to x's dtype (twin: no SCALE_ACC)
+    scaled_w = gs != -1 and cfg.BLOCK_M >= 128
+    assert gluon_twin(cfg, gs).scale_acc == (not scaled_w)
+    assert_close_per_element(y, x, layer.quantized_weight().dequantize(rounded=scaled_w), layer.bias)
 
 
 def _overlap(bm, bn, split, warps, stages, kernel="gluon_overlap"):
@@ -167,7 +175,9 @@ def test_gluon_split_k_is_deterministic(cfg):
 
 @pytest.mark.parametrize("cfg,match", [
     (Config(16, 64, 128, 1, 8, 4, 3, kernel="gluon"), "BLOCK_K=256"),
-    (Config(128, 64, 256, 1, 8, 4, 3, kernel="gluon"), "BLOCK_M in"),
+    (Config(256, 64, 256, 1, 8, 4, 3, kernel="gluon"), "BLOCK_M in"),
+    (Config(128, 128, 256, 1, 8, 8, 3, kernel="gluon"), "bytes of shared memory"),
+    (_overlap(128, 128, 1, 8, 3), "needs BLOCK_M <= 64"),
     (Config(16, 256, 256, 1, 8, 4, 3, kernel="gluon"), "BLOCK_N in"),
     (Config(16, 64, 256, 1, 8, 8, 3, kernel="gluon"), "num_warps 4"),
     (Config(16, 128, 256, 1, 8, 2, 3, kernel="gluon"), "num_warps 4"),
@@ -272,26 +282,26 @@ def test_wgmma_register_hazard_counts_groups():
 
 def test_gluon_candidates_are_valid(monkeypatch):
     """The tuner's Gluon tiles pass the launcher's checks, and none is offered where the
-    kernel cannot run (a general g_idx, group 64, M outside 2..128); M <= 8 gets BLOCK_M 8, M > 64
-    only the overlap kernels (two BLOCK_M 64 tiles per N tile)."""
+    kernel cannot run (a general g_idx, group 64, M = 1); M <= 8 gets BLOCK_M 8, M = 65-128
+    only the overlap kernels (two BLOCK_M 64 tiles per N tile), M > 128 only 'gluon' BLOCK_M 128."""
     monkeypatch.setattr(ops16, "gluon_device", lambda index: True)
     monkeypatch.setattr(ops16, "sm_count", lambda index: 132)
     dev = torch.device("cuda", 0)
     seen = 0
     for kp, n in [(4096, 6144), (14336, 4096), (28672, 8192), (8192, 57344), (1024, 128)]:
-        for m in (2, 4, 8, 16, 32, 64, 128):
+        for m in (2, 4, 8, 16, 32, 64, 128, 129, 512, 4096):
             for cfg in ops16._gluon_candidates(device=dev, M=m, N=n, Kp=kp, group_size=128, general_gidx=False,
                                                has_zeros=False):
                 ops16._check_config(cfg, kp, m, 128)
                 assert (cfg.BLOCK_M == 8) == (m <= 8), (m, cfg)
-                assert m <= 64 or cfg.kernel in ops16.OVERLAP_KERNELS, (m, cfg)
+                assert m <= 64 or m > 128 or cfg.kernel in ops16.OVERLAP_KERNELS, (m, cfg)
+                assert (cfg.BLOCK_M == 128 and cfg.kernel == "gluon") == (m > 128), (m, cfg)
                 seen += 1
     assert seen > 0
     base = dict(device=dev, N=4096, Kp=4096)
     assert list(ops16._gluon_candidates(**base, M=16, group_size=128, general_gidx=False, has_zeros=True))
     for kw in (dict(M=16, group_size=128, general_gidx=True, has_zeros=False),
                dict(M=16, group_size=64, general_gidx=False, has_zeros=False),
-               dict(M=129, group_size=128, general_gidx=False, has_zeros=False),
                dict(M=1, group_size=-1, general_gidx=False, has_zeros=False)):
         assert not list(ops16._gluon_candidates(**base, **kw)), kw
     monkeypatch.setattr(ops16, "gluon_device", lambda index: False)
@@ -309,7 +319,10 @@ cases = [dict(group_size=128), dict(group_size=-1, has_bias=True), dict(group_si
          dict(BLOCK_M=32, group_size=128, STAGES=4), dict(BLOCK_M=64, group_size=-1),
          dict(BLOCK_N=128, group_size=128, SPLIT_K=3), dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, SPLIT_K=2),
          dict(BLOCK_N=128, num_warps=8, group_size=-1), dict(BLOCK_M=8, group_size=128),
-         dict(BLOCK_M=8, group_size=128, has_zeros=True), dict(BLOCK_M=8, group_size=-1, dtype="bf16", STAGES=4)]
+         dict(BLOCK_M=8, group_size=128, has_zeros=True), dict(BLOCK_M=8, group_size=-1, dtype="bf16", STAGES=4),
+         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, STAGES=2, group_size=128),
+         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, STAGES=2, group_size=128, dtype="bf16", has_zeros=True,
+              SPLIT_K=2, pdl_early=True), dict(BLOCK_M=128, group_size=-1, has_bias=True)]
 # every Gluon tile of the shipped tables, as fp16 g128 and as bf16 g128 with zero points
 for _, c in shipped_mma_configs("gluon"):
     tile = dict(BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, STAGES=c.num_stages, SPLIT_K=c.SPLIT_K, num_warps=c.num_warps,

@@ -299,13 +299,20 @@ def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, 
     """y (M, N) = x (M, K) @ W^T for W = scale * (q - z), z = 8 or (HAS_ZEROS) the group's zero
     point. GROUP_CHUNKS: chunks per scale group (0: per channel). K % 256 == 0; split k takes
     K steps [k * ceil(steps / SPLIT_K), ...), none empty (the launcher checks both); program
-    (tile, split)."""
+    (tile, split). Groups: below BLOCK_M 128 each chunk's fp32 product is scaled into the
+    accumulator; from BLOCK_M 128 (large M) the two products would need 2 x BLOCK_M / 2 more
+    registers per thread than there are, so the scale goes on the weights (rounded once to x's
+    dtype, as the overlap kernels) and the chunks chain into the accumulator."""
     if PDL_EARLY:  # split-K: the reduce may launch now, it waits for the partial sums (kernels/common.py)
         gdc_launch_dependents()
     DT: gl.constexpr = x_ptr.dtype.element_ty
+    SCALE_W: gl.constexpr = GROUP_CHUNKS > 0 and BLOCK_M >= 128  # the group scale on the weights
     pid_m, pid_n, pid_k, first, n, w_ptrs, x_ptrs = _operands(x_ptr, qw_ptr, M, N, K, stride_xm, stride_qn, SPLIT_K,
                                                               BLOCK_M, BLOCK_N, X_BLK, W_BLK)
-    s_base = _rows(s_ptr, pid_n, N, stride_sn, BLOCK_N, MMA)  # scales: rows of the accumulator
+    if SCALE_W:  # scales: rows of the words (the asm's operand) or of the accumulator
+        s_base = _rows(s_ptr, pid_n, N, stride_sn, BLOCK_N, WORDS)
+    else:
+        s_base = _rows(s_ptr, pid_n, N, stride_sn, BLOCK_N, MMA)
     if HAS_ZEROS:  # zero points (the scales' shape), rows of the words' layout
         z_base = _rows(z_ptr, pid_n, N, stride_sn, BLOCK_N, WORDS)
         zn0, zn1 = _step_scales(z_base, first, GROUP_CHUNKS)
@@ -316,7 +323,8 @@ def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, 
 
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA)
     if GROUP_CHUNKS > 0:
-        zero = warpgroup_mma_init(gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA))
+        if not SCALE_W:
+            zero = warpgroup_mma_init(gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA))
         sn0, sn1 = _step_scales(s_base, first, GROUP_CHUNKS)
     for i in range(n):
         async_copy.wait_group(STAGES - 2)  # step i's group has landed
@@ -331,12 +339,17 @@ def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, 
             z0, z1 = _scale_values(zn0, zn1, DT)
             # the next step's zero points, a step early (as the scales)
             zn0, zn1 = _step_scales(z_base, first + gl.minimum(i + 1, n - 1), GROUP_CHUNKS)
-        w0 = _chunk_weights(w_buf.index(2 * slot).load(WORDS), DT, BLOCK_N, DOT_A, z0)
-        w1 = _chunk_weights(w_buf.index(2 * slot + 1).load(WORDS), DT, BLOCK_N, DOT_A, z1)
+        s0 = None
+        s1 = None
+        if SCALE_W:
+            s0, s1 = _scale_values(sn0, sn1, DT)
+            sn0, sn1 = _step_scales(s_base, first + gl.minimum(i + 1, n - 1), GROUP_CHUNKS)
+        w0 = _chunk_weights(w_buf.index(2 * slot).load(WORDS), DT, BLOCK_N, DOT_A, z0, s0)
+        w1 = _chunk_weights(w_buf.index(2 * slot + 1).load(WORDS), DT, BLOCK_N, DOT_A, z1, s1)
         fence_async_shared()
         x0 = x_buf.index(2 * slot).permute((1, 0))
         x1 = x_buf.index(2 * slot + 1).permute((1, 0))
-        if GROUP_CHUNKS > 0:
+        if GROUP_CHUNKS > 0 and not SCALE_W:
             s0, s1 = _scale_values(sn0, sn1, DT)
             # the next step's scales, a step early (a 2-byte load stalls the step that uses it)
             sn0, sn1 = _step_scales(s_base, first + gl.minimum(i + 1, n - 1), GROUP_CHUNKS)

@@ -120,7 +120,7 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=Fa
 
 
 def _gluon_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros):
-    """The Hopper Gluon kernel's tiles (kernels/w4a16_gluon.py) for 2 <= M <= 64, where it can
+    """The Hopper Gluon kernels' tiles (kernels/w4a16_gluon.py) for M >= 2, where they can
     run (with or without zero points); at M = 2-8 its BLOCK_M 8 tiles (wgmma N = 8) compete with
     the tensor-core GEMV. H200, fp16 g128, the 8 Llama shapes, one process (docs/perf_log.md
     v24): BLOCK_M 8 took 8192x57344 M = 2 from 105.5 us (BLOCK_M 16) to 80.4, and was 1.04-1.18x
@@ -132,10 +132,17 @@ def _gluon_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros):
     came close to the Triton tiles (4096x4096 1.10x, 14336x4096 1.04x of them, elsewhere
     slower). The split-K that fills the SMs ~3-4 times decides the rest, so the splits 3 and
     6 are tried too."""
-    if not (2 <= M <= 128 and gluon_format(group_size, general_gidx, Kp) and gluon_device(device.index or 0)):
+    if not (2 <= M and gluon_format(group_size, general_gidx, Kp) and gluon_device(device.index or 0)):
+        return
+    sms = sm_count(device.index or 0)
+    if M > 128:
+        # BLOCK_M 128 over two warpgroups, a 2-step ring (164 KiB; 3 steps do not fit), the group
+        # scale on the weights. H100, per channel, same process (docs/perf_log.md v30): 1.03-1.10x
+        # the table at M = 256 / 512 on 7 of 8 rows of four Llama-3 shapes, 0.92-0.95x of
+        # dequantize + cuBLAS at M = 1024; BLOCK_N 64 over one warpgroup slower than both
+        yield from _gluon_tiles("gluon", [(128, 128, 8, 2)], M=M, N=N, Kp=Kp, sms=sms)
         return
     bm = _gluon_block_m(M)
-    sms = sm_count(device.index or 0)
     if M <= 64:
         tiles_ = [(bm, 64, 4, 3), (bm, 64, 4, 4)] if M <= 32 else [(64, 128, 8, 3)]
         yield from _gluon_tiles("gluon", tiles_, M=M, N=N, Kp=Kp, sms=sms)
@@ -295,7 +302,7 @@ def _check_config(cfg: Config, kp: int, m: int, group_size: int = -1, general_gi
 
 def _check_gluon_config(cfg: Config, kp: int) -> None:
     """The tiles kernels/w4a16_gluon.py compiles: one or two warpgroups, BLOCK_K = one K step
-    of two 128-channel chunks, BLOCK_M 8-64 (wgmma's N), BLOCK_N 64 or 128 (64 rows per
+    of two 128-channel chunks, BLOCK_M 8-128 (wgmma's N), BLOCK_N 64 or 128 (64 rows per
     warpgroup and slice; 256 would not fit the registers), a ring of >= 2 steps, every split
     non-empty. 'gluon_overlap' and 'gluon_overlap_regs' (two steps' wgmmas in flight): one 64-row
     slice per warpgroup, BLOCK_M 64 over two warpgroups, a ring of >= 3 steps and an even number
@@ -303,8 +310,12 @@ def _check_gluon_config(cfg: Config, kp: int) -> None:
     k = cfg.kernel
     if cfg.BLOCK_K != GLUON_STEP:
         raise ValueError(f"config kernel={k!r} needs BLOCK_K={GLUON_STEP}, got {cfg.BLOCK_K}")
-    if cfg.BLOCK_M not in (8, 16, 32, 64):
-        raise ValueError(f"config kernel={k!r} needs BLOCK_M in (8, 16, 32, 64), got {cfg.BLOCK_M}")
+    if cfg.BLOCK_M not in (8, 16, 32, 64, 128):
+        raise ValueError(f"config kernel={k!r} needs BLOCK_M in (8, 16, 32, 64, 128), got {cfg.BLOCK_M}")
+    if k in OVERLAP_KERNELS and cfg.BLOCK_M == 128:
+        # two steps' A operands next to a 128-column accumulator: 255 registers and 148-432 bytes of
+        # spill (sm_90a, Triton 3.6)
+        raise ValueError(f"config kernel={k!r} needs BLOCK_M <= 64, got {cfg.BLOCK_M}")
     if cfg.BLOCK_N not in (64, 128):
         raise ValueError(f"config kernel={k!r} needs BLOCK_N in (64, 128), got {cfg.BLOCK_N}")
     if cfg.num_warps not in (4, 8) or cfg.BLOCK_N < 16 * cfg.num_warps:
@@ -318,6 +329,12 @@ def _check_gluon_config(cfg: Config, kp: int) -> None:
     ring = 3 if k in OVERLAP_KERNELS else 2
     if cfg.num_stages < ring:
         raise ValueError(f"config kernel={k!r} needs num_stages >= {ring} (the cp.async ring), got {cfg.num_stages}")
+    from ..kernels.w4a16_gluon import CTA_RESERVED_SHARED, SM_SHARED_BYTES, shared_bytes
+    ring_bytes = shared_bytes(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_stages)
+    if ring_bytes + CTA_RESERVED_SHARED > SM_SHARED_BYTES:
+        raise ValueError(f"config kernel={k!r} BLOCK_M={cfg.BLOCK_M} BLOCK_N={cfg.BLOCK_N} num_stages={cfg.num_stages} "
+                         f"needs {ring_bytes} bytes of shared memory for its ring; an SM has "
+                         f"{SM_SHARED_BYTES - CTA_RESERVED_SHARED} (fewer stages or a smaller tile)")
     if cfg.scale_acc:
         raise ValueError(f"config kernel={k!r} takes no scale_acc (where its scales go is the kernel's choice)")
     steps = kp // GLUON_STEP
@@ -535,7 +552,7 @@ def gluon_twin(cfg: Config, group_size: int = 128) -> Config:
     the mma kernel's 16), split and K step. 'gluon': two 128-channel halves with the scale on each
     fp32 product (SCALE_ACC); the overlap kernels: groups scale the weights (rounded once to x's
     dtype, no SCALE_ACC), per channel the product (SCALE_ACC)."""
-    sa = cfg.kernel == "gluon" or group_size == -1
+    sa = (cfg.kernel == "gluon" and cfg.BLOCK_M < 128) or group_size == -1  # (BLOCK_M 128: scaled weights)
     return replace(cfg, kernel="mma", scale_acc=sa, BLOCK_M=max(16, cfg.BLOCK_M))
 
 
