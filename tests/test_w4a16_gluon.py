@@ -177,6 +177,8 @@ def test_gluon_split_k_is_deterministic(cfg):
     (Config(16, 64, 128, 1, 8, 4, 3, kernel="gluon"), "BLOCK_K=256"),
     (Config(256, 64, 256, 1, 8, 4, 3, kernel="gluon"), "BLOCK_M in"),
     (Config(128, 128, 256, 1, 8, 8, 3, kernel="gluon"), "bytes of shared memory"),
+    (_overlap(64, 128, 2, 8, 6), "needs 294912 bytes of shared memory"),
+    (_regs(64, 128, 2, 8, 8), "needs 262144 bytes of shared memory"),
     (_overlap(128, 128, 1, 8, 3), "needs BLOCK_M <= 64"),
     (Config(16, 256, 256, 1, 8, 4, 3, kernel="gluon"), "BLOCK_N in"),
     (Config(16, 64, 256, 1, 8, 8, 3, kernel="gluon"), "num_warps 4"),
@@ -198,6 +200,14 @@ def test_bad_gluon_config(cfg, match, device):
     x = torch.randn(16, 1024, device=device).to(F16)
     with pytest.raises(ValueError, match=match):
         _launch(layer, x, cfg)
+
+
+def test_gluon_ring_fits_shared_memory():
+    """The shared-memory check counts the words' ring only where the kernel has one: the regs
+    kernel's 6- and 7-step x rings fit (192 / 224 KiB), the same rings with the words do not."""
+    ops16._check_gluon_config(_regs(64, 128, 2, 8, 7), 1024)
+    with pytest.raises(ValueError, match="needs 294912 bytes"):
+        ops16._check_gluon_config(_overlap(64, 128, 2, 8, 6), 1024)
 
 
 def test_gluon_split_ok():

@@ -100,10 +100,11 @@ SM_REGISTERS = 65536
 MIN_CAP = 128  # max_registers' floor
 
 
-def shared_bytes(BLOCK_M: int, BLOCK_N: int, STAGES: int) -> int:
+def shared_bytes(BLOCK_M: int, BLOCK_N: int, STAGES: int, words: bool = True) -> int:
     """The kernel's shared memory: a ring of STAGES K steps, each two chunks of the 2-byte x
-    tile (BLOCK_M, 128) and of the packed words (BLOCK_N, 16) int32."""
-    return 2 * STAGES * (BLOCK_M * CHUNK * 2 + BLOCK_N * 16 * 4)
+    tile (BLOCK_M, 128) and (unless `words` is False: WORDS_IN_REGS) of the packed words
+    (BLOCK_N, 16) int32."""
+    return 2 * STAGES * (BLOCK_M * CHUNK * 2 + (BLOCK_N * 16 * 4 if words else 0))
 
 
 def max_registers(BLOCK_M: int, BLOCK_N: int, STAGES: int, num_warps: int = NUM_WARPS, has_zeros: bool = True):

@@ -330,7 +330,7 @@ def _check_gluon_config(cfg: Config, kp: int) -> None:
     if cfg.num_stages < ring:
         raise ValueError(f"config kernel={k!r} needs num_stages >= {ring} (the cp.async ring), got {cfg.num_stages}")
     from ..kernels.w4a16_gluon import CTA_RESERVED_SHARED, SM_SHARED_BYTES, shared_bytes
-    ring_bytes = shared_bytes(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_stages)
+    ring_bytes = shared_bytes(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_stages, words=k != "gluon_overlap_regs")
     if ring_bytes + CTA_RESERVED_SHARED > SM_SHARED_BYTES:
         raise ValueError(f"config kernel={k!r} BLOCK_M={cfg.BLOCK_M} BLOCK_N={cfg.BLOCK_N} num_stages={cfg.num_stages} "
                          f"needs {ring_bytes} bytes of shared memory for its ring; an SM has "
