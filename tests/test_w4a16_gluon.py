@@ -57,11 +57,6 @@ CASES = [
     (2, 1024, 200, 128, True, F16, True, Config(8, 64, 256, 2, 8, 4, 3, kernel="gluon")),
     (8, 1536, 136, -1, False, BF16, False, Config(8, 64, 256, 3, 8, 4, 4, kernel="gluon")),
     (11, 1024, 128, 128, False, F16, False, Config(8, 64, 256, 1, 8, 4, 2, kernel="gluon")),
-    # BLOCK_M 128 (large M: the group scale on the weights, in place): one and two M tiles
-    (130, 1024, 256, 128, True, F16, True, Config(128, 128, 256, 1, 8, 8, 2, kernel="gluon")),
-    (96, 1536, 136, 128, False, BF16, False, Config(128, 128, 256, 2, 8, 8, 2, kernel="gluon")),
-    (200, 1024, 192, -1, True, F16, False, Config(128, 64, 256, 1, 8, 4, 3, kernel="gluon")),
-    (128, 2048, 128, 256, False, F16, True, Config(128, 128, 256, 3, 8, 8, 2, kernel="gluon")),
 ]
 
 
@@ -79,11 +74,8 @@ def test_gluon_config_matches_reference(m, k, n, gs, sym, dtype, bias, cfg, devi
     x = torch.randn(m, k, device=device).to(dtype)
     y = _launch(layer, x, cfg)
     assert y.shape == (m, n) and y.dtype == dtype
-    # below BLOCK_M 128 the exact s * (q - z): both kernels scale the fp32 products, no weight is
-    # rounded; from 128 the groups scale the weights, rounded once to x's dtype (twin: no SCALE_ACC)
-    scaled_w = gs != -1 and cfg.BLOCK_M >= 128
-    assert gluon_twin(cfg, gs).scale_acc == (not scaled_w)
-    assert_close_per_element(y, x, layer.quantized_weight().dequantize(rounded=scaled_w), layer.bias)
+    # the exact s * (q - 8): both kernels scale the fp32 products, no weight is rounded
+    assert_close_per_element(y, x, layer.quantized_weight().dequantize(rounded=False), layer.bias)
 
 
 def _overlap(bm, bn, split, warps, stages, kernel="gluon_overlap"):
@@ -114,10 +106,27 @@ OVERLAP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("m,k,n,gs,sym,dtype,bias,cfg", OVERLAP_CASES, ids=[_case_id(c) for c in OVERLAP_CASES])
+def _pipe(bm, bn, split, warps, stages):
+    return Config(bm, bn, 256, split, 8, warps, stages, kernel="gluon_pipe")
+
+
+# 'gluon_pipe' (large M: a chunk's wgmmas in flight while the next chunk is dequantized): one and
+# two M tiles, both formats, per channel / 128 / 256, splits that leave 1 (only the peeled step),
+# 2 and several K steps per program, x rings of 3 / 4 and 4 / 5 chunks
+PIPE_CASES = [
+    (130, 1024, 256, 128, True, F16, True, _pipe(128, 128, 1, 8, 3)),
+    (96, 1536, 136, 128, False, BF16, False, _pipe(128, 128, 2, 8, 3)),
+    (200, 1024, 192, -1, True, F16, False, _pipe(128, 64, 1, 4, 3)),
+    (70, 768, 128, 256, False, F16, True, _pipe(64, 128, 3, 8, 4)),
+    (64, 512, 128, 128, True, BF16, True, _pipe(64, 64, 1, 4, 3)),
+]
+
+
+@pytest.mark.parametrize("m,k,n,gs,sym,dtype,bias,cfg", OVERLAP_CASES + PIPE_CASES,
+                         ids=[_case_id(c) + "-" + c[-1].kernel for c in OVERLAP_CASES + PIPE_CASES])
 def test_gluon_overlap_config_matches_reference(m, k, n, gs, sym, dtype, bias, cfg, device):
-    """As above for the overlap kernels: their groups scale the weights (rounded once to x's
-    dtype, as their twin, the mma tile without SCALE_ACC), per channel the fp32 product."""
+    """As above for the overlap and pipe kernels: their groups scale the weights (rounded once to
+    x's dtype, as their twin, the mma tile without SCALE_ACC), per channel the fp32 product."""
     layer = _layer(k, n, gs, dtype, bias, device, sym=sym)
     x = torch.randn(m, k, device=device).to(dtype)
     y = _launch(layer, x, cfg)
@@ -143,27 +152,30 @@ def test_gluon_config_falls_back_to_its_twin(gidx, k, device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Gluon kernel's dispatch, on a GPU")
-@pytest.mark.parametrize("kernel", ["gluon", "gluon_overlap", "gluon_overlap_regs"])
+@pytest.mark.parametrize("kernel", ["gluon", "gluon_overlap", "gluon_overlap_regs", "gluon_pipe"])
 def test_gluon_kernel_is_used_on_hopper(kernel):
     """On an sm_90 GPU the plan of a Gluon config launches that Gluon kernel (the overlap kernel
     with WORDS_IN_REGS for 'gluon_overlap_regs'); elsewhere its twin (kind 'mma')."""
-    from sailfish.kernels.w4a16_gluon import w4a16_gluon_kernel, w4a16_gluon_overlap_kernel
+    from sailfish.kernels.w4a16_gluon import (w4a16_gluon_kernel, w4a16_gluon_overlap_kernel,
+                                              w4a16_gluon_pipe_kernel)
 
     layer = _layer(1024, 256, 128, F16, False, "cuda")
     x = torch.randn(16, 1024, device="cuda", dtype=F16)
-    cfg = Config(16, 64, 256, 2, 8, 4, 3, kernel=kernel)
+    cfg = Config(64 if kernel == "gluon_pipe" else 16, 64, 256, 2, 8, 4, 3, kernel=kernel)
     plan = ops16._GemmPlan(cfg, 0, gs=128, has_zeros=False, has_gidx=False, has_bias=False, emu=False, asm=True,
                            mma_asm=True, tensor_core_gemv=False, paired=True, bf16=False, K=1024, group_size=128,
                            gluon=ops16.gluon_applies(x, layer.qweight, 128, False, True))
     assert plan.kind == ("gluon" if _on_hopper() else "mma")
     if _on_hopper():
-        assert plan.gemm.fn is (w4a16_gluon_kernel if kernel == "gluon" else w4a16_gluon_overlap_kernel)
+        assert plan.gemm.fn is {"gluon": w4a16_gluon_kernel, "gluon_pipe": w4a16_gluon_pipe_kernel}.get(
+            kernel, w4a16_gluon_overlap_kernel)
         assert plan.gemm.meta.get("WORDS_IN_REGS", False) == (kernel == "gluon_overlap_regs")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="determinism of the compiled kernel, on the GPU")
 @pytest.mark.parametrize("cfg", [Config(16, 64, 256, 6, 8, 4, 3, kernel="gluon"), _overlap(16, 64, 4, 4, 3),
-                                 _regs(16, 64, 4, 4, 3)], ids=["gluon", "gluon_overlap", "gluon_overlap_regs"])
+                                 _regs(16, 64, 4, 4, 3), _pipe(128, 128, 4, 8, 3)],
+                         ids=["gluon", "gluon_overlap", "gluon_overlap_regs", "gluon_pipe"])
 def test_gluon_split_k_is_deterministic(cfg):
     """Split-K partial sums reduced in a fixed order: the same bits on every call."""
     layer = _layer(8192, 1024, 128, F16, True, "cuda")
@@ -175,11 +187,15 @@ def test_gluon_split_k_is_deterministic(cfg):
 
 @pytest.mark.parametrize("cfg,match", [
     (Config(16, 64, 128, 1, 8, 4, 3, kernel="gluon"), "BLOCK_K=256"),
-    (Config(256, 64, 256, 1, 8, 4, 3, kernel="gluon"), "BLOCK_M in"),
-    (Config(128, 128, 256, 1, 8, 8, 3, kernel="gluon"), "bytes of shared memory"),
+    (Config(128, 64, 256, 1, 8, 4, 3, kernel="gluon"), "BLOCK_M in"),
+    (Config(64, 128, 256, 1, 8, 8, 6, kernel="gluon"), "needs 294912 bytes of shared memory"),
     (_overlap(64, 128, 2, 8, 6), "needs 294912 bytes of shared memory"),
     (_regs(64, 128, 2, 8, 8), "needs 262144 bytes of shared memory"),
-    (_overlap(128, 128, 1, 8, 3), "needs BLOCK_M <= 64"),
+    (_pipe(32, 64, 1, 4, 3), "needs BLOCK_M 64 or 128"),
+    (_pipe(128, 128, 1, 4, 3), "BLOCK_N = 16 \\* num_warps"),
+    (_pipe(128, 128, 1, 8, 2), "num_stages >= 3"),
+    (_pipe(128, 128, 1, 8, 4), "needs 294912 bytes of shared memory"),
+    (_overlap(128, 128, 1, 8, 3), "BLOCK_M in"),
     (Config(16, 256, 256, 1, 8, 4, 3, kernel="gluon"), "BLOCK_N in"),
     (Config(16, 64, 256, 1, 8, 8, 3, kernel="gluon"), "num_warps 4"),
     (Config(16, 128, 256, 1, 8, 2, 3, kernel="gluon"), "num_warps 4"),
@@ -293,7 +309,7 @@ def test_wgmma_register_hazard_counts_groups():
 def test_gluon_candidates_are_valid(monkeypatch):
     """The tuner's Gluon tiles pass the launcher's checks, and none is offered where the
     kernel cannot run (a general g_idx, group 64, M = 1); M <= 8 gets BLOCK_M 8, M = 65-128
-    only the overlap kernels (two BLOCK_M 64 tiles per N tile), M > 128 only 'gluon' BLOCK_M 128."""
+    only the overlap kernels (two BLOCK_M 64 tiles per N tile), M > 128 only 'gluon_pipe' BLOCK_M 128."""
     monkeypatch.setattr(ops16, "gluon_device", lambda index: True)
     monkeypatch.setattr(ops16, "sm_count", lambda index: 132)
     dev = torch.device("cuda", 0)
@@ -305,7 +321,7 @@ def test_gluon_candidates_are_valid(monkeypatch):
                 ops16._check_config(cfg, kp, m, 128)
                 assert (cfg.BLOCK_M == 8) == (m <= 8), (m, cfg)
                 assert m <= 64 or m > 128 or cfg.kernel in ops16.OVERLAP_KERNELS, (m, cfg)
-                assert (cfg.BLOCK_M == 128 and cfg.kernel == "gluon") == (m > 128), (m, cfg)
+                assert (cfg.BLOCK_M == 128 and cfg.kernel == "gluon_pipe") == (m > 128), (m, cfg)
                 seen += 1
     assert seen > 0
     base = dict(device=dev, N=4096, Kp=4096)
@@ -329,10 +345,7 @@ cases = [dict(group_size=128), dict(group_size=-1, has_bias=True), dict(group_si
          dict(BLOCK_M=32, group_size=128, STAGES=4), dict(BLOCK_M=64, group_size=-1),
          dict(BLOCK_N=128, group_size=128, SPLIT_K=3), dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, SPLIT_K=2),
          dict(BLOCK_N=128, num_warps=8, group_size=-1), dict(BLOCK_M=8, group_size=128),
-         dict(BLOCK_M=8, group_size=128, has_zeros=True), dict(BLOCK_M=8, group_size=-1, dtype="bf16", STAGES=4),
-         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, STAGES=2, group_size=128),
-         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, STAGES=2, group_size=128, dtype="bf16", has_zeros=True,
-              SPLIT_K=2, pdl_early=True), dict(BLOCK_M=128, group_size=-1, has_bias=True)]
+         dict(BLOCK_M=8, group_size=128, has_zeros=True), dict(BLOCK_M=8, group_size=-1, dtype="bf16", STAGES=4)]
 # every Gluon tile of the shipped tables, as fp16 g128 and as bf16 g128 with zero points
 for _, c in shipped_mma_configs("gluon"):
     tile = dict(BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, STAGES=c.num_stages, SPLIT_K=c.SPLIT_K, num_warps=c.num_warps,
@@ -393,10 +406,27 @@ def test_gluon_kernel_compiles_for_sm90(tmp_path):
     run_compile_child(_GLUON_CHILD, tmp_path)
 
 
+# shared by the overlap and pipe compile checks (prepended to their child scripts)
+_LOOP_PROBLEMS = r"""
+from sailfish.bench.ptx import wgmma_register_hazard as _hazard
+
+
+def loop_problems(rep, text, body):
+    why = []
+    if "serialized" in rep or re.search(r"\b[1-9][0-9]* bytes spill", rep):
+        why.append(rep[-400:])
+    if _hazard(text):
+        why.append("wgmma register hazard")
+    if any(t.startswith(("LDL", "STL")) for t in body):
+        why.append("local memory in the K loop")
+    return why
+"""
+
+
 _GLUON_OVERLAP_CHILD = r"""
 import re
 import triton
-from sailfish.bench.ptx import k_loop_stats, overlap_loop_ok, ptxas_report, sass, wgmma_loop, wgmma_register_hazard
+from sailfish.bench.ptx import k_loop_stats, overlap_loop_ok, ptxas_report, sass, wgmma_loop
 from sailfish.kernels.w4a16_gluon import compile_sm90
 cases = [dict(), dict(BLOCK_M=8), dict(BLOCK_M=32, STAGES=4), dict(BLOCK_M=64, BLOCK_N=128, num_warps=8),
          dict(group_size=-1, has_bias=True),
@@ -429,12 +459,7 @@ for kw in cases:
     ok, summary = overlap_loop_ok(text)
     if not ok:
         why.append(summary)
-    if "serialized" in rep or re.search(r"\b[1-9][0-9]* bytes spill", rep):
-        why.append(rep[-400:])
-    if wgmma_register_hazard(text):
-        why.append("wgmma register hazard")
-    if any(t.startswith(("LDL", "STL")) for t in body):
-        why.append("local memory in the K loop")
+    why += loop_problems(rep, text, body)
     if why:
         bad.append((kw, why))
 assert not bad, bad
@@ -455,7 +480,7 @@ def test_gluon_overlap_kernel_compiles_for_sm90(tmp_path):
     weights. (Written as one step per iteration, ptxas put both steps' operands in the same
     registers and hoisted each wait above the dequantization: kernels/w4a16_gluon.py.)"""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    run_compile_child(_GLUON_OVERLAP_CHILD, tmp_path)
+    run_compile_child(_GLUON_OVERLAP_CHILD.replace("bad = []", _LOOP_PROBLEMS + "bad = []", 1), tmp_path)
 
 
 def test_heuristic_takes_gluon_for_large_weights_at_m16(monkeypatch):
@@ -528,3 +553,49 @@ def test_gluon_compile_failure_falls_back_to_the_twin(monkeypatch, device):
     monkeypatch.setattr(ops16, "GLUON", True)
     with pytest.raises(RuntimeError, match="a launch error"):
         _launch(layer, x, cfg)
+
+
+_GLUON_PIPE_CHILD = r"""
+import re
+import triton
+from sailfish.bench.ptx import k_loop_stats, ptxas_report, sass, shipped_mma_configs, wgmma_loop
+from sailfish.kernels.w4a16_gluon import compile_sm90, pipe_shared_bytes
+cases = [dict(BLOCK_M=128, BLOCK_N=128, num_warps=8), dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, dtype="bf16",
+                                                           has_zeros=True, SPLIT_K=2, pdl_early=True),
+         dict(BLOCK_M=128, BLOCK_N=64, group_size=-1, has_bias=True), dict(BLOCK_M=64, BLOCK_N=128, num_warps=8,
+                                                                           group_size=256, STAGES=4)]
+for _, c in shipped_mma_configs("gluon_pipe"):
+    tile = dict(BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, STAGES=c.num_stages, SPLIT_K=c.SPLIT_K, num_warps=c.num_warps,
+                pdl_early=c.SPLIT_K > 1)
+    cases += [dict(tile), dict(tile, dtype="bf16", has_zeros=True)]
+bad = []
+for kw in cases:
+    k = compile_sm90(pipe=True, **kw)
+    st = k_loop_stats(k.asm["ptx"])
+    rep = ptxas_report(k.asm["ptx"])
+    text = sass(k.asm["cubin"])
+    body = wgmma_loop(text) or []
+    waits = sorted(set(re.findall(r"wgmma.wait_group.sync.aligned (\d+)", k.asm["ptx"])))
+    why = []
+    if st is None or st.st_shared or st.ldmatrix or not st.wgmma_a_in_registers:
+        why.append(f"K loop {st}")
+    if waits != ["0", "1"]:  # one chunk's wgmmas left in flight while the next is dequantized
+        why.append(f"waits {waits}")
+    why += loop_problems(rep, text, body)
+    if k.metadata.shared != pipe_shared_bytes(kw.get("BLOCK_M", 16), kw.get("STAGES", 3)):
+        why.append(f"shared memory {k.metadata.shared}")
+    if why:
+        bad.append((kw, why))
+assert not bad, bad
+print("checked", triton.__version__, len(cases))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
+def test_gluon_pipe_kernel_compiles_for_sm90(tmp_path):
+    """'gluon_pipe' on the compiler's output for sm_90a (a format matrix and the shipped tiles):
+    A in registers, no shared-memory trip of the weights, waits 1 (a chunk left in flight) and
+    0, no serialization, no spill, no wgmma register hazard, and the x rings' shared memory as
+    the launcher's check counts it."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    run_compile_child(_GLUON_PIPE_CHILD.replace("bad = []", _LOOP_PROBLEMS + "bad = []", 1), tmp_path)

@@ -43,6 +43,10 @@ about half the Llama shapes; ncu puts its remaining time on the per-step CTA bar
 cp.async ring and the words' shared-memory loads (v26). WORDS_IN_REGS ('gluon_overlap_regs'
 configs) takes the words from global memory straight into registers, two steps ahead, and the
 ring holds x only.
+
+w4a16_gluon_pipe_kernel ('gluon_pipe' configs, large M) overlaps at the granularity of a chunk
+instead: each chunk is dequantized while the previous chunk's wgmmas run, which keeps the
+one-step kernel's register count at BLOCK_M 128 (docs/perf_log.md v30).
 """
 from __future__ import annotations
 
@@ -105,6 +109,11 @@ def shared_bytes(BLOCK_M: int, BLOCK_N: int, STAGES: int, words: bool = True) ->
     tile (BLOCK_M, 128) and (unless `words` is False: WORDS_IN_REGS) of the packed words
     (BLOCK_N, 16) int32."""
     return 2 * STAGES * (BLOCK_M * CHUNK * 2 + (BLOCK_N * 16 * 4 if words else 0))
+
+
+def pipe_shared_bytes(BLOCK_M: int, STAGES: int) -> int:
+    """w4a16_gluon_pipe_kernel's shared memory: x chunk rings of STAGES and STAGES + 1 slots."""
+    return (2 * STAGES + 1) * BLOCK_M * CHUNK * 2
 
 
 def max_registers(BLOCK_M: int, BLOCK_N: int, STAGES: int, num_warps: int = NUM_WARPS, has_zeros: bool = True):
@@ -266,6 +275,20 @@ def _operands(x_ptr, qw_ptr, M, N, K, stride_xm, stride_qn, SPLIT_K: gl.constexp
 
 
 @gluon.jit
+def _scaled_operands(x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_qn, stride_sn, SPLIT_K: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PDL_EARLY: gl.constexpr, X_BLK: gl.constexpr,
+                     W_BLK: gl.constexpr, WORDS: gl.constexpr):
+    """The start of the kernels that scale the weights (overlap, pipe): the split-K reduce released
+    (PDL_EARLY), _operands, and one scale and zero-point pointer per row in the words' rows."""
+    if PDL_EARLY:  # split-K: the reduce may launch now, it waits for the partial sums (kernels/common.py)
+        gdc_launch_dependents()
+    pid_m, pid_n, pid_k, first, n, w_ptrs, x_ptrs = _operands(x_ptr, qw_ptr, M, N, K, stride_xm, stride_qn, SPLIT_K,
+                                                              BLOCK_M, BLOCK_N, X_BLK, W_BLK)
+    return (pid_m, pid_n, pid_k, first, n, w_ptrs, x_ptrs, _rows(s_ptr, pid_n, N, stride_sn, BLOCK_N, WORDS),
+            _rows(z_ptr, pid_n, N, stride_sn, BLOCK_N, WORDS))
+
+
+@gluon.jit
 def _rows(ptr, pid_n, N, stride, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
     """One pointer per row of the N tile (rows past N: row n % N), in LAYOUT's rows."""
     rn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAYOUT))
@@ -300,20 +323,13 @@ def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, 
     """y (M, N) = x (M, K) @ W^T for W = scale * (q - z), z = 8 or (HAS_ZEROS) the group's zero
     point. GROUP_CHUNKS: chunks per scale group (0: per channel). K % 256 == 0; split k takes
     K steps [k * ceil(steps / SPLIT_K), ...), none empty (the launcher checks both); program
-    (tile, split). Groups: below BLOCK_M 128 each chunk's fp32 product is scaled into the
-    accumulator; from BLOCK_M 128 (large M) the two products would need 2 x BLOCK_M / 2 more
-    registers per thread than there are, so the scale goes on the weights (rounded once to x's
-    dtype, as the overlap kernels) and the chunks chain into the accumulator."""
+    (tile, split)."""
     if PDL_EARLY:  # split-K: the reduce may launch now, it waits for the partial sums (kernels/common.py)
         gdc_launch_dependents()
     DT: gl.constexpr = x_ptr.dtype.element_ty
-    SCALE_W: gl.constexpr = GROUP_CHUNKS > 0 and BLOCK_M >= 128  # the group scale on the weights
     pid_m, pid_n, pid_k, first, n, w_ptrs, x_ptrs = _operands(x_ptr, qw_ptr, M, N, K, stride_xm, stride_qn, SPLIT_K,
                                                               BLOCK_M, BLOCK_N, X_BLK, W_BLK)
-    if SCALE_W:  # scales: rows of the words (the asm's operand) or of the accumulator
-        s_base = _rows(s_ptr, pid_n, N, stride_sn, BLOCK_N, WORDS)
-    else:
-        s_base = _rows(s_ptr, pid_n, N, stride_sn, BLOCK_N, MMA)
+    s_base = _rows(s_ptr, pid_n, N, stride_sn, BLOCK_N, MMA)  # scales: rows of the accumulator
     if HAS_ZEROS:  # zero points (the scales' shape), rows of the words' layout
         z_base = _rows(z_ptr, pid_n, N, stride_sn, BLOCK_N, WORDS)
         zn0, zn1 = _step_scales(z_base, first, GROUP_CHUNKS)
@@ -324,8 +340,7 @@ def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, 
 
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA)
     if GROUP_CHUNKS > 0:
-        if not SCALE_W:
-            zero = warpgroup_mma_init(gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA))
+        zero = warpgroup_mma_init(gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA))
         sn0, sn1 = _step_scales(s_base, first, GROUP_CHUNKS)
     for i in range(n):
         async_copy.wait_group(STAGES - 2)  # step i's group has landed
@@ -340,17 +355,12 @@ def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, 
             z0, z1 = _scale_values(zn0, zn1, DT)
             # the next step's zero points, a step early (as the scales)
             zn0, zn1 = _step_scales(z_base, first + gl.minimum(i + 1, n - 1), GROUP_CHUNKS)
-        s0 = None
-        s1 = None
-        if SCALE_W:
-            s0, s1 = _scale_values(sn0, sn1, DT)
-            sn0, sn1 = _step_scales(s_base, first + gl.minimum(i + 1, n - 1), GROUP_CHUNKS)
-        w0 = _chunk_weights(w_buf.index(2 * slot).load(WORDS), DT, BLOCK_N, DOT_A, z0, s0)
-        w1 = _chunk_weights(w_buf.index(2 * slot + 1).load(WORDS), DT, BLOCK_N, DOT_A, z1, s1)
+        w0 = _chunk_weights(w_buf.index(2 * slot).load(WORDS), DT, BLOCK_N, DOT_A, z0)
+        w1 = _chunk_weights(w_buf.index(2 * slot + 1).load(WORDS), DT, BLOCK_N, DOT_A, z1)
         fence_async_shared()
         x0 = x_buf.index(2 * slot).permute((1, 0))
         x1 = x_buf.index(2 * slot + 1).permute((1, 0))
-        if GROUP_CHUNKS > 0 and not SCALE_W:
+        if GROUP_CHUNKS > 0:
             s0, s1 = _scale_values(sn0, sn1, DT)
             # the next step's scales, a step early (a 2-byte load stalls the step that uses it)
             sn0, sn1 = _step_scales(s_base, first + gl.minimum(i + 1, n - 1), GROUP_CHUNKS)
@@ -454,13 +464,10 @@ def w4a16_gluon_overlap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_
     registers, no spill; sm_90a, Triton 3.6). The scales and zero points are loaded two steps
     early too; PAIRED (group size 128, rows 4-byte aligned: the launcher checks): each row's pair
     of a step in one int32 load."""
-    if PDL_EARLY:
-        gdc_launch_dependents()
     DT: gl.constexpr = x_ptr.dtype.element_ty
-    pid_m, pid_n, pid_k, first, n, w_ptrs, x_ptrs = _operands(x_ptr, qw_ptr, M, N, K, stride_xm, stride_qn, SPLIT_K,
-                                                              BLOCK_M, BLOCK_N, X_BLK, W_BLK)
-    s_base = _rows(s_ptr, pid_n, N, stride_sn, BLOCK_N, WORDS)  # scales and zero points: the words' rows
-    z_base = _rows(z_ptr, pid_n, N, stride_sn, BLOCK_N, WORDS)
+    pid_m, pid_n, pid_k, first, n, w_ptrs, x_ptrs, s_base, z_base = _scaled_operands(
+        x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_qn, stride_sn, SPLIT_K, BLOCK_M, BLOCK_N, PDL_EARLY,
+        X_BLK, W_BLK, WORDS)
     # the scales and zero points as loaded (_step_scales) of the even (a) and odd (b) steps
     sa0, sa1 = _step_scales(s_base, first, GROUP_CHUNKS, PAIRED)
     sb0, sb1 = _step_scales(s_base, first + 1, GROUP_CHUNKS, PAIRED)  # (n >= 2)
@@ -511,13 +518,115 @@ def w4a16_gluon_overlap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_
            MMA)
 
 
+@gluon.jit
+def _fill_chunks(x0_buf, x1_buf, x_ptrs, step, n, STAGES: gl.constexpr):
+    """cp.async step `step`'s two x chunks into their rings (STAGES and STAGES + 1 slots), one
+    commit group (a step past the end is masked off)."""
+    ok = step < n
+    _async_load(x0_buf.index(step % STAGES), x_ptrs + step * _STEP, mask=ok)
+    _async_load(x1_buf.index(step % (STAGES + 1)), x_ptrs + (step * _STEP + _CHUNK), mask=ok)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _pipe_step(i, n, first, acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1, s_base, z_base, w_rows, x0_buf, x1_buf,
+               x_ptrs, GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr, STAGES: gl.constexpr, DT: gl.constexpr,
+               BLOCK_N: gl.constexpr, DOT_A: gl.constexpr):
+    """K step i of w4a16_gluon_pipe_kernel. On entry chunk 1 of step i - 1 is in flight (w1 its
+    A operand); qa / qb: the words of steps i and i + 1, sn / zn step i's scales and zero points,
+    as loaded. Returns the same one step on."""
+    async_copy.wait_group(1)  # step i's chunks have landed (step i + 1's may be in flight)
+    _barrier()  # ... for every thread, and every warpgroup has retired chunk 0 of step i - 1
+    # step i + 2's x into the slots of chunk 0 of step i - 1 and chunk 1 of step i - 2 (both retired)
+    _fill_chunks(x0_buf, x1_buf, x_ptrs, i + 2, n, STAGES)
+    q0 = qa0
+    q1 = qa1
+    qa0 = qb0
+    qa1 = qb1
+    qb0, qb1 = _words(w_rows, gl.minimum(i + 2, n - 1))  # (past the end: the last step again, an L2 hit)
+    s0 = None
+    s1 = None
+    z0 = None
+    z1 = None
+    ahead = first + gl.minimum(i + 1, n - 1)
+    if GROUP_CHUNKS > 0:
+        s0, s1 = _scale_values(sn0, sn1, DT)
+        sn0, sn1 = _step_scales(s_base, ahead, GROUP_CHUNKS)
+    if HAS_ZEROS:
+        z0, z1 = _scale_values(zn0, zn1, DT)
+        zn0, zn1 = _step_scales(z_base, ahead, GROUP_CHUNKS)
+    w0 = _chunk_weights(q0, DT, BLOCK_N, DOT_A, z0, s0)
+    fence_async_shared()
+    acc = warpgroup_mma(w0, x0_buf.index(i % STAGES).permute((1, 0)), acc, is_async=True)
+    acc, w1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w1))  # chunk 1 of step i - 1 retired
+    w1 = _chunk_weights(q1, DT, BLOCK_N, DOT_A, z1, s1)
+    acc = warpgroup_mma(w1, x1_buf.index(i % (STAGES + 1)).permute((1, 0)), acc, is_async=True)
+    acc, w0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w0))  # chunk 0 of step i retired
+    return acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1
+
+
+@gluon.jit
+def w4a16_gluon_pipe_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_xm, stride_ym,
+                            stride_qn, stride_sn, GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr,
+                            HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL_EARLY: gl.constexpr,
+                            MMA: gl.constexpr, WORDS: gl.constexpr, DOT_A: gl.constexpr, X_BLK: gl.constexpr,
+                            X_SMEM: gl.constexpr, W_BLK: gl.constexpr, W_SMEM: gl.constexpr):
+    """w4a16_gluon_kernel's product for large M ('gluon_pipe' configs, same arguments; STAGES >= 3):
+    the wgmmas of one 128-channel chunk run while the next chunk is dequantized, so the tensor
+    core is not idle while a step's weights are made, with only two chunks' A operands live (the
+    one-step kernel's count; two whole steps, as in w4a16_gluon_overlap_kernel, spill at
+    BLOCK_M 128). Each chunk's wgmmas are waited for (wait(1)) right after the next chunk's are
+    issued. x comes through two chunk rings (STAGES slots for chunk 0, STAGES + 1 for chunk 1,
+    both filled two steps ahead: a slot is refilled once its wgmmas retired on every warpgroup,
+    which the one CTA barrier per step guarantees), the words straight from global memory into
+    registers two steps ahead. The group scale goes on the weights (rounded once to x's dtype,
+    as the overlap kernels) and every chunk chains into one accumulator; per channel the scale
+    multiplies it at the end. H100, same process (docs/perf_log.md v30): 1.02-1.30x the table of
+    the time at M = 256 / 512 on 9 of 10 fp16 g128 rows, 0.87-0.98x of dequantize + cuBLAS at
+    M = 1024; ncu had the one-step kernel's 128-column tile at 51% of the tensor pipe."""
+    DT: gl.constexpr = x_ptr.dtype.element_ty
+    pid_m, pid_n, pid_k, first, n, w_ptrs, x_ptrs, s_base, z_base = _scaled_operands(
+        x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_qn, stride_sn, SPLIT_K, BLOCK_M, BLOCK_N, PDL_EARLY,
+        X_BLK, W_BLK, WORDS)
+    w_rows = (_rows(qw_ptr, pid_n, N, stride_qn, BLOCK_N, WORDS)[:, None]
+              + (first * 32 + gl.arange(0, 16, layout=gl.SliceLayout(0, WORDS)))[None, :])
+    x0_buf = gl.allocate_shared_memory(DT, [STAGES, BLOCK_M, _CHUNK], X_SMEM)
+    x1_buf = gl.allocate_shared_memory(DT, [STAGES + 1, BLOCK_M, _CHUNK], X_SMEM)
+    _fill_chunks(x0_buf, x1_buf, x_ptrs, 0, n, STAGES)
+    _fill_chunks(x0_buf, x1_buf, x_ptrs, 1, n, STAGES)
+    qa0, qa1 = _words(w_rows, 0)
+    qb0, qb1 = _words(w_rows, gl.minimum(1, n - 1))
+    sn0, sn1 = _step_scales(s_base, first, GROUP_CHUNKS)
+    zn0 = sn0  # (symmetric: unused)
+    zn1 = sn1
+    if HAS_ZEROS:
+        zn0, zn1 = _step_scales(z_base, first, GROUP_CHUNKS)
+    acc = warpgroup_mma_init(gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA))
+    w1 = gl.zeros((BLOCK_N, _CHUNK), DT, layout=DOT_A)
+    # step 0 outside the loop: the loop carries an accumulator with a chunk in flight
+    acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1 = _pipe_step(
+        0, n, first, acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1, s_base, z_base, w_rows, x0_buf, x1_buf,
+        x_ptrs, GROUP_CHUNKS, HAS_ZEROS, STAGES, DT, BLOCK_N, DOT_A)
+    for i in range(1, n):
+        acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1 = _pipe_step(
+            i, n, first, acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1, s_base, z_base, w_rows, x0_buf, x1_buf,
+            x_ptrs, GROUP_CHUNKS, HAS_ZEROS, STAGES, DT, BLOCK_N, DOT_A)
+    acc, w1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w1))
+    async_copy.wait_group(0)
+    if GROUP_CHUNKS == 0:
+        acc = acc * gl.load(_rows(s_ptr, pid_n, N, stride_sn, BLOCK_N, MMA)).to(gl.float32)[:, None]
+    _store(acc, y_ptr, ws_ptr, bias_ptr, pid_m, pid_n, pid_k, M, N, stride_ym, HAS_BIAS, SPLIT_K, BLOCK_M, BLOCK_N,
+           MMA)
+
+
 def compile_sm90(BLOCK_M: int = 16, BLOCK_N: int = 64, STAGES: int = 3, group_size: int = 128, SPLIT_K: int = 1,
                  dtype: str = "fp16", has_bias: bool = False, num_warps: int = NUM_WARPS, pdl_early: bool = False,
                  has_zeros: bool = False, overlap: bool = False, words_in_regs: bool = False,
-                 paired: bool = False):
+                 paired: bool = False, pipe: bool = False):
     """triton.compile of the kernel (overlap: w4a16_gluon_overlap_kernel, words_in_regs: its
-    WORDS_IN_REGS form, paired: its PAIRED scale loads at group size 128) for sm_90a without a
-    GPU (PTX / SASS checks, tests).
+    WORDS_IN_REGS form, paired: its PAIRED scale loads at group size 128; pipe:
+    w4a16_gluon_pipe_kernel) for sm_90a without a GPU (PTX / SASS checks, tests).
     Needs a process in which the Triton interpreter has not run (it patches the frontend)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -541,8 +650,8 @@ def compile_sm90(BLOCK_M: int = 16, BLOCK_N: int = 64, STAGES: int = 3, group_si
     aligned = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "y_ptr", "ws_ptr", "N", "K", "stride_xm", "stride_ym",
                "stride_qn")
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned if sig[a] != "constexpr"}
-    src = GluonASTSource(fn=w4a16_gluon_overlap_kernel if overlap else w4a16_gluon_kernel, signature=sig,
-                         constexprs=consts, attrs=attrs)
-    cap = None if overlap else max_registers(BLOCK_M, BLOCK_N, STAGES, num_warps, has_zeros)
+    fn = w4a16_gluon_pipe_kernel if pipe else w4a16_gluon_overlap_kernel if overlap else w4a16_gluon_kernel
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    cap = None if overlap or pipe else max_registers(BLOCK_M, BLOCK_N, STAGES, num_warps, has_zeros)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, **({"maxnreg": cap} if cap else {})})

@@ -136,11 +136,12 @@ def _gluon_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros):
         return
     sms = sm_count(device.index or 0)
     if M > 128:
-        # BLOCK_M 128 over two warpgroups, a 2-step ring (164 KiB; 3 steps do not fit), the group
-        # scale on the weights. H100, per channel, same process (docs/perf_log.md v30): 1.03-1.10x
-        # the table at M = 256 / 512 on 7 of 8 rows of four Llama-3 shapes, 0.92-0.95x of
-        # dequantize + cuBLAS at M = 1024; BLOCK_N 64 over one warpgroup slower than both
-        yield from _gluon_tiles("gluon", [(128, 128, 8, 2)], M=M, N=N, Kp=Kp, sms=sms)
+        # the chunk-pipelined kernel: BLOCK_M 128 over two warpgroups, x rings of 3 / 4 chunks
+        # (224 KiB). H100, fp16 g128, same process (docs/perf_log.md v30): 1.02-1.30x the table at
+        # M = 256 / 512 on 9 of 10 rows (28672x8192 M = 512 534.8 -> 410.8 us), 0.87-0.98x of
+        # dequantize + cuBLAS at M = 1024; the one-step kernel's BLOCK_M 128 form (scaled weights,
+        # 2-step ring) lost to it on every row tuned
+        yield from _gluon_tiles("gluon_pipe", [(128, 128, 8, 3)], M=M, N=N, Kp=Kp, sms=sms)
         return
     bm = _gluon_block_m(M)
     if M <= 64:
@@ -167,13 +168,14 @@ def _gluon_block_m(M: int) -> int:
 
 
 def _gluon_tiles(kernel: str, tiles_, *, M, N, Kp, sms):
-    """Configs of a Gluon kernel for (BLOCK_M, BLOCK_N, num_warps, num_stages) tiles, with every
-    split in 1-8 that the kernel takes (_gluon_split_ok) and that keeps the programs within 8 per SM."""
+    """Configs of a Gluon kernel for (BLOCK_M, BLOCK_N, num_warps, num_stages) tiles: no split, and
+    every split in 2-8 that the kernel takes (_gluon_split_ok) and that keeps the programs within 8
+    per SM."""
     split_ok = _gluon_split_ok(kernel)
     for bm, bn, warps, stages in tiles_:
         tiles = -(-M // bm) * -(-N // bn)
         for split in (1, 2, 3, 4, 6, 8):
-            if split_ok(split, Kp // GLUON_STEP) and tiles * split <= 8 * sms:
+            if split_ok(split, Kp // GLUON_STEP) and (split == 1 or tiles * split <= 8 * sms):
                 yield Config(bm, bn, GLUON_STEP, split, 8, warps, stages, kernel=kernel)
 
 
@@ -302,35 +304,41 @@ def _check_config(cfg: Config, kp: int, m: int, group_size: int = -1, general_gi
 
 def _check_gluon_config(cfg: Config, kp: int) -> None:
     """The tiles kernels/w4a16_gluon.py compiles: one or two warpgroups, BLOCK_K = one K step
-    of two 128-channel chunks, BLOCK_M 8-128 (wgmma's N), BLOCK_N 64 or 128 (64 rows per
+    of two 128-channel chunks, BLOCK_M 8-64 (wgmma's N), BLOCK_N 64 or 128 (64 rows per
     warpgroup and slice; 256 would not fit the registers), a ring of >= 2 steps, every split
     non-empty. 'gluon_overlap' and 'gluon_overlap_regs' (two steps' wgmmas in flight): one 64-row
     slice per warpgroup, BLOCK_M 64 over two warpgroups, a ring of >= 3 steps and an even number
-    of K steps in every split (gluon_overlap_split_ok)."""
+    of K steps in every split (gluon_overlap_split_ok). 'gluon_pipe' (one chunk's wgmmas in flight
+    while the next is dequantized): BLOCK_M 64 or 128, 64 rows per warpgroup, x rings of >= 3
+    and >= 4 chunks."""
     k = cfg.kernel
     if cfg.BLOCK_K != GLUON_STEP:
         raise ValueError(f"config kernel={k!r} needs BLOCK_K={GLUON_STEP}, got {cfg.BLOCK_K}")
-    if cfg.BLOCK_M not in (8, 16, 32, 64, 128):
-        raise ValueError(f"config kernel={k!r} needs BLOCK_M in (8, 16, 32, 64, 128), got {cfg.BLOCK_M}")
-    if k in OVERLAP_KERNELS and cfg.BLOCK_M == 128:
-        # two steps' A operands next to a 128-column accumulator: 255 registers and 148-432 bytes of
-        # spill (sm_90a, Triton 3.6)
-        raise ValueError(f"config kernel={k!r} needs BLOCK_M <= 64, got {cfg.BLOCK_M}")
+    if cfg.BLOCK_M not in ((64, 128) if k == "gluon_pipe" else (8, 16, 32, 64)):
+        # 128 columns: the one-step kernel's two scaled products and the overlap kernels' two steps
+        # of A operands do not fit beside the accumulator (255 registers, 148-432 bytes of spill,
+        # sm_90a, Triton 3.6); 'gluon_pipe' keeps two chunks' A operands and accumulates in place
+        allowed = "64 or 128" if k == "gluon_pipe" else "in (8, 16, 32, 64)"
+        raise ValueError(f"config kernel={k!r} needs BLOCK_M {allowed}, got {cfg.BLOCK_M}")
     if cfg.BLOCK_N not in (64, 128):
         raise ValueError(f"config kernel={k!r} needs BLOCK_N in (64, 128), got {cfg.BLOCK_N}")
     if cfg.num_warps not in (4, 8) or cfg.BLOCK_N < 16 * cfg.num_warps:
         raise ValueError(f"config kernel={k!r} needs num_warps 4 (one warpgroup) or 8 (two, BLOCK_N >= 128), "
                          f"got num_warps={cfg.num_warps}, BLOCK_N={cfg.BLOCK_N}")
+    if k == "gluon_pipe" and cfg.BLOCK_N != 16 * cfg.num_warps:
+        raise ValueError(f"config kernel={k!r} needs BLOCK_N = 16 * num_warps (64 rows per warpgroup); got "
+                         f"BLOCK_N={cfg.BLOCK_N}, num_warps={cfg.num_warps}")
     if k in OVERLAP_KERNELS and (cfg.BLOCK_N != 16 * cfg.num_warps or (cfg.BLOCK_M == 64 and cfg.num_warps == 4)):
         # two steps' A operands per thread: 64 rows per warpgroup (BLOCK_N 64 / 4 warps, 128 / 8), and
         # BLOCK_M 64 over two warpgroups only (one: 255 registers, spilling in the K loop on Triton 3.6)
         raise ValueError(f"config kernel={k!r} needs BLOCK_N = 16 * num_warps and, for BLOCK_M 64, "
                          f"num_warps 8; got BLOCK_M={cfg.BLOCK_M}, BLOCK_N={cfg.BLOCK_N}, num_warps={cfg.num_warps}")
-    ring = 3 if k in OVERLAP_KERNELS else 2
+    ring = 3 if k in OVERLAP_KERNELS or k == "gluon_pipe" else 2
     if cfg.num_stages < ring:
         raise ValueError(f"config kernel={k!r} needs num_stages >= {ring} (the cp.async ring), got {cfg.num_stages}")
-    from ..kernels.w4a16_gluon import CTA_RESERVED_SHARED, SM_SHARED_BYTES, shared_bytes
-    ring_bytes = shared_bytes(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_stages, words=k != "gluon_overlap_regs")
+    from ..kernels.w4a16_gluon import CTA_RESERVED_SHARED, SM_SHARED_BYTES, pipe_shared_bytes, shared_bytes
+    ring_bytes = (pipe_shared_bytes(cfg.BLOCK_M, cfg.num_stages) if k == "gluon_pipe" else
+                  shared_bytes(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_stages, words=k != "gluon_overlap_regs"))
     if ring_bytes + CTA_RESERVED_SHARED > SM_SHARED_BYTES:
         raise ValueError(f"config kernel={k!r} BLOCK_M={cfg.BLOCK_M} BLOCK_N={cfg.BLOCK_N} num_stages={cfg.num_stages} "
                          f"needs {ring_bytes} bytes of shared memory for its ring; an SM has "
@@ -480,7 +488,9 @@ GLUON_STEP = 2 * K_CHUNK  # channels per K step of the Gluon kernel (its BLOCK_K
 # (shape, format) rows tried, 0.89-1.19x at BLOCK_M 16-32 (fp16 mostly slower, bf16 with zero
 # points faster), bit-identical outputs (v26); both are candidates and the tables pick
 OVERLAP_KERNELS = ("gluon_overlap", "gluon_overlap_regs")
-GLUON_KERNELS = ("gluon",) + OVERLAP_KERNELS
+# 'gluon_pipe' (large M): each 128-channel chunk dequantized while the previous chunk's wgmmas run
+# (kernels/w4a16_gluon.w4a16_gluon_pipe_kernel); a candidate at M > 128 (docs/perf_log.md v30)
+GLUON_KERNELS = ("gluon",) + OVERLAP_KERNELS + ("gluon_pipe",)
 W4A16_KERNELS = KERNELS + GLUON_KERNELS  # every Config.kernel the W4A16 launcher takes
 
 
@@ -552,7 +562,7 @@ def gluon_twin(cfg: Config, group_size: int = 128) -> Config:
     the mma kernel's 16), split and K step. 'gluon': two 128-channel halves with the scale on each
     fp32 product (SCALE_ACC); the overlap kernels: groups scale the weights (rounded once to x's
     dtype, no SCALE_ACC), per channel the product (SCALE_ACC)."""
-    sa = (cfg.kernel == "gluon" and cfg.BLOCK_M < 128) or group_size == -1  # (BLOCK_M 128: scaled weights)
+    sa = cfg.kernel == "gluon" or group_size == -1
     return replace(cfg, kernel="mma", scale_acc=sa, BLOCK_M=max(16, cfg.BLOCK_M))
 
 
@@ -615,14 +625,16 @@ class _GemmPlan:
                     **cfg.launch())
         if cfg.kernel in GLUON_KERNELS:  # (takes no g_idx pointer)
             from ..kernels.w4a16_gluon import (layouts, max_registers, w4a16_gluon_kernel,
-                                               w4a16_gluon_overlap_kernel)
+                                               w4a16_gluon_overlap_kernel, w4a16_gluon_pipe_kernel)
 
             self.kind = "gluon"
             overlap = cfg.kernel in OVERLAP_KERNELS
-            # (the overlap kernel's ~170-250 registers are its two steps' A operands: no cap)
-            cap = None if overlap else max_registers(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_stages, cfg.num_warps,
-                                                     has_zeros)
-            self.gemm = Launch(w4a16_gluon_overlap_kernel if overlap else w4a16_gluon_kernel, dict(
+            pipe = cfg.kernel == "gluon_pipe"
+            # (the overlap and pipe kernels' ~170-250 registers are their in-flight A operands: no cap)
+            cap = None if overlap or pipe else max_registers(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_stages,
+                                                             cfg.num_warps, has_zeros)
+            fn = w4a16_gluon_pipe_kernel if pipe else w4a16_gluon_overlap_kernel if overlap else w4a16_gluon_kernel
+            self.gemm = Launch(fn, dict(
                 GROUP_CHUNKS=gs // K_CHUNK, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, STAGES=cfg.num_stages, PDL_EARLY=chained,
                 num_warps=cfg.num_warps, **({"maxnreg": cap} if cap else {}),
