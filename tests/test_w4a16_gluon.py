@@ -587,6 +587,9 @@ for kw in cases:
     if why:
         bad.append((kw, why))
 assert not bad, bad
+# the CLI's report of the same (python -m sailfish.bench.ptx --gluon --pipe)
+from sailfish.bench.ptx import main
+assert main(["--gluon", "--pipe", "--hazard", "--config", "128,128,256,2,8,3", "--zeros", "--dtype", "bf16"]) == 0
 print("checked", triton.__version__, len(cases))
 """
 

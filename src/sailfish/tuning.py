@@ -44,7 +44,9 @@ class Config:
     tiles, "gemv" M <= 8 (tensor cores or CUDA cores), "gluon" the Hopper Gluon kernel (its
     Triton twin elsewhere; BLOCK_K = 256, num_stages = its ring depth; "gluon_overlap" its variant
     that dequantizes a K step while the previous step's wgmmas run, "gluon_overlap_regs" that one
-    with the packed words loaded straight into registers), "dequant" = dequantize
+    with the packed words loaded straight into registers, "gluon_pipe" the large-M one that
+    dequantizes each 128-channel chunk while the previous chunk's wgmmas run; num_stages: the
+    chunk 0 ring, chunk 1's has one slot more), "dequant" = dequantize
     to a transient half-precision weight, then cuBLAS); the block sizes are that path's tile
     shape. num_stages of the tensor-core GEMV: 1 no pipelining, 2 the next tile's words one
     iteration ahead in registers, >= 3 a cp.async ring of that depth (ops/w4a16.gemv_stages)."""

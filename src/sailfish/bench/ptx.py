@@ -8,6 +8,7 @@ memory, and does wgmma take it from registers?
     python -m sailfish.bench.ptx --gemv               # the tensor-core GEMV: SASS instructions per weight
     python -m sailfish.bench.ptx --gluon --hazard     # the shipped tiles of the Hopper Gluon kernel
     python -m sailfish.bench.ptx --gluon --overlap --config 16,64,256,1,4,3   # its overlap variant
+    python -m sailfish.bench.ptx --gluon --pipe        # the shipped tiles of its large-M chunk-pipelined kernel
 
 Per config it prints the PTX K-loop counts (st.shared / ldmatrix / bar.sync / wgmma) and the
 verdict `no-fp16-smem` or `fp16-smem-roundtrip`. tests/test_w4a16.py runs the same check on
@@ -420,15 +421,15 @@ def shipped_mma_configs(kernel: str = "mma"):
 def _main_gluon(cfgs, args) -> int:
     """The Gluon kernel's K loop for each config: shared-memory stores / ldmatrix (0: the weights
     never leave registers), wgmma A in registers, the wait_group depths (only 0; --overlap: the
-    overlap kernel's structure, overlap_loop_ok), and with --hazard the SASS register-hazard
-    check."""
+    overlap kernel's structure, overlap_loop_ok; --pipe: 1 and 0, a chunk left in flight), and
+    with --hazard the SASS register-hazard check."""
     from ..kernels.w4a16_gluon import compile_sm90
 
     bad = 0
     for gpu, cfg in cfgs:
         k = compile_sm90(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_stages, args.group_size, cfg.SPLIT_K, args.dtype,
                          num_warps=cfg.num_warps, pdl_early=cfg.SPLIT_K > 1, has_zeros=args.zeros,
-                         overlap=args.overlap)
+                         overlap=args.overlap, pipe=args.pipe)
         st = k_loop_stats(k.asm["ptx"])
         waits = sorted(set(re.findall(r"wgmma.wait_group.sync.aligned (\d+)", k.asm["ptx"])))
         ok = st is not None and not st.st_shared and not st.ldmatrix and st.wgmma_a_in_registers
@@ -436,7 +437,7 @@ def _main_gluon(cfgs, args) -> int:
             loop_ok, waits = overlap_loop_ok(sass(k.asm["cubin"]))
             ok = ok and loop_ok
         else:
-            ok = ok and waits == ["0"]
+            ok = ok and waits == (["0", "1"] if args.pipe else ["0"])
         verdict = "weights in registers" if ok else "SHARED-MEMORY TRIP OR OTHER WAITS"
         hz, verdict = _hazard_and_dump(k, args, verdict)
         bad += not ok or hz
@@ -500,7 +501,12 @@ def main(argv=None) -> int:
                     help="with --gluon: its overlap variant (kernel 'gluon_overlap', the words through the "
                          "ring; give --config: the default configs are the plain kernel's): two steps' wgmmas in "
                          "flight, each on its own A registers")
+    ap.add_argument("--pipe", action="store_true",
+                    help="with --gluon: its large-M kernel 'gluon_pipe' (default configs: the shipped "
+                         "'gluon_pipe' ones): one chunk's wgmmas in flight while the next is dequantized")
     args = ap.parse_args(argv)
+    if args.pipe and (args.overlap or not args.gluon):
+        ap.error("--pipe goes with --gluon and without --overlap")
     from ..tuning import Config
 
     if args.config:
@@ -514,7 +520,8 @@ def main(argv=None) -> int:
         cfgs = [(args.family, Config(*t[:3], SPLIT_K=t[3], num_warps=t[4], num_stages=t[5])) for t in W4A8_TILES
                 if args.family == "w4a8" or args.group_size == -1 or t[2] <= args.group_size]
     else:
-        cfgs = shipped_mma_configs("gemv" if args.gemv else "gluon" if args.gluon else "mma")
+        cfgs = shipped_mma_configs("gemv" if args.gemv else "gluon_pipe" if args.pipe else "gluon" if args.gluon
+                                   else "mma")
     if args.gemv:
         return _main_gemv(cfgs, args)
     if args.gluon:
