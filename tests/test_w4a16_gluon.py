@@ -309,21 +309,28 @@ def test_wgmma_register_hazard_counts_groups():
 def test_gluon_candidates_are_valid(monkeypatch):
     """The tuner's Gluon tiles pass the launcher's checks, and none is offered where the
     kernel cannot run (a general g_idx, group 64, M = 1); M <= 8 gets BLOCK_M 8, M = 65-128
-    only the overlap kernels (two BLOCK_M 64 tiles per N tile), M > 128 only 'gluon_pipe' BLOCK_M 128."""
+    the overlap kernels (two BLOCK_M 64 tiles per N tile) and 'gluon_pipe' BLOCK_M 128, M > 128 only
+    'gluon_pipe' BLOCK_M 128."""
     monkeypatch.setattr(ops16, "gluon_device", lambda index: True)
     monkeypatch.setattr(ops16, "sm_count", lambda index: 132)
     dev = torch.device("cuda", 0)
     seen = 0
+    kernels_at = {}
     for kp, n in [(4096, 6144), (14336, 4096), (28672, 8192), (8192, 57344), (1024, 128)]:
         for m in (2, 4, 8, 16, 32, 64, 128, 129, 512, 4096):
             for cfg in ops16._gluon_candidates(device=dev, M=m, N=n, Kp=kp, group_size=128, general_gidx=False,
                                                has_zeros=False):
                 ops16._check_config(cfg, kp, m, 128)
                 assert (cfg.BLOCK_M == 8) == (m <= 8), (m, cfg)
-                assert m <= 64 or m > 128 or cfg.kernel in ops16.OVERLAP_KERNELS, (m, cfg)
-                assert (cfg.BLOCK_M == 128 and cfg.kernel == "gluon_pipe") == (m > 128), (m, cfg)
+                if 64 < m <= 128:
+                    assert cfg.kernel in ops16.OVERLAP_KERNELS or (cfg.kernel, cfg.BLOCK_M) == ("gluon_pipe", 128)
+                else:
+                    assert (cfg.BLOCK_M == 128 and cfg.kernel == "gluon_pipe") == (m > 128), (m, cfg)
+                kernels_at.setdefault(m, set()).add(cfg.kernel)
                 seen += 1
     assert seen > 0
+    assert kernels_at[128] == {"gluon_pipe", *ops16.OVERLAP_KERNELS}, kernels_at[128]
+    assert kernels_at[64] >= set(ops16.OVERLAP_KERNELS) and "gluon_pipe" not in kernels_at[64], kernels_at[64]
     base = dict(device=dev, N=4096, Kp=4096)
     assert list(ops16._gluon_candidates(**base, M=16, group_size=128, general_gidx=False, has_zeros=True))
     for kw in (dict(M=16, group_size=128, general_gidx=True, has_zeros=False),
