@@ -145,9 +145,9 @@ def _gluon_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros):
         return
     if M > 64:
         # at M = 65-128 one BLOCK_M 128 pipe tile covers the batch where the overlap kernels take two
-        # BLOCK_M 64 tiles per N tile. H200, fp16 g128, same process (docs/perf_log.md v31): 1.05-1.19x
+        # BLOCK_M 64 tiles per N tile. H200, fp16 g128, same process (docs/perf_log.md v31): 1.04-1.18x
         # the table at M = 128 on 6 of 8 shapes (28672x8192 132.1 -> 111.5 us), bf16 asymmetric up to
-        # 1.33x; the pipe kernel's BLOCK_M 64 form (4-chunk ring) lost to 'gluon_overlap_regs' on all 16
+        # 1.35x; the pipe kernel's BLOCK_M 64 form (4-chunk ring) lost to 'gluon_overlap_regs' on all 16
         yield from _gluon_tiles("gluon_pipe", [(128, 128, 8, 3)], M=M, N=N, Kp=Kp, sms=sms)
     bm = _gluon_block_m(M)
     if M <= 64:
