@@ -44,7 +44,7 @@ cp.async ring and the words' shared-memory loads (v26). WORDS_IN_REGS ('gluon_ov
 configs) takes the words from global memory straight into registers, two steps ahead, and the
 ring holds x only.
 
-w4a16_gluon_pipe_kernel ('gluon_pipe' configs, large M) overlaps at the granularity of a chunk
+w4a16_gluon_pipe_kernel ('gluon_pipe' configs, M >= 65) overlaps at the granularity of a chunk
 instead: each chunk is dequantized while the previous chunk's wgmmas run, which keeps the
 one-step kernel's register count at BLOCK_M 128 (docs/perf_log.md v30).
 """

@@ -495,7 +495,7 @@ GLUON_STEP = 2 * K_CHUNK  # channels per K step of the Gluon kernel (its BLOCK_K
 # points faster), bit-identical outputs (v26); both are candidates and the tables pick
 OVERLAP_KERNELS = ("gluon_overlap", "gluon_overlap_regs")
 # 'gluon_pipe' (large M): each 128-channel chunk dequantized while the previous chunk's wgmmas run
-# (kernels/w4a16_gluon.w4a16_gluon_pipe_kernel); a candidate at M > 128 (docs/perf_log.md v30)
+# (kernels/w4a16_gluon.w4a16_gluon_pipe_kernel); a candidate at M > 64 (docs/perf_log.md v30, v31)
 GLUON_KERNELS = ("gluon",) + OVERLAP_KERNELS + ("gluon_pipe",)
 W4A16_KERNELS = KERNELS + GLUON_KERNELS  # every Config.kernel the W4A16 launcher takes
 
