@@ -519,6 +519,39 @@ def test_heuristic_takes_gluon_for_large_weights_at_m16(monkeypatch):
     assert pick(16, 8192, 8192).kernel == "mma"
 
 
+def test_heuristic_takes_the_pipe_tile_at_m65_to_1023(monkeypatch):
+    """Without a table entry, 64 < M < 1024 on an sm_90 GPU with Gluon takes the 'gluon_pipe'
+    BLOCK_M 128 tile, split by the smallest of 1 / 2 / 4 whose programs (one per SM) fill at least
+    half of their last wave; M >= 1024 stays dequantize + cuBLAS, M <= 64 and the formats or GPUs
+    the Gluon kernel does not take keep the Triton tiles; every choice passes the launcher's checks."""
+    monkeypatch.setattr(ops16, "gluon_device", lambda index: True)
+    monkeypatch.setattr(ops16, "sm_count", lambda index: 132)
+    dev = torch.device("cuda", 0)
+
+    def pick(m, n, kp, gs=128, gidx=False, zeros=False):
+        cfg = ops16._w4a16_heuristic(device=dev, M=m, N=n, Kp=kp, group_size=gs, general_gidx=gidx,
+                                     has_zeros=zeros)
+        ops16._check_config(cfg, kp, m, gs, gidx)
+        return cfg
+
+    # (K, N, M) -> split: 56 tiles fill 0.42 of a wave unsplit, 0.85 at split 2; 28 tiles need 4;
+    # 148 tiles fill 0.56 of their second wave unsplit; 40 tiles 0.61 of a wave at split 2
+    for (kp, n, m), split in {(18944, 3584, 256): 2, (18944, 3584, 128): 4, (3584, 18944, 128): 1,
+                              (8192, 57344, 512): 1, (5120, 5120, 65): 2}.items():
+        cfg = pick(m, n, kp)
+        assert (cfg.kernel, cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_warps, cfg.num_stages, cfg.SPLIT_K) == (
+            "gluon_pipe", 128, 128, 8, 3, split), (kp, n, m, cfg)
+    assert pick(512, 8192, 8192, gs=-1, zeros=True).kernel == "gluon_pipe"
+    assert pick(1023, 8192, 8192, gs=256).kernel == "gluon_pipe"
+    assert pick(1024, 8192, 8192).kernel == "dequant"
+    assert pick(64, 8192, 8192).kernel == "mma"
+    assert pick(256, 8192, 8192, gs=64).kernel == "mma"
+    assert pick(256, 8192, 8192, gidx=True).kernel == "mma"
+    assert pick(256, 8192, 4224).kernel == "mma"  # K not a multiple of the 256-channel step
+    monkeypatch.setattr(ops16, "gluon_device", lambda index: False)
+    assert pick(256, 8192, 8192).kernel == "mma"
+
+
 def test_gluon_compile_failure_falls_back_to_the_twin(monkeypatch, device):
     """A Triton whose Gluon does not compile the kernel (an API change past the tested 3.6-3.9)
     gives a warning and the twin's result, and the Gluon kernel is not tried again; other

@@ -81,6 +81,17 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=Fa
         return Config(1, 16, bk, split_k_for(tiles, Kp // bk, sms), 8, 4, 4, kernel="gemv")
     if M >= 1024 and device.type == "cuda":  # dequantize + cuBLAS beats the fused tiles here
         return Config(1, 64, 256, 1, 8, 4, 1, kernel="dequant")
+    if (64 < M and device.type == "cuda" and gluon_format(group_size, general_gidx, Kp)
+            and gluon_device(device.index or 0)):
+        # the chunk-pipelined Gluon tile, one CTA (8 warps, 224 KiB) per SM, so the split is the
+        # smallest of 1 / 2 / 4 whose programs fill at least half of their last wave. H200, same
+        # process, 6 shapes without a table entry (Qwen2.5-7B and Llama-2-13B layers) x M = 128 /
+        # 256 / 512 (docs/perf_log.md v31): against the Triton tile below 1.21-1.45x (geomean 1.29)
+        # fp16 g128 and 1.22-1.71x (1.37) bf16 asymmetric, never below 0.77 of the best split tried
+        tiles = -(-M // 128) * -(-N // 128)
+        split = next((s for s in (1, 2, 4) if gluon_split_ok(s, Kp // GLUON_STEP)
+                      and 2 * tiles * s >= -(-tiles * s // sms) * sms), 1)
+        return Config(128, 128, GLUON_STEP, split, 8, 8, 3, kernel="gluon_pipe")
     if (16 < M <= 32 and N * Kp >= (1 << 25) and device.type == "cuda" and not general_gidx
             and scale_acc_tile(128, group_size)):
         # BM 32 / BN 64 / BK 128 / 4 stages with the scale on the fp32 product, split until the
