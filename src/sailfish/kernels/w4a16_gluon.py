@@ -210,6 +210,13 @@ def _load_step(w_buf, x_buf, slot, w_ptrs, x_ptrs, step, ok, WITH_WORDS: gl.cons
 
 
 @gluon.jit
+def _word_rows(qw_ptr, pid_n, N, stride_qn, first, BLOCK_N: gl.constexpr, WORDS: gl.constexpr):
+    """(BLOCK_N, 16) pointers to the program's first step's words in the WORDS layout, for _words."""
+    return (_rows(qw_ptr, pid_n, N, stride_qn, BLOCK_N, WORDS)[:, None]
+            + (first * 32 + gl.arange(0, 16, layout=gl.SliceLayout(0, WORDS)))[None, :])
+
+
+@gluon.jit
 def _words(w_rows, step):
     """The two chunks' words of K step `step` straight from global memory, in the WORDS layout
     (w_rows: (BLOCK_N, 16) pointers of the program's first step)."""
@@ -486,8 +493,7 @@ def w4a16_gluon_overlap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_
     qb0 = 0
     qb1 = 0
     if WORDS_IN_REGS:
-        w_rows = (_rows(qw_ptr, pid_n, N, stride_qn, BLOCK_N, WORDS)[:, None]
-                  + (first * 32 + gl.arange(0, 16, layout=gl.SliceLayout(0, WORDS)))[None, :])
+        w_rows = _word_rows(qw_ptr, pid_n, N, stride_qn, first, BLOCK_N, WORDS)
         qa0, qa1 = _words(w_rows, 0)
         qb0, qb1 = _words(w_rows, 1)
     else:
@@ -589,8 +595,7 @@ def w4a16_gluon_pipe_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr
     pid_m, pid_n, pid_k, first, n, w_ptrs, x_ptrs, s_base, z_base = _scaled_operands(
         x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_qn, stride_sn, SPLIT_K, BLOCK_M, BLOCK_N, PDL_EARLY,
         X_BLK, W_BLK, WORDS)
-    w_rows = (_rows(qw_ptr, pid_n, N, stride_qn, BLOCK_N, WORDS)[:, None]
-              + (first * 32 + gl.arange(0, 16, layout=gl.SliceLayout(0, WORDS)))[None, :])
+    w_rows = _word_rows(qw_ptr, pid_n, N, stride_qn, first, BLOCK_N, WORDS)
     x0_buf = gl.allocate_shared_memory(DT, [STAGES, BLOCK_M, _CHUNK], X_SMEM)
     x1_buf = gl.allocate_shared_memory(DT, [STAGES + 1, BLOCK_M, _CHUNK], X_SMEM)
     _fill_chunks(x0_buf, x1_buf, x_ptrs, 0, n, STAGES)

@@ -88,10 +88,11 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=Fa
         # process, 6 shapes without a table entry (Qwen2.5-7B and Llama-2-13B layers) x M = 128 /
         # 256 / 512 (docs/perf_log.md v31): against the Triton tile below 1.21-1.45x (geomean 1.29)
         # fp16 g128 and 1.22-1.71x (1.37) bf16 asymmetric, never below 0.77 of the best split tried
-        tiles = -(-M // 128) * -(-N // 128)
+        tiles = -(-M // PIPE_TILE[0]) * -(-N // PIPE_TILE[1])
         split = next((s for s in (1, 2, 4) if gluon_split_ok(s, Kp // GLUON_STEP)
                       and 2 * tiles * s >= -(-tiles * s // sms) * sms), 1)
-        return Config(128, 128, GLUON_STEP, split, 8, 8, 3, kernel="gluon_pipe")
+        bm, bn, warps, stages = PIPE_TILE
+        return Config(bm, bn, GLUON_STEP, split, 8, warps, stages, kernel="gluon_pipe")
     if (16 < M <= 32 and N * Kp >= (1 << 25) and device.type == "cuda" and not general_gidx
             and scale_acc_tile(128, group_size)):
         # BM 32 / BN 64 / BK 128 / 4 stages with the scale on the fp32 product, split until the
@@ -146,20 +147,10 @@ def _gluon_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros):
     if not (2 <= M and gluon_format(group_size, general_gidx, Kp) and gluon_device(device.index or 0)):
         return
     sms = sm_count(device.index or 0)
-    if M > 128:
-        # the chunk-pipelined kernel: BLOCK_M 128 over two warpgroups, x rings of 3 / 4 chunks
-        # (224 KiB). H100, fp16 g128, same process (docs/perf_log.md v30): 1.02-1.30x the table at
-        # M = 256 / 512 on 9 of 10 rows (28672x8192 M = 512 534.8 -> 410.8 us), 0.87-0.98x of
-        # dequantize + cuBLAS at M = 1024; the one-step kernel's BLOCK_M 128 form (scaled weights,
-        # 2-step ring) lost to it on every row tuned
-        yield from _gluon_tiles("gluon_pipe", [(128, 128, 8, 3)], M=M, N=N, Kp=Kp, sms=sms)
+    if M > 64:  # the chunk-pipelined kernel's tile (PIPE_TILE)
+        yield from _gluon_tiles("gluon_pipe", [PIPE_TILE], M=M, N=N, Kp=Kp, sms=sms)
+    if M > 128:  # ... alone
         return
-    if M > 64:
-        # at M = 65-128 one BLOCK_M 128 pipe tile covers the batch where the overlap kernels take two
-        # BLOCK_M 64 tiles per N tile. H200, fp16 g128, same process (docs/perf_log.md v31): 1.04-1.18x
-        # the table at M = 128 on 6 of 8 shapes (28672x8192 132.1 -> 111.5 us), bf16 asymmetric up to
-        # 1.35x; the pipe kernel's BLOCK_M 64 form (4-chunk ring) lost to 'gluon_overlap_regs' on all 16
-        yield from _gluon_tiles("gluon_pipe", [(128, 128, 8, 3)], M=M, N=N, Kp=Kp, sms=sms)
     bm = _gluon_block_m(M)
     if M <= 64:
         tiles_ = [(bm, 64, 4, 3), (bm, 64, 4, 4)] if M <= 32 else [(64, 128, 8, 3)]
@@ -177,6 +168,17 @@ def _overlap_tiles(M: int):
     per warpgroup, BLOCK_M 64 over two (_check_gluon_config)."""
     bm = _gluon_block_m(M)
     return [(64, 128, 8, 3), (64, 128, 8, 4)] if bm == 64 else [(bm, 64, 4, 3), (bm, 64, 4, 4), (bm, 128, 8, 3)]
+
+
+# gluon_pipe's tile (BLOCK_M, BLOCK_N, num_warps, num_stages): 128 columns over two warpgroups, x rings
+# of 3 / 4 chunks (224 KiB, one CTA per SM). The tuner's only Gluon tile at M > 128 and, beside the
+# overlap kernels, at M = 65-128 (where it covers the batch in one N tile instead of two BLOCK_M 64
+# tiles); the heuristic's at 64 < M < 1024. H100, fp16 g128, same process (docs/perf_log.md v30):
+# 1.02-1.30x the table at M = 256 / 512 on 9 of 10 rows (28672x8192 M = 512 534.8 -> 410.8 us),
+# 0.87-0.98x of dequantize + cuBLAS at M = 1024; the one-step kernel's BLOCK_M 128 form lost to it on
+# every row tuned. H200 (v31): 1.04-1.18x the table at M = 128 on 6 of 8 shapes (28672x8192 132.1 ->
+# 111.5 us), bf16 asymmetric up to 1.35x; its BLOCK_M 64 form lost to 'gluon_overlap_regs' on all 16
+PIPE_TILE = (128, 128, 8, 3)
 
 
 def _gluon_block_m(M: int) -> int:
