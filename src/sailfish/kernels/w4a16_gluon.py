@@ -44,9 +44,10 @@ cp.async ring and the words' shared-memory loads (v26). WORDS_IN_REGS ('gluon_ov
 configs) takes the words from global memory straight into registers, two steps ahead, and the
 ring holds x only.
 
-w4a16_gluon_pipe_kernel ('gluon_pipe' configs, M >= 65) overlaps at the granularity of a chunk
+w4a16_gluon_pipe_kernel ('gluon_pipe' configs, M >= 33) overlaps at the granularity of a chunk
 instead: each chunk is dequantized while the previous chunk's wgmmas run, which keeps the
-one-step kernel's register count at BLOCK_M 128 (docs/perf_log.md v30).
+one-step kernel's register count at BLOCK_M 128 (docs/perf_log.md v30); it is warp-specialized,
+x coming by TMA from a producer warp through mbarrier-guarded rings (v32).
 """
 from __future__ import annotations
 
@@ -55,8 +56,8 @@ from functools import lru_cache
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
-                                                             warpgroup_mma_init, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
+                                                             warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from .w4a16 import _ASM_BF16, _ASM_BF16_Q, _ASM_F16, _ASM_F16_Q
@@ -64,12 +65,20 @@ from .w4a16 import _ASM_BF16, _ASM_BF16_Q, _ASM_F16, _ASM_F16_Q
 # names that differ between Triton 3.6 and 3.9
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 CHUNK = 128  # channels per wgmma (one chunk of the fragment order)
 STEP = 2 * CHUNK  # channels per K step
 NUM_WARPS = 4  # one warpgroup; 8: two, sharing the x tile (BLOCK_N >= 128; M = 33..64 tiles)
 _CHUNK = gl.constexpr(CHUNK)
 _STEP = gl.constexpr(STEP)
+_HALF = gl.constexpr(64)  # rows per consumer warpgroup of the pipe kernel
+# the pipe kernel's registers per thread: two consumer warpgroups at 232 (no spill with zero
+# points, bf16; the chunk pipeline with a CTA barrier took 228-245), the producer warp's
+# warpgroup at 40; launched at their mean over the 12 warps, setmaxnreg moves them
+PIPE_CONSUMER_REGS = gl.constexpr(232)
+PIPE_PRODUCER_REGS = gl.constexpr(40)
+PIPE_MAXNREG = (2 * 232 + 40) // 3
 
 
 @lru_cache(maxsize=None)
@@ -112,8 +121,9 @@ def shared_bytes(BLOCK_M: int, BLOCK_N: int, STAGES: int, words: bool = True) ->
 
 
 def pipe_shared_bytes(BLOCK_M: int, STAGES: int) -> int:
-    """w4a16_gluon_pipe_kernel's shared memory: x chunk rings of STAGES and STAGES + 1 slots."""
-    return (2 * STAGES + 1) * BLOCK_M * CHUNK * 2
+    """w4a16_gluon_pipe_kernel's shared memory: x chunk rings of STAGES and STAGES + 1 slots and
+    their ready / empty mbarriers (8 bytes each)."""
+    return (2 * STAGES + 1) * (BLOCK_M * CHUNK * 2 + 16)
 
 
 def max_registers(BLOCK_M: int, BLOCK_N: int, STAGES: int, num_warps: int = NUM_WARPS, has_zeros: bool = True):
@@ -285,7 +295,7 @@ def _operands(x_ptr, qw_ptr, M, N, K, stride_xm, stride_qn, SPLIT_K: gl.constexp
 def _scaled_operands(x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_qn, stride_sn, SPLIT_K: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PDL_EARLY: gl.constexpr, X_BLK: gl.constexpr,
                      W_BLK: gl.constexpr, WORDS: gl.constexpr):
-    """The start of the kernels that scale the weights (overlap, pipe): the split-K reduce released
+    """The start of the overlap kernels (which scale the weights): the split-K reduce released
     (PDL_EARLY), _operands, and one scale and zero-point pointer per row in the words' rows."""
     if PDL_EARLY:  # split-K: the reduce may launch now, it waits for the partial sums (kernels/common.py)
         gdc_launch_dependents()
@@ -525,26 +535,48 @@ def w4a16_gluon_overlap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_
 
 
 @gluon.jit
-def _fill_chunks(x0_buf, x1_buf, x_ptrs, step, n, STAGES: gl.constexpr):
-    """cp.async step `step`'s two x chunks into their rings (STAGES and STAGES + 1 slots), one
-    commit group (a step past the end is masked off)."""
-    ok = step < n
-    _async_load(x0_buf.index(step % STAGES), x_ptrs + step * _STEP, mask=ok)
-    _async_load(x1_buf.index(step % (STAGES + 1)), x_ptrs + (step * _STEP + _CHUNK), mask=ok)
-    async_copy.commit_group()
+def _pipe_program(M, K, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr):
+    """_operands' program mapping, for the pipe kernel's partitions: (N tile, M tile, split, first
+    K step, step count)."""
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    steps = K // _STEP
+    per = gl.cdiv(steps, SPLIT_K)
+    first = pid_k * per
+    return pid // tiles_m, pid % tiles_m, pid_k, first, gl.minimum(per, steps - first)
+
+
+@gluon.jit
+def _pipe_loader(x_desc, M, K, x0_buf, x1_buf, ready0, ready1, empty0, empty1, SPLIT_K: gl.constexpr,
+                 BLOCK_M: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr):
+    """The pipe kernel's producer warp: each K step's two x chunks into their rings by TMA (rows
+    past M zero-filled), a slot refilled once both consumer warpgroups released it."""
+    pid_n, pid_m, pid_k, first, n = _pipe_program(M, K, SPLIT_K, BLOCK_M)
+    nbytes: gl.constexpr = BLOCK_M * _CHUNK * 2
+    for j in range(n):
+        k0 = (first + j) * _STEP
+        a = j % S0
+        mbarrier.wait(empty0.index(a), ((j // S0) & 1) ^ 1)
+        mbarrier.expect(ready0.index(a), nbytes)
+        _tma_load(x_desc, [pid_m * BLOCK_M, k0], ready0.index(a), x0_buf.index(a))
+        b = j % S1
+        mbarrier.wait(empty1.index(b), ((j // S1) & 1) ^ 1)
+        mbarrier.expect(ready1.index(b), nbytes)
+        _tma_load(x_desc, [pid_m * BLOCK_M, k0 + _CHUNK], ready1.index(b), x1_buf.index(b))
 
 
 @gluon.jit
 def _pipe_step(i, n, first, acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1, s_base, z_base, w_rows, x0_buf, x1_buf,
-               x_ptrs, GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr, STAGES: gl.constexpr, DT: gl.constexpr,
-               BLOCK_N: gl.constexpr, DOT_A: gl.constexpr):
-    """K step i of w4a16_gluon_pipe_kernel. On entry chunk 1 of step i - 1 is in flight (w1 its
-    A operand); qa / qb: the words of steps i and i + 1, sn / zn step i's scales and zero points,
-    as loaded. Returns the same one step on."""
-    async_copy.wait_group(1)  # step i's chunks have landed (step i + 1's may be in flight)
-    _barrier()  # ... for every thread, and every warpgroup has retired chunk 0 of step i - 1
-    # step i + 2's x into the slots of chunk 0 of step i - 1 and chunk 1 of step i - 2 (both retired)
-    _fill_chunks(x0_buf, x1_buf, x_ptrs, i + 2, n, STAGES)
+               ready0, ready1, empty0, empty1, GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr,
+               S0: gl.constexpr, S1: gl.constexpr, DT: gl.constexpr, DOT_A: gl.constexpr,
+               RELEASE: gl.constexpr):
+    """K step i of one consumer warpgroup of w4a16_gluon_pipe_kernel. On entry chunk 1 of step
+    i - 1 is in flight (w1 its A operand; RELEASE: there is one); qa / qb: the words of steps i
+    and i + 1, sn / zn step i's scales and zero points, as loaded. Each chunk's x slot is waited
+    for (ready) before its weights are made, so no wait loop sits between an A operand's
+    definition and its wgmma (which made ptxas serialize them, docs/perf_log.md v27), and
+    released (empty) once its wgmmas retired. Returns the same one step on."""
     q0 = qa0
     q1 = qa1
     qa0 = qb0
@@ -561,45 +593,37 @@ def _pipe_step(i, n, first, acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1, s_b
     if HAS_ZEROS:
         z0, z1 = _scale_values(zn0, zn1, DT)
         zn0, zn1 = _step_scales(z_base, ahead, GROUP_CHUNKS)
-    w0 = _chunk_weights(q0, DT, BLOCK_N, DOT_A, z0, s0)
+    a = i % S0
+    b = i % S1
+    mbarrier.wait(ready0.index(a), (i // S0) & 1)
+    w0 = _chunk_weights(q0, DT, _HALF, DOT_A, z0, s0)
     fence_async_shared()
-    acc = warpgroup_mma(w0, x0_buf.index(i % STAGES).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(w0, x0_buf.index(a).permute((1, 0)), acc, is_async=True)
     acc, w1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w1))  # chunk 1 of step i - 1 retired
-    w1 = _chunk_weights(q1, DT, BLOCK_N, DOT_A, z1, s1)
-    acc = warpgroup_mma(w1, x1_buf.index(i % (STAGES + 1)).permute((1, 0)), acc, is_async=True)
+    if RELEASE:
+        mbarrier.arrive(empty1.index((i + S1 - 1) % S1), count=1)
+    mbarrier.wait(ready1.index(b), (i // S1) & 1)
+    w1 = _chunk_weights(q1, DT, _HALF, DOT_A, z1, s1)
+    fence_async_shared()
+    acc = warpgroup_mma(w1, x1_buf.index(b).permute((1, 0)), acc, is_async=True)
     acc, w0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w0))  # chunk 0 of step i retired
+    mbarrier.arrive(empty0.index(a), count=1)
     return acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1
 
 
 @gluon.jit
-def w4a16_gluon_pipe_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_xm, stride_ym,
-                            stride_qn, stride_sn, GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr,
-                            HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
-                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL_EARLY: gl.constexpr,
-                            MMA: gl.constexpr, WORDS: gl.constexpr, DOT_A: gl.constexpr, X_BLK: gl.constexpr,
-                            X_SMEM: gl.constexpr, W_BLK: gl.constexpr, W_SMEM: gl.constexpr):
-    """w4a16_gluon_kernel's product for large M ('gluon_pipe' configs, same arguments; STAGES >= 3):
-    the wgmmas of one 128-channel chunk run while the next chunk is dequantized, so the tensor
-    core is not idle while a step's weights are made, with only two chunks' A operands live (the
-    one-step kernel's count; two whole steps, as in w4a16_gluon_overlap_kernel, spill at
-    BLOCK_M 128). Each chunk's wgmmas are waited for (wait(1)) right after the next chunk's are
-    issued. x comes through two chunk rings (STAGES slots for chunk 0, STAGES + 1 for chunk 1,
-    both filled two steps ahead: a slot is refilled once its wgmmas retired on every warpgroup,
-    which the one CTA barrier per step guarantees), the words straight from global memory into
-    registers two steps ahead. The group scale goes on the weights (rounded once to x's dtype,
-    as the overlap kernels) and every chunk chains into one accumulator; per channel the scale
-    multiplies it at the end. H100, same process (docs/perf_log.md v30): 1.02-1.30x the table of
-    the time at M = 256 / 512 on 9 of 10 fp16 g128 rows, 0.87-0.98x of dequantize + cuBLAS at
-    M = 1024; ncu had the one-step kernel's 128-column tile at 51% of the tensor pipe."""
-    DT: gl.constexpr = x_ptr.dtype.element_ty
-    pid_m, pid_n, pid_k, first, n, w_ptrs, x_ptrs, s_base, z_base = _scaled_operands(
-        x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_qn, stride_sn, SPLIT_K, BLOCK_M, BLOCK_N, PDL_EARLY,
-        X_BLK, W_BLK, WORDS)
-    w_rows = _word_rows(qw_ptr, pid_n, N, stride_qn, first, BLOCK_N, WORDS)
-    x0_buf = gl.allocate_shared_memory(DT, [STAGES, BLOCK_M, _CHUNK], X_SMEM)
-    x1_buf = gl.allocate_shared_memory(DT, [STAGES + 1, BLOCK_M, _CHUNK], X_SMEM)
-    _fill_chunks(x0_buf, x1_buf, x_ptrs, 0, n, STAGES)
-    _fill_chunks(x0_buf, x1_buf, x_ptrs, 1, n, STAGES)
+def _pipe_consumer(qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_ym, stride_qn, stride_sn,
+                   x0_buf, x1_buf, ready0, ready1, empty0, empty1, HALF: gl.constexpr, GROUP_CHUNKS: gl.constexpr,
+                   HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
+                   S0: gl.constexpr, S1: gl.constexpr, MMA: gl.constexpr, WORDS: gl.constexpr,
+                   DOT_A: gl.constexpr, DT: gl.constexpr):
+    """One consumer warpgroup of w4a16_gluon_pipe_kernel: rows HALF * 64 .. + 64 of the N tile,
+    all of its K steps, and their store."""
+    pid_n, pid_m, pid_k, first, n = _pipe_program(M, K, SPLIT_K, BLOCK_M)
+    pn = 2 * pid_n + HALF  # this warpgroup's 64 rows, as an N tile of 64
+    w_rows = _word_rows(qw_ptr, pn, N, stride_qn, first, _HALF, WORDS)
+    s_base = _rows(s_ptr, pn, N, stride_sn, _HALF, WORDS)
+    z_base = _rows(z_ptr, pn, N, stride_sn, _HALF, WORDS)
     qa0, qa1 = _words(w_rows, 0)
     qb0, qb1 = _words(w_rows, gl.minimum(1, n - 1))
     sn0, sn1 = _step_scales(s_base, first, GROUP_CHUNKS)
@@ -607,22 +631,87 @@ def w4a16_gluon_pipe_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr
     zn1 = sn1
     if HAS_ZEROS:
         zn0, zn1 = _step_scales(z_base, first, GROUP_CHUNKS)
-    acc = warpgroup_mma_init(gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA))
-    w1 = gl.zeros((BLOCK_N, _CHUNK), DT, layout=DOT_A)
+    acc = warpgroup_mma_init(gl.zeros((_HALF, BLOCK_M), gl.float32, layout=MMA))
+    w1 = gl.zeros((_HALF, _CHUNK), DT, layout=DOT_A)
     # step 0 outside the loop: the loop carries an accumulator with a chunk in flight
     acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1 = _pipe_step(
         0, n, first, acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1, s_base, z_base, w_rows, x0_buf, x1_buf,
-        x_ptrs, GROUP_CHUNKS, HAS_ZEROS, STAGES, DT, BLOCK_N, DOT_A)
+        ready0, ready1, empty0, empty1, GROUP_CHUNKS, HAS_ZEROS, S0, S1, DT, DOT_A, False)
     for i in range(1, n):
         acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1 = _pipe_step(
             i, n, first, acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1, s_base, z_base, w_rows, x0_buf, x1_buf,
-            x_ptrs, GROUP_CHUNKS, HAS_ZEROS, STAGES, DT, BLOCK_N, DOT_A)
+            ready0, ready1, empty0, empty1, GROUP_CHUNKS, HAS_ZEROS, S0, S1, DT, DOT_A, True)
     acc, w1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w1))
-    async_copy.wait_group(0)
     if GROUP_CHUNKS == 0:
-        acc = acc * gl.load(_rows(s_ptr, pid_n, N, stride_sn, BLOCK_N, MMA)).to(gl.float32)[:, None]
-    _store(acc, y_ptr, ws_ptr, bias_ptr, pid_m, pid_n, pid_k, M, N, stride_ym, HAS_BIAS, SPLIT_K, BLOCK_M, BLOCK_N,
-           MMA)
+        acc = acc * gl.load(_rows(s_ptr, pn, N, stride_sn, _HALF, MMA)).to(gl.float32)[:, None]
+    _store(acc, y_ptr, ws_ptr, bias_ptr, pid_m, pn, pid_k, M, N, stride_ym, HAS_BIAS, SPLIT_K, BLOCK_M, _HALF, MMA)
+
+
+@gluon.jit
+def w4a16_gluon_pipe_kernel(x_ptr, x_desc, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_xm,
+                            stride_ym, stride_qn, stride_sn, GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr,
+                            HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
+                            STAGES: gl.constexpr, PDL_EARLY: gl.constexpr, MMA: gl.constexpr, WORDS: gl.constexpr,
+                            DOT_A: gl.constexpr, X_SMEM: gl.constexpr):
+    """w4a16_gluon_kernel's product for large M ('gluon_pipe' configs: BLOCK_N 128, 8 warps of
+    consumers, STAGES >= 3; x_desc: x's TMA descriptor, block (BLOCK_M, 128) in X_SMEM),
+    warp-specialized. Two consumer warpgroups (two partitions: an mbarrier arrive is one thread's
+    per partition, so each warpgroup releases its slots itself) each run a chunk pipeline on
+    their 64 rows: each 128-channel chunk is dequantized while the previous chunk's wgmmas run
+    (wait(1) after each issue), with only two chunks' A operands live, the words two steps ahead
+    in registers straight from global memory and the scales one step ahead; the group scale goes
+    on the weights (rounded once to x's dtype, as the overlap kernels) and every chunk chains
+    into one accumulator; per channel the scale multiplies it at the end. A one-warp producer
+    copies x's chunks by TMA into two rings (STAGES slots for chunk 0, STAGES + 1 for chunk 1)
+    with per-slot ready / empty mbarriers, so the K loop has no CTA-wide barrier: the chunk
+    pipeline with one, filled by cp.async (v30-v31), had the two warpgroups meet at it for
+    12-16% of its stall samples, and a 4-warp cp.async producer could not keep x ahead (its
+    copy addresses spilled; the consumers waited on 'ready' for ~20% of samples). Registers:
+    PIPE_MAXNREG per thread at launch, setmaxnreg 232 / 232 / 40 (no spill, sm_90a, Triton 3.6
+    and 3.9). H200, same process (docs/perf_log.md v32): 1.04-1.24x the chunk pipeline with the
+    barrier at M = 200-512 on 5 of 6 shapes, 0.90-1.10x dequantize + cuBLAS at M = 1024; ncu
+    (28672x8192, M = 512): tensor pipe 79% of elapsed cycles against 64%."""
+    if PDL_EARLY:  # split-K: the reduce may launch now, it waits for the partial sums (kernels/common.py)
+        gdc_launch_dependents()
+    DT: gl.constexpr = x_ptr.dtype.element_ty
+    S1: gl.constexpr = STAGES + 1
+    x0_buf = gl.allocate_shared_memory(DT, [STAGES, BLOCK_M, _CHUNK], X_SMEM)
+    x1_buf = gl.allocate_shared_memory(DT, [S1, BLOCK_M, _CHUNK], X_SMEM)
+    ready0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready1 = gl.allocate_shared_memory(gl.int64, [S1, 1], mbarrier.MBarrierLayout())
+    empty1 = gl.allocate_shared_memory(gl.int64, [S1, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready0.index(s), count=1)  # the producer's expect; the TMA bytes complete it
+        mbarrier.init(empty0.index(s), count=2)  # both consumer warpgroups
+    for s in gl.static_range(S1):
+        mbarrier.init(ready1.index(s), count=1)
+        mbarrier.init(empty1.index(s), count=2)
+    gl.warp_specialize([
+        (_pipe_consumer, (qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_ym, stride_qn, stride_sn,
+                          x0_buf, x1_buf, ready0, ready1, empty0, empty1, 0, GROUP_CHUNKS, HAS_ZEROS, HAS_BIAS,
+                          SPLIT_K, BLOCK_M, STAGES, S1, MMA, WORDS, DOT_A, DT)),
+        (_pipe_consumer, (qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_ym, stride_qn, stride_sn,
+                          x0_buf, x1_buf, ready0, ready1, empty0, empty1, 1, GROUP_CHUNKS, HAS_ZEROS, HAS_BIAS,
+                          SPLIT_K, BLOCK_M, STAGES, S1, MMA, WORDS, DOT_A, DT)),
+        (_pipe_loader, (x_desc, M, K, x0_buf, x1_buf, ready0, ready1, empty0, empty1, SPLIT_K, BLOCK_M, STAGES,
+                        S1)),
+    ], [4, 1], [PIPE_CONSUMER_REGS, PIPE_PRODUCER_REGS])
+
+
+def pipe_meta(BLOCK_M: int) -> dict:
+    """w4a16_gluon_pipe_kernel's layout constexprs and launch options: each partition is one
+    warpgroup (layouts of a 64-row tile over 4 warps), 12 warps at PIPE_MAXNREG registers."""
+    lay = layouts(BLOCK_M, 64, 4)
+    return dict(MMA=lay["MMA"], WORDS=lay["WORDS"], DOT_A=lay["DOT_A"], X_SMEM=lay["X_SMEM"], num_warps=4,
+                maxnreg=PIPE_MAXNREG)
+
+
+def pipe_descriptor(x, BLOCK_M: int):
+    """x's TMA descriptor for w4a16_gluon_pipe_kernel (x contiguous (M, K), 16-byte aligned)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(x, [BLOCK_M, CHUNK], layouts(BLOCK_M, 64, 4)["X_SMEM"])
 
 
 def compile_sm90(BLOCK_M: int = 16, BLOCK_N: int = 64, STAGES: int = 3, group_size: int = 128, SPLIT_K: int = 1,
@@ -637,12 +726,21 @@ def compile_sm90(BLOCK_M: int = 16, BLOCK_N: int = 64, STAGES: int = 3, group_si
     from triton.experimental.gluon._runtime import GluonASTSource
 
     ty = "*fp16" if dtype == "fp16" else "*bf16"
-    sig = {"x_ptr": ty, "qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "bias_ptr": ty if has_bias else "constexpr",
+    sig = {"x_ptr": ty}
+    if pipe:  # x's TMA descriptor (pipe_descriptor)
+        sig["x_desc"] = f"tensordesc<{dtype}[{BLOCK_M},{CHUNK}],{layouts(BLOCK_M, 64, 4)['X_SMEM']!r}>"
+    sig |= {"qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "bias_ptr": ty if has_bias else "constexpr",
            "y_ptr": ty, "ws_ptr": "*fp32" if SPLIT_K > 1 else "constexpr", "M": "i32", "N": "i32", "K": "i32",
            "stride_xm": "i32", "stride_ym": "i32", "stride_qn": "i32", "stride_sn": "i32"}
     consts = dict(GROUP_CHUNKS=0 if group_size == -1 else group_size // CHUNK, HAS_ZEROS=has_zeros,
                   HAS_BIAS=has_bias, SPLIT_K=SPLIT_K, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
                   PDL_EARLY=pdl_early, **layouts(BLOCK_M, BLOCK_N, num_warps))
+    options = {"num_warps": num_warps}
+    if pipe:  # (BLOCK_N 128 over two consumer partitions of 4 warps: pipe_meta)
+        assert BLOCK_N == 128 and num_warps == 8, "gluon_pipe: BLOCK_N 128, 8 consumer warps"
+        meta = pipe_meta(BLOCK_M)
+        options = {"num_warps": meta.pop("num_warps"), "maxnreg": meta.pop("maxnreg")}
+        consts = {k: v for k, v in consts.items() if k not in ("BLOCK_N", "X_BLK", "W_BLK", "W_SMEM")} | meta
     if overlap:
         consts["WORDS_IN_REGS"] = words_in_regs
         consts["PAIRED"] = paired and group_size == CHUNK
@@ -659,4 +757,4 @@ def compile_sm90(BLOCK_M: int = 16, BLOCK_N: int = 64, STAGES: int = 3, group_si
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     cap = None if overlap or pipe else max_registers(BLOCK_M, BLOCK_N, STAGES, num_warps, has_zeros)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, **({"maxnreg": cap} if cap else {})})
+                          options={**options, **({"maxnreg": cap} if cap else {})})

@@ -79,10 +79,16 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=Fa
         bk = 512 if Kp % 512 == 0 else 256
         tiles = -(-N // 16)
         return Config(1, 16, bk, split_k_for(tiles, Kp // bk, sms), 8, 4, 4, kernel="gemv")
-    if M >= 1024 and device.type == "cuda":  # dequantize + cuBLAS beats the fused tiles here
+    pipe = (device.type == "cuda" and gluon_format(group_size, general_gidx, Kp)
+            and gluon_device(device.index or 0))
+    # dequantize + cuBLAS beats the fused tiles above M = 1024 (H200, docs/perf_log.md v32: at
+    # M = 1024 the warp-specialized pipe tile was 1.01-1.16x it on all 8 Llama-3 shapes for fp16 g128
+    # and 1.08-1.24x per channel, bf16 asymmetric 1.01-1.09x on 5 and 0.96-1.00x on the three with
+    # K = 4096, and it needs no N x K transient; at M = 2048 / 4096 0.91-0.99x on 15 of 16 fp16
+    # rows); elsewhere from 1024
+    if device.type == "cuda" and (M > 1024 or (M == 1024 and not pipe)):
         return Config(1, 64, 256, 1, 8, 4, 1, kernel="dequant")
-    if (64 < M and device.type == "cuda" and gluon_format(group_size, general_gidx, Kp)
-            and gluon_device(device.index or 0)):
+    if 64 < M and pipe:
         # the chunk-pipelined Gluon tile, one CTA (8 warps, 224 KiB) per SM, so the split is the
         # smallest of 1 / 2 / 4 whose programs fill at least half of their last wave. H200, same
         # process, 6 shapes without a table entry (Qwen2.5-7B and Llama-2-13B layers) x M = 128 /
@@ -149,6 +155,9 @@ def _gluon_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros):
     sms = sm_count(device.index or 0)
     if M > 64:  # the chunk-pipelined kernel's tile (PIPE_TILE)
         yield from _gluon_tiles("gluon_pipe", [PIPE_TILE], M=M, N=N, Kp=Kp, sms=sms)
+    elif M > 32:  # its BLOCK_M 64 form: H200 (docs/perf_log.md v32), M = 48 / 64, against the table:
+        # bf16 asymmetric 1.02-1.07x on 5 of 8 Llama shapes, fp16 g128 0.78-1.00x
+        yield from _gluon_tiles("gluon_pipe", [(64,) + PIPE_TILE[1:]], M=M, N=N, Kp=Kp, sms=sms)
     if M > 128:  # ... alone
         return
     bm = _gluon_block_m(M)
@@ -170,14 +179,13 @@ def _overlap_tiles(M: int):
     return [(64, 128, 8, 3), (64, 128, 8, 4)] if bm == 64 else [(bm, 64, 4, 3), (bm, 64, 4, 4), (bm, 128, 8, 3)]
 
 
-# gluon_pipe's tile (BLOCK_M, BLOCK_N, num_warps, num_stages): 128 columns over two warpgroups, x rings
-# of 3 / 4 chunks (224 KiB, one CTA per SM). The tuner's only Gluon tile at M > 128 and, beside the
-# overlap kernels, at M = 65-128 (where it covers the batch in one N tile instead of two BLOCK_M 64
-# tiles); the heuristic's at 64 < M < 1024. H100, fp16 g128, same process (docs/perf_log.md v30):
-# 1.02-1.30x the table at M = 256 / 512 on 9 of 10 rows (28672x8192 M = 512 534.8 -> 410.8 us),
-# 0.87-0.98x of dequantize + cuBLAS at M = 1024; the one-step kernel's BLOCK_M 128 form lost to it on
-# every row tuned. H200 (v31): 1.04-1.18x the table at M = 128 on 6 of 8 shapes (28672x8192 132.1 ->
-# 111.5 us), bf16 asymmetric up to 1.35x; its BLOCK_M 64 form lost to 'gluon_overlap_regs' on all 16
+# gluon_pipe's tile (BLOCK_M, BLOCK_N, num_warps, num_stages): 128 columns over two consumer warpgroups
+# (and a TMA producer warp), x rings of 3 / 4 chunks (224 KiB, one CTA per SM). The tuner's only Gluon
+# tile at M > 128 and, beside the overlap kernels, at M = 65-128 (where it covers the batch in one N
+# tile instead of two BLOCK_M 64 tiles); the heuristic's at 64 < M <= 1024. H200 (docs/perf_log.md
+# v31, v32): the chunk pipeline with a CTA barrier was 1.04-1.18x the table at M = 128 on 6 of 8
+# shapes; warp-specialized, 1.04-1.24x that at M = 200-512 on 5 of 6 shapes and 1.02-1.16x
+# dequantize + cuBLAS at M = 1024 (tuner, all 8 Llama-3 shapes, fp16 g128)
 PIPE_TILE = (128, 128, 8, 3)
 
 
@@ -328,8 +336,9 @@ def _check_gluon_config(cfg: Config, kp: int) -> None:
     non-empty. 'gluon_overlap' and 'gluon_overlap_regs' (two steps' wgmmas in flight): one 64-row
     slice per warpgroup, BLOCK_M 64 over two warpgroups, a ring of >= 3 steps and an even number
     of K steps in every split (gluon_overlap_split_ok). 'gluon_pipe' (one chunk's wgmmas in flight
-    while the next is dequantized): BLOCK_M 64 or 128, 64 rows per warpgroup, x rings of >= 3
-    and >= 4 chunks."""
+    while the next is dequantized, warp-specialized): BLOCK_M 64 or 128, BLOCK_N 128 over two
+    consumer warpgroups (num_warps 8; a producer warp comes on top), x rings of >= 3 and >= 4
+    chunks."""
     k = cfg.kernel
     if cfg.BLOCK_K != GLUON_STEP:
         raise ValueError(f"config kernel={k!r} needs BLOCK_K={GLUON_STEP}, got {cfg.BLOCK_K}")
@@ -344,9 +353,9 @@ def _check_gluon_config(cfg: Config, kp: int) -> None:
     if cfg.num_warps not in (4, 8) or cfg.BLOCK_N < 16 * cfg.num_warps:
         raise ValueError(f"config kernel={k!r} needs num_warps 4 (one warpgroup) or 8 (two, BLOCK_N >= 128), "
                          f"got num_warps={cfg.num_warps}, BLOCK_N={cfg.BLOCK_N}")
-    if k == "gluon_pipe" and cfg.BLOCK_N != 16 * cfg.num_warps:
-        raise ValueError(f"config kernel={k!r} needs BLOCK_N = 16 * num_warps (64 rows per warpgroup); got "
-                         f"BLOCK_N={cfg.BLOCK_N}, num_warps={cfg.num_warps}")
+    if k == "gluon_pipe" and (cfg.BLOCK_N, cfg.num_warps) != (128, 8):
+        raise ValueError(f"config kernel={k!r} needs BLOCK_N 128 and num_warps 8 (two consumer warpgroups of 64 "
+                         f"rows); got BLOCK_N={cfg.BLOCK_N}, num_warps={cfg.num_warps}")
     if k in OVERLAP_KERNELS and (cfg.BLOCK_N != 16 * cfg.num_warps or (cfg.BLOCK_M == 64 and cfg.num_warps == 4)):
         # two steps' A operands per thread: 64 rows per warpgroup (BLOCK_N 64 / 4 warps, 128 / 8), and
         # BLOCK_M 64 over two warpgroups only (one: 255 registers, spilling in the K loop on Triton 3.6)
@@ -643,24 +652,26 @@ class _GemmPlan:
                     EMU_BF16=emu, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, PDL_EARLY=chained,
                     **cfg.launch())
         if cfg.kernel in GLUON_KERNELS:  # (takes no g_idx pointer)
-            from ..kernels.w4a16_gluon import (layouts, max_registers, w4a16_gluon_kernel,
+            from ..kernels.w4a16_gluon import (layouts, max_registers, pipe_meta, w4a16_gluon_kernel,
                                                w4a16_gluon_overlap_kernel, w4a16_gluon_pipe_kernel)
 
-            self.kind = "gluon"
             overlap = cfg.kernel in OVERLAP_KERNELS
-            pipe = cfg.kernel == "gluon_pipe"
-            # (the overlap and pipe kernels' ~170-250 registers are their in-flight A operands: no cap)
-            cap = None if overlap or pipe else max_registers(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_stages,
-                                                             cfg.num_warps, has_zeros)
-            fn = w4a16_gluon_pipe_kernel if pipe else w4a16_gluon_overlap_kernel if overlap else w4a16_gluon_kernel
-            self.gemm = Launch(fn, dict(
-                GROUP_CHUNKS=gs // K_CHUNK, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
-                BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, STAGES=cfg.num_stages, PDL_EARLY=chained,
-                num_warps=cfg.num_warps, **({"maxnreg": cap} if cap else {}),
-                **({"WORDS_IN_REGS": cfg.kernel == "gluon_overlap_regs", "PAIRED": paired and gs == K_CHUNK}
-                   if overlap else {}),
-                **layouts(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_warps)),
-                device_index)
+            common = dict(GROUP_CHUNKS=gs // K_CHUNK, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
+                          BLOCK_M=cfg.BLOCK_M, STAGES=cfg.num_stages, PDL_EARLY=chained)
+            if cfg.kernel == "gluon_pipe":  # warp-specialized, x by TMA (its own launch shape: pipe_meta)
+                self.kind = "gluon_pipe"
+                self.gemm = Launch(w4a16_gluon_pipe_kernel, dict(common, **pipe_meta(cfg.BLOCK_M)), device_index)
+            else:
+                self.kind = "gluon"
+                # (the overlap kernels' ~170-250 registers are their in-flight A operands: no cap)
+                cap = None if overlap else max_registers(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_stages, cfg.num_warps,
+                                                         has_zeros)
+                self.gemm = Launch(w4a16_gluon_overlap_kernel if overlap else w4a16_gluon_kernel, dict(
+                    common, BLOCK_N=cfg.BLOCK_N, num_warps=cfg.num_warps, **({"maxnreg": cap} if cap else {}),
+                    **({"WORDS_IN_REGS": cfg.kernel == "gluon_overlap_regs", "PAIRED": paired and gs == K_CHUNK}
+                       if overlap else {}),
+                    **layouts(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_warps)),
+                    device_index)
         elif cfg.kernel == "gemv" and tensor_core_gemv:  # (takes no g_idx pointer)
             self.kind = "gemv_mma"
             sa = scale_acc(cfg, group_size, has_gidx)
@@ -691,10 +702,12 @@ class _GemmPlan:
     def bound(self) -> bool:
         return self.gemm.run is not None and (self.reduce is None or self.reduce.run is not None)
 
-    def __call__(self, out, y, x, qweight, scales, z_arg, sorted_g_idx, bias, M, N, K, sqn, ssn) -> None:
+    def __call__(self, out, y, x, qweight, scales, z_arg, sorted_g_idx, bias, M, N, K, sqn, ssn,
+                 x_tensor: Optional[torch.Tensor] = None) -> None:
         """out (M, N) = the product; y, x, ..., bias: out's and the operands' pointers, as
         tensors (the first call: Triton specializes on them) or as ints (steady state:
-        launch.pointers). x contiguous (M, K): its row stride is passed as K (for M = 1 a
+        launch.pointers; x_tensor: x itself, for the pipe kernel's TMA descriptor). x contiguous
+        (M, K): its row stride is passed as K (for M = 1 a
         contiguous x may carry any row stride; the kernels never step over it). Pointers
         the kernels do not read (no g_idx, no bias, no workspace) are passed as None:
         Triton makes them constexprs."""
@@ -710,6 +723,11 @@ class _GemmPlan:
             grid = (tiles_n, split) if kind == "gemv" else (-(-M // cfg.BLOCK_M) * tiles_n, split)
             if kind == "gluon":  # (no g_idx pointer)
                 self.gemm(grid, x, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym, sqn, ssn)
+            elif kind == "gluon_pipe":  # x also as its TMA descriptor (x: the tensor, as every call passes it)
+                from ..kernels.w4a16_gluon import pipe_descriptor
+
+                desc = pipe_descriptor(x if x_tensor is None else x_tensor, cfg.BLOCK_M)
+                self.gemm(grid, x, desc, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym, sqn, ssn)
             else:
                 self.gemm(grid, x, qweight, scales, z_arg, sorted_g_idx, bias, y, ws, M, N, K, K, sym, sqn, ssn)
         if split > 1:
@@ -804,11 +822,12 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 # (the dequant plan takes tensors: cuBLAS multiplies its slices)
                 args = ((x, qweight, scales, z_arg, sorted_g_idx, bias) if plan.kind == "dequant"
                         else (*ptrs, M, N, K, sqn, ssn))
+                kw = {"x_tensor": x} if plan.kind == "gluon_pipe" else {}
                 if current_device() == dev:
-                    plan(y, *args)
+                    plan(y, *args, **kw)
                 else:
                     with device_of(x):
-                        plan(y, *args)
+                        plan(y, *args, **kw)
                 return y
     plans = None if key is None else W4A16_TUNER.plans_for_build()  # before the config lookup
     Kp = kp8 * 8
@@ -840,7 +859,7 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         try:
             plan(out, out, x, qweight, scales, z_arg, sorted_g_idx, bias, M, N, K, sqn, ssn)
         except Exception as e:  # noqa: BLE001 - only a Gluon compile failure is handled
-            if plan.kind != "gluon" or not _gluon_compile_failed(e):
+            if plan.kind not in ("gluon", "gluon_pipe") or not _gluon_compile_failed(e):
                 raise
             plan = build()  # (the twin, from now on)
             plan(out, out, x, qweight, scales, z_arg, sorted_g_idx, bias, M, N, K, sqn, ssn)
