@@ -524,12 +524,11 @@ def test_heuristic_takes_gluon_for_large_weights_at_m16(monkeypatch):
     assert pick(16, 8192, 8192).kernel == "mma"
 
 
-def test_heuristic_takes_the_pipe_tile_at_m65_to_1024(monkeypatch):
-    """Without a table entry, 64 < M <= 1024 on an sm_90 GPU with Gluon takes the 'gluon_pipe'
+def test_heuristic_takes_the_pipe_tile_at_m65_to_1023(monkeypatch):
+    """Without a table entry, 64 < M < 1024 on an sm_90 GPU with Gluon takes the 'gluon_pipe'
     BLOCK_M 128 tile, split by the smallest of 1 / 2 / 4 whose programs (one per SM) fill at least
-    half of their last wave; M > 1024 (and M = 1024 where Gluon does not apply) stays dequantize +
-    cuBLAS, M <= 64 and the formats or GPUs the Gluon kernel does not take keep the Triton tiles;
-    every choice passes the launcher's checks."""
+    half of their last wave; M >= 1024 stays dequantize + cuBLAS, M <= 64 and the formats or GPUs
+    the Gluon kernel does not take keep the Triton tiles; every choice passes the launcher's checks."""
     monkeypatch.setattr(ops16, "gluon_device", lambda index: True)
     monkeypatch.setattr(ops16, "sm_count", lambda index: 132)
     dev = torch.device("cuda", 0)
@@ -549,16 +548,13 @@ def test_heuristic_takes_the_pipe_tile_at_m65_to_1024(monkeypatch):
             "gluon_pipe", 128, 128, 8, 3, split), (kp, n, m, cfg)
     assert pick(512, 8192, 8192, gs=-1, zeros=True).kernel == "gluon_pipe"
     assert pick(1023, 8192, 8192, gs=256).kernel == "gluon_pipe"
-    assert pick(1024, 8192, 8192).kernel == "gluon_pipe"
-    assert pick(1025, 8192, 8192).kernel == "dequant"
-    assert pick(1024, 8192, 8192, gs=64).kernel == "dequant"
+    assert pick(1024, 8192, 8192).kernel == "dequant"
     assert pick(64, 8192, 8192).kernel == "mma"
     assert pick(256, 8192, 8192, gs=64).kernel == "mma"
     assert pick(256, 8192, 8192, gidx=True).kernel == "mma"
     assert pick(256, 8192, 4224).kernel == "mma"  # K not a multiple of the 256-channel step
     monkeypatch.setattr(ops16, "gluon_device", lambda index: False)
     assert pick(256, 8192, 8192).kernel == "mma"
-    assert pick(1024, 8192, 8192).kernel == "dequant"
 
 
 def test_gluon_compile_failure_falls_back_to_the_twin(monkeypatch, device):

@@ -79,16 +79,16 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=Fa
         bk = 512 if Kp % 512 == 0 else 256
         tiles = -(-N // 16)
         return Config(1, 16, bk, split_k_for(tiles, Kp // bk, sms), 8, 4, 4, kernel="gemv")
-    pipe = (device.type == "cuda" and gluon_format(group_size, general_gidx, Kp)
-            and gluon_device(device.index or 0))
-    # dequantize + cuBLAS beats the fused tiles above M = 1024 (H200, docs/perf_log.md v32: at
-    # M = 1024 the warp-specialized pipe tile was 1.01-1.16x it on all 8 Llama-3 shapes for fp16 g128
-    # and 1.08-1.24x per channel, bf16 asymmetric 1.01-1.09x on 5 and 0.96-1.00x on the three with
-    # K = 4096, and it needs no N x K transient; at M = 2048 / 4096 0.91-0.99x on 15 of 16 fp16
-    # rows); elsewhere from 1024
-    if device.type == "cuda" and (M > 1024 or (M == 1024 and not pipe)):
+    # dequantize + cuBLAS from M = 1024. (H200, docs/perf_log.md v32: at M = 1024 the warp-specialized
+    # pipe tile was 1.01-1.16x it on all 8 Llama-3 shapes for fp16 g128 and 1.08-1.24x per channel,
+    # bf16 asymmetric 1.01-1.09x on 5 and 0.96-1.00x on the three with K = 4096, so the tables take
+    # it there; the heuristic cannot: it sees the packed Kp, and where x's K is not a multiple of 256
+    # the Gluon kernel does not apply and its twin is slower than dequantize + cuBLAS. At M = 2048 /
+    # 4096 dequantize + cuBLAS was ahead on 15 of 16 fp16 rows.)
+    if M >= 1024 and device.type == "cuda":
         return Config(1, 64, 256, 1, 8, 4, 1, kernel="dequant")
-    if 64 < M and pipe:
+    if (64 < M and device.type == "cuda" and gluon_format(group_size, general_gidx, Kp)
+            and gluon_device(device.index or 0)):
         # the chunk-pipelined Gluon tile, one CTA (8 warps, 224 KiB) per SM, so the split is the
         # smallest of 1 / 2 / 4 whose programs fill at least half of their last wave. H200, same
         # process, 6 shapes without a table entry (Qwen2.5-7B and Llama-2-13B layers) x M = 128 /
@@ -182,7 +182,7 @@ def _overlap_tiles(M: int):
 # gluon_pipe's tile (BLOCK_M, BLOCK_N, num_warps, num_stages): 128 columns over two consumer warpgroups
 # (and a TMA producer warp), x rings of 3 / 4 chunks (224 KiB, one CTA per SM). The tuner's only Gluon
 # tile at M > 128 and, beside the overlap kernels, at M = 65-128 (where it covers the batch in one N
-# tile instead of two BLOCK_M 64 tiles); the heuristic's at 64 < M <= 1024. H200 (docs/perf_log.md
+# tile instead of two BLOCK_M 64 tiles); the heuristic's at 64 < M < 1024. H200 (docs/perf_log.md
 # v31, v32): the chunk pipeline with a CTA barrier was 1.04-1.18x the table at M = 128 on 6 of 8
 # shapes; warp-specialized, 1.04-1.24x that at M = 200-512 on 5 of 6 shapes and 1.02-1.16x
 # dequantize + cuBLAS at M = 1024 (tuner, all 8 Llama-3 shapes, fp16 g128)
