@@ -89,8 +89,9 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=Fa
         return Config(1, 64, 256, 1, 8, 4, 1, kernel="dequant")
     if (64 < M and device.type == "cuda" and gluon_format(group_size, general_gidx, Kp)
             and gluon_device(device.index or 0)):
-        # the chunk-pipelined Gluon tile, one CTA (8 warps, 224 KiB) per SM, so the split is the
-        # smallest of 1 / 2 / 4 whose programs fill at least half of their last wave. H200, same
+        # the chunk-pipelined Gluon tile, one CTA (8 consumer warps and a producer, 224 KiB) per SM,
+        # so the split is the smallest of 1 / 2 / 4 whose programs fill at least half of their last
+        # wave (measured with the kernel's barrier form, v31). H200, same
         # process, 6 shapes without a table entry (Qwen2.5-7B and Llama-2-13B layers) x M = 128 /
         # 256 / 512 (docs/perf_log.md v31): against the Triton tile below 1.21-1.45x (geomean 1.29)
         # fp16 g128 and 1.22-1.71x (1.37) bf16 asymmetric, never below 0.77 of the best split tried
