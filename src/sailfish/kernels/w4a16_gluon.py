@@ -78,7 +78,7 @@ _HALF = gl.constexpr(64)  # rows per consumer warpgroup of the pipe kernel
 # warpgroup at 40; launched at their mean over the 12 warps, setmaxnreg moves them
 PIPE_CONSUMER_REGS = gl.constexpr(232)
 PIPE_PRODUCER_REGS = gl.constexpr(40)
-PIPE_MAXNREG = (2 * 232 + 40) // 3
+PIPE_MAXNREG = (2 * PIPE_CONSUMER_REGS.value + PIPE_PRODUCER_REGS.value) // 3  # 168
 
 
 @lru_cache(maxsize=None)
