@@ -34,7 +34,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from sailfish import QuantLinear
 from sailfish.bench.timing import copies_needed, graph_time_us
 from sailfish.kernels.w4a16 import _splitk_reduce_kernel
-from sailfish.kernels.w4a16_gluon import _CHUNK, _STEP, _async_load, _pipe_consumer, _pipe_program, layouts, CHUNK
+from sailfish.kernels.w4a16_gluon import _CHUNK, _STEP, _async_load, _pipe_consumer, _program, layouts, CHUNK
 from sailfish.ops.launch import pdl
 from sailfish.ops.w4a16 import _REDUCE_BLOCK
 
@@ -42,7 +42,7 @@ from sailfish.ops.w4a16 import _REDUCE_BLOCK
 @gluon.jit
 def _loader(x_ptr, M, K, stride_xm, x0_buf, x1_buf, ready0, ready1, empty0, empty1, SPLIT_K: gl.constexpr,
             BLOCK_M: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr, X_BLK: gl.constexpr):
-    pid_n, pid_m, pid_k, first, n = _pipe_program(M, K, SPLIT_K, BLOCK_M)
+    pid_n, pid_m, pid_k, first, n = _program(M, K, SPLIT_K, BLOCK_M)
     # x's tile in row blocks of SUB rows, pointers made per block (a (BLOCK_M, 128) pointer tensor
     # spilled the 40-register producer)
     SUB: gl.constexpr = 32

@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
                                                              warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from sailfish.kernels.w4a16_gluon import (_CHUNK, _STEP, _async_load, _chunk_weights, _pipe_program, _rows,
+from sailfish.kernels.w4a16_gluon import (_CHUNK, _STEP, _async_load, _chunk_weights, _program, _rows,
                                           _scale_values,
                                           _step_scales, _store, layouts, CHUNK)
 
@@ -41,7 +41,7 @@ from sailfish.kernels.w4a16_gluon import (_CHUNK, _STEP, _async_load, _chunk_wei
 def _producer(x_ptr, qw_ptr, M, N, K, stride_xm, stride_qn, x_buf, w_buf, ready, empty, SPLIT_K: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, X_BLK1: gl.constexpr,
               W_BLK1: gl.constexpr, SKIP: gl.constexpr):
-    pid_n, pid_m, pid_k, first, n = _pipe_program(M, K, SPLIT_K, BLOCK_M)
+    pid_n, pid_m, pid_k, first, n = _program(M, K, SPLIT_K, BLOCK_M)
     wn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, W_BLK1))
     wn = (wn % N).to(gl.int64)
     ww = gl.arange(0, 16, layout=gl.SliceLayout(0, W_BLK1))
@@ -67,7 +67,7 @@ def _consumer(s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_ym, stride_
               GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr,
               WORDS: gl.constexpr, DOT_A: gl.constexpr, DT: gl.constexpr):
-    pid_n, pid_m, pid_k, first, n = _pipe_program(M, K, SPLIT_K, BLOCK_M)
+    pid_n, pid_m, pid_k, first, n = _program(M, K, SPLIT_K, BLOCK_M)
     s_base = _rows(s_ptr, pid_n, N, stride_sn, BLOCK_N, MMA)
     z_base = _rows(z_ptr, pid_n, N, stride_sn, BLOCK_N, WORDS)
     zn0, zn1 = _step_scales(s_base, first, GROUP_CHUNKS)  # (symmetric: unused)

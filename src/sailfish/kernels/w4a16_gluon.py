@@ -264,22 +264,26 @@ def _scale_values(r0, r1, DT: gl.constexpr, PAIRED: gl.constexpr = False):
 
 
 @gluon.jit
-def _operands(x_ptr, qw_ptr, M, N, K, stride_xm, stride_qn, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, X_BLK: gl.constexpr, W_BLK: gl.constexpr):
-    """Program (tile, split)'s M / N tile, its first K step and step count (>= 1: the launcher
-    checks), and the pointers of that step's words (16 per row and chunk, 16 bytes per thread)
-    and x tile. Rows past N read row n % N, rows past M row m % M (their outputs are masked).
-    The M tiles of one N tile are adjacent programs: they read the same weight tile at about
-    the same time, so HBM delivers it once (L2) when M spans several BLOCK_M."""
+def _program(M, K, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Program (tile, split)'s N tile, M tile, split, first K step and step count (>= 1: the
+    launcher checks). The M tiles of one N tile are adjacent programs: they read the same weight
+    tile at about the same time, so HBM delivers it once (L2) when M spans several BLOCK_M."""
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
     tiles_m = gl.cdiv(M, BLOCK_M)
-    pid_n = pid // tiles_m
-    pid_m = pid % tiles_m
     steps = K // _STEP
     per = gl.cdiv(steps, SPLIT_K)
     first = pid_k * per
-    n = gl.minimum(per, steps - first)
+    return pid // tiles_m, pid % tiles_m, pid_k, first, gl.minimum(per, steps - first)
+
+
+@gluon.jit
+def _operands(x_ptr, qw_ptr, M, N, K, stride_xm, stride_qn, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, X_BLK: gl.constexpr, W_BLK: gl.constexpr):
+    """_program's tile, split and K steps, and the pointers of the first step's words (16 per row
+    and chunk, 16 bytes per thread) and x tile. Rows past N read row n % N, rows past M row m % M
+    (their outputs are masked)."""
+    pid_n, pid_m, pid_k, first, n = _program(M, K, SPLIT_K, BLOCK_M)
     wn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, W_BLK))
     wn = (wn % N).to(gl.int64)
     ww = gl.arange(0, 16, layout=gl.SliceLayout(0, W_BLK))
@@ -535,24 +539,11 @@ def w4a16_gluon_overlap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_
 
 
 @gluon.jit
-def _pipe_program(M, K, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr):
-    """_operands' program mapping, for the pipe kernel's partitions: (N tile, M tile, split, first
-    K step, step count)."""
-    pid = gl.program_id(0)
-    pid_k = gl.program_id(1)
-    tiles_m = gl.cdiv(M, BLOCK_M)
-    steps = K // _STEP
-    per = gl.cdiv(steps, SPLIT_K)
-    first = pid_k * per
-    return pid // tiles_m, pid % tiles_m, pid_k, first, gl.minimum(per, steps - first)
-
-
-@gluon.jit
 def _pipe_loader(x_desc, M, K, x0_buf, x1_buf, ready0, ready1, empty0, empty1, SPLIT_K: gl.constexpr,
                  BLOCK_M: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr):
     """The pipe kernel's producer warp: each K step's two x chunks into their rings by TMA (rows
     past M zero-filled), a slot refilled once both consumer warpgroups released it."""
-    pid_n, pid_m, pid_k, first, n = _pipe_program(M, K, SPLIT_K, BLOCK_M)
+    pid_n, pid_m, pid_k, first, n = _program(M, K, SPLIT_K, BLOCK_M)
     nbytes: gl.constexpr = BLOCK_M * _CHUNK * 2
     for j in range(n):
         k0 = (first + j) * _STEP
@@ -619,7 +610,7 @@ def _pipe_consumer(qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, strid
                    DOT_A: gl.constexpr, DT: gl.constexpr):
     """One consumer warpgroup of w4a16_gluon_pipe_kernel: rows HALF * 64 .. + 64 of the N tile,
     all of its K steps, and their store."""
-    pid_n, pid_m, pid_k, first, n = _pipe_program(M, K, SPLIT_K, BLOCK_M)
+    pid_n, pid_m, pid_k, first, n = _program(M, K, SPLIT_K, BLOCK_M)
     pn = 2 * pid_n + HALF  # this warpgroup's 64 rows, as an N tile of 64
     w_rows = _word_rows(qw_ptr, pn, N, stride_qn, first, _HALF, WORDS)
     s_base = _rows(s_ptr, pn, N, stride_sn, _HALF, WORDS)

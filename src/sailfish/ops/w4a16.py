@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Optional
 
 import torch
@@ -635,7 +635,7 @@ class _GemmPlan:
     on the slow path and keeps it in W4A16_TUNER.plans under its plan key (below) once its
     kernels are bound, so that a steady-state call skips the tuner and Triton's binding."""
 
-    __slots__ = ("config", "kind", "gemm", "reduce")
+    __slots__ = ("config", "kind", "gemm", "reduce", "x_desc")
 
     def __init__(self, cfg: Config, device_index: int, *, gs: int, has_zeros: bool, has_gidx: bool,
                  has_bias: bool, emu: bool, asm: bool, mma_asm: bool, tensor_core_gemv: bool,
@@ -646,6 +646,7 @@ class _GemmPlan:
         if cfg.kernel in GLUON_KERNELS and not gluon:  # (gluon_applies)
             cfg = gluon_twin(cfg, group_size)
         self.config = cfg
+        self.x_desc = None  # the pipe kernel's: x -> its TMA descriptor
         even_k = K % cfg.BLOCK_K == 0
         # PDL (ops/launch.py): the split-K GEMM lets the reduce launch at once, the reduce waits
         chained = cfg.SPLIT_K > 1 and pdl(device_index)
@@ -653,8 +654,9 @@ class _GemmPlan:
                     EMU_BF16=emu, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, PDL_EARLY=chained,
                     **cfg.launch())
         if cfg.kernel in GLUON_KERNELS:  # (takes no g_idx pointer)
-            from ..kernels.w4a16_gluon import (layouts, max_registers, pipe_meta, w4a16_gluon_kernel,
-                                               w4a16_gluon_overlap_kernel, w4a16_gluon_pipe_kernel)
+            from ..kernels.w4a16_gluon import (layouts, max_registers, pipe_descriptor, pipe_meta,
+                                               w4a16_gluon_kernel, w4a16_gluon_overlap_kernel,
+                                               w4a16_gluon_pipe_kernel)
 
             overlap = cfg.kernel in OVERLAP_KERNELS
             common = dict(GROUP_CHUNKS=gs // K_CHUNK, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
@@ -662,6 +664,8 @@ class _GemmPlan:
             if cfg.kernel == "gluon_pipe":  # warp-specialized, x by TMA (its own launch shape: pipe_meta)
                 self.kind = "gluon_pipe"
                 self.gemm = Launch(w4a16_gluon_pipe_kernel, dict(common, **pipe_meta(cfg.BLOCK_M)), device_index)
+                # x's TMA descriptor, made per call (3.1 us of host time, Triton 3.9, CPU)
+                self.x_desc = partial(pipe_descriptor, BLOCK_M=cfg.BLOCK_M)
             else:
                 self.kind = "gluon"
                 # (the overlap kernels' ~170-250 registers are their in-flight A operands: no cap)
@@ -724,11 +728,8 @@ class _GemmPlan:
             grid = (tiles_n, split) if kind == "gemv" else (-(-M // cfg.BLOCK_M) * tiles_n, split)
             if kind == "gluon":  # (no g_idx pointer)
                 self.gemm(grid, x, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym, sqn, ssn)
-            elif kind == "gluon_pipe":
-                # x also as its TMA descriptor, made per call (3.1 us of host time, Triton 3.9, CPU)
-                from ..kernels.w4a16_gluon import pipe_descriptor
-
-                desc = pipe_descriptor(x if x_tensor is None else x_tensor, cfg.BLOCK_M)
+            elif kind == "gluon_pipe":  # x also as its TMA descriptor
+                desc = self.x_desc(x if x_tensor is None else x_tensor)
                 self.gemm(grid, x, desc, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym, sqn, ssn)
             else:
                 self.gemm(grid, x, qweight, scales, z_arg, sorted_g_idx, bias, y, ws, M, N, K, K, sym, sqn, ssn)
