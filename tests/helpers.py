@@ -161,3 +161,21 @@ def run_compile_child(code: str, tmp_path) -> None:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [src_dir, env.get("PYTHONPATH")]))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and "checked" in r.stdout, (r.stdout + r.stderr)[-3000:]
+
+
+# the Gluon compile checks' K-loop verdict (prepended to their child scripts: tests/test_w4a16_gluon.py,
+# tests/test_w4a8.py): ptxas serialization or spill, a wgmma register hazard, local memory in the loop
+LOOP_PROBLEMS = r"""
+from sailfish.bench.ptx import wgmma_register_hazard as _hazard
+
+
+def loop_problems(rep, text, body):
+    why = []
+    if "serialized" in rep or re.search(r"\b[1-9][0-9]* bytes spill", rep):
+        why.append(rep[-400:])
+    if _hazard(text):
+        why.append("wgmma register hazard")
+    if any(t.startswith(("LDL", "STL")) for t in body):
+        why.append("local memory in the K loop")
+    return why
+"""

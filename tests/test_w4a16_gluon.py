@@ -12,7 +12,8 @@ import warnings
 import pytest
 import torch
 
-from helpers import DTYPE_NAMES, assert_close_per_element, make_g_idx, random_quantized, run_compile_child
+from helpers import (DTYPE_NAMES, LOOP_PROBLEMS, assert_close_per_element, make_g_idx, random_quantized,
+                     run_compile_child)
 from sailfish import Config, QuantLinear
 from sailfish.ops import w4a16 as ops16
 from sailfish.ops.w4a16 import gluon_overlap_split_ok, gluon_split_ok, gluon_twin, w4a16_launch
@@ -418,21 +419,6 @@ def test_gluon_kernel_compiles_for_sm90(tmp_path):
     run_compile_child(_GLUON_CHILD, tmp_path)
 
 
-# shared by the overlap and pipe compile checks (prepended to their child scripts)
-_LOOP_PROBLEMS = r"""
-from sailfish.bench.ptx import wgmma_register_hazard as _hazard
-
-
-def loop_problems(rep, text, body):
-    why = []
-    if "serialized" in rep or re.search(r"\b[1-9][0-9]* bytes spill", rep):
-        why.append(rep[-400:])
-    if _hazard(text):
-        why.append("wgmma register hazard")
-    if any(t.startswith(("LDL", "STL")) for t in body):
-        why.append("local memory in the K loop")
-    return why
-"""
 
 
 _GLUON_OVERLAP_CHILD = r"""
@@ -492,7 +478,7 @@ def test_gluon_overlap_kernel_compiles_for_sm90(tmp_path):
     weights. (Written as one step per iteration, ptxas put both steps' operands in the same
     registers and hoisted each wait above the dequantization: kernels/w4a16_gluon.py.)"""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    run_compile_child(_GLUON_OVERLAP_CHILD.replace("bad = []", _LOOP_PROBLEMS + "bad = []", 1), tmp_path)
+    run_compile_child(_GLUON_OVERLAP_CHILD.replace("bad = []", LOOP_PROBLEMS + "bad = []", 1), tmp_path)
 
 
 def test_heuristic_takes_gluon_for_large_weights_at_m16(monkeypatch):
@@ -652,4 +638,4 @@ def test_gluon_pipe_kernel_compiles_for_sm90(tmp_path):
     0, no serialization, no spill, no wgmma register hazard, and the x rings' shared memory as
     the launcher's check counts it."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    run_compile_child(_GLUON_PIPE_CHILD.replace("bad = []", _LOOP_PROBLEMS + "bad = []", 1), tmp_path)
+    run_compile_child(_GLUON_PIPE_CHILD.replace("bad = []", LOOP_PROBLEMS + "bad = []", 1), tmp_path)

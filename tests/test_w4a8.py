@@ -15,7 +15,7 @@ import torch
 
 import sailfish
 
-from helpers import DTYPE_NAMES, TOL, rel_err, run_compile_child
+from helpers import DTYPE_NAMES, LOOP_PROBLEMS, TOL, rel_err, run_compile_child
 from sailfish import Config, QuantLinear, QuantLinearW4A8, quantize_model
 from sailfish.formats.nibbles import pack_nibbles
 from sailfish.formats.qqq import (QQQWeight, codes_to_int8, natural_to_fragment_order_w4a8,
@@ -344,6 +344,11 @@ RAW_CASES = [  # M, K, N, gs, config (None: the heuristic), s_g_max
     (1, 512, 136, -1, Config(16, 64, 128, 2), None),               # M=1 on the tensor-core tiles
     (17, 400, 136, 128, Config(1, 64, 256, kernel="dequant"), 127 / 8),  # int8 weight + _int_mm
     (40, 272, 64, -1, Config(1, 32, 64, kernel="dequant"), None),
+    # the Hopper Gluon kernel (its Triton twin elsewhere): rows past M and N, split-K, clamping
+    (70, 512, 200, -1, Config(64, 128, 256, 1, 8, 8, 3, kernel="gluon_pipe"), None),
+    (130, 768, 136, 128, Config(128, 128, 256, 3, 8, 8, 4, kernel="gluon_pipe"), 20.0),
+    (20, 1024, 256, 128, Config(128, 128, 256, 2, 8, 8, 3, kernel="gluon_pipe"), 127 / 8),
+    (33, 400, 136, -1, Config(64, 128, 256, 1, 8, 8, 3, kernel="gluon_pipe"), None),  # K % 256: the twin
 ]
 
 
@@ -445,6 +450,30 @@ def test_paths_epilogue(m, cfg, dtype, device):
     assert_rounded(y, layer_reference(layer, x), layer.bias)
 
 
+@pytest.mark.parametrize("gs", [-1, 128], ids=["chan", "g128"])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=DTYPE_NAMES.get)
+def test_gluon_pipe_outputs(gs, dtype, device):
+    """'gluon_pipe' (the Gluon kernel on Hopper, its twin elsewhere): every output element against
+    the reference, with a bias, rows past M and N, a NaN token (its outputs NaN) and split-K; the
+    Gluon kernel is the one that ran where it applies."""
+    import sailfish.ops.w4a8 as ops8
+
+    m, k, n = 72, 512, 200
+    layer = random_layer(k, n, gs, True, device)
+    x = torch.randn(m, k, device=device).to(dtype)
+    x[5, 3] = float("nan")
+    x_q, x_s = layer.quantize_input(x)
+    ref = layer_reference(layer, x)
+    for split in (1, 2):
+        cfg = Config(64, 128, 256, split, 8, 8, 3, kernel="gluon_pipe")
+        y = w4a8_launch(x_q, x_s, layer.qweight, layer.s_ch, layer.s_g, layer.bias, k, gs, dtype, config=cfg)
+        assert y[5].isnan().all() and not y[torch.arange(m) != 5].isnan().any()
+        keep = torch.arange(m, device=y.device) != 5
+        assert_rounded(y[keep], ref[keep], layer.bias)
+    hopper = device == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+    assert ops8.w4a8_gluon_applies(x_q, layer.qweight) == (hopper and ops8.w4a8_gluon_device(x_q.device.index))
+
+
 @pytest.mark.parametrize("m,cfg,match", [
     (3, Config(1, 16, 256, kernel="gemv"), "gemv' needs M=1"),
     (3, Config(8, 64, 64), "BLOCK_M >= 16"),
@@ -453,13 +482,28 @@ def test_paths_epilogue(m, cfg, dtype, device):
     (3, Config(16, 64, 16), "BLOCK_K=16 must be >= 32"),
     (3, Config(16, 64, 512), "divide the padded K=256"),
     (3, Config(16, 64, 64, kernel="tiles"), "kernel='tiles'"),
-], ids=["gemv-M3", "mma-bm8", "dequant-M16", "dequant-split", "bk16", "bk512", "name"])
+    (3, Config(128, 128, 128, 1, 8, 8, 3, kernel="gluon_pipe"), "needs BLOCK_K=256"),
+    (3, Config(32, 128, 256, 1, 8, 8, 3, kernel="gluon_pipe"), "BLOCK_M 64 or 128"),
+    (3, Config(128, 64, 256, 1, 8, 4, 3, kernel="gluon_pipe"), "BLOCK_N 128 and num_warps 8"),
+    (3, Config(128, 128, 256, 1, 8, 8, 2, kernel="gluon_pipe"), "num_stages >= 3"),
+    (3, Config(128, 128, 256, 1, 8, 8, 7, kernel="gluon_pipe"), "within an SM"),
+    (3, Config(128, 128, 256, 2, 8, 8, 3, kernel="gluon_pipe"), "SPLIT_K=2 leaves a split"),
+], ids=["gemv-M3", "mma-bm8", "dequant-M16", "dequant-split", "bk16", "bk512", "name", "pipe-bk", "pipe-bm",
+        "pipe-bn", "pipe-ring", "pipe-smem", "pipe-split"])
 def test_bad_config(m, cfg, match, device):
     layer = random_layer(208, 64, -1, False, device)
     x_q = torch.zeros(m, 208, dtype=torch.int8, device=device)
     with pytest.raises(ValueError, match=match):
         w4a8_launch(x_q, torch.ones(m, device=device), layer.qweight, layer.s_ch, None, None,
                     208, -1, F16, config=cfg)
+
+
+def test_gluon_pipe_rejects_fp8(device):
+    """'gluon_pipe' runs int8 activations only."""
+    import sailfish.ops.w4a8 as ops8
+
+    with pytest.raises(ValueError, match="fp8 activations run kernel='mma' only"):
+        ops8._check_config(Config(128, 128, 256, 1, 8, 8, 3, kernel="gluon_pipe"), 128, 64, 512, 512, -1, "fp8")
 
 
 # ----------------------------------------------------------------------------------
@@ -904,3 +948,62 @@ def test_mma_tile_stays_in_registers(tmp_path):
     st.shared of the weight tile (bench/ptx.py). A layout or compiler change that brings a
     round trip back fails here."""
     run_compile_child(_PTX_CHILD, tmp_path)
+
+
+_GLUON_PIPE_CHILD = r"""
+import json
+import re
+import triton
+from sailfish.bench.ptx import k_loop_stats, ptxas_report, sass, wgmma_loop
+from sailfish.kernels.w4a8_gluon import compile_sm90, pipe_shared_bytes
+from sailfish.tuning import CONFIG_DIR, Config
+
+cases = [dict(), dict(group_size=128), dict(group_size=128, clamp=False), dict(SPLIT_K=2), dict(raw=True),
+         dict(BLOCK_M=64, STAGES=4), dict(has_bias=True, out_dtype="bf16", group_size=128, clamp=False)]
+for path in sorted(CONFIG_DIR.glob("*.json")):  # every shipped tile, per channel and per group
+    for key, entry in json.load(open(path)).get("configs", {}).items():
+        c = Config(**entry)
+        if key.startswith("w4a8|") and c.kernel == "gluon_pipe":
+            tile = dict(BLOCK_M=c.BLOCK_M, STAGES=c.num_stages, SPLIT_K=c.SPLIT_K)
+            for kw in (dict(tile), dict(tile, group_size=128, clamp=False)):
+                if kw not in cases:
+                    cases.append(kw)
+bad = []
+for kw in cases:
+    k = compile_sm90(**kw)
+    ptx = k.asm["ptx"]
+    st = k_loop_stats(ptx)
+    rep = ptxas_report(ptx)
+    text = sass(k.asm["cubin"])
+    body = wgmma_loop(text) or []
+    waits = sorted(set(re.findall(r"wgmma.wait_group.sync.aligned (\d+)", ptx)))
+    why = []
+    if st is None or st.st_shared or st.ldmatrix or not st.wgmma_a_in_registers or ".s32.s8.s8" not in ptx:
+        why.append(f"K loop {st}")
+    if waits != ["0", "1"]:  # one chunk's wgmmas left in flight while the next is unpacked
+        why.append(f"waits {waits}")
+    why += loop_problems(rep, text, body)
+    # the int8 tile is made by register renaming: no byte permutes in the loop but the group asm's
+    # own two per word (a join of the int8 values compiled to ~18 PRMT per word)
+    if sum("PRMT" in t for t in body) > (2 * 16 * 2 if kw.get("group_size") == 128 else 0):
+        why.append(f"{sum('PRMT' in t for t in body)} PRMT in the K loop")
+    ring = pipe_shared_bytes(kw.get("BLOCK_M", 128), kw.get("STAGES", 3))
+    if not ring <= k.metadata.shared < ring + 1024:
+        why.append(f"shared memory {k.metadata.shared}, rings {ring}")
+    if ".reqntid 384" not in ptx or "cp.async.bulk.tensor" not in ptx or "setmaxnreg" not in ptx:
+        why.append("not the warp-specialized TMA kernel")
+    if why:
+        bad.append((kw, why))
+assert not bad, bad
+print("checked", triton.__version__, len(cases))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
+def test_gluon_pipe_kernel_compiles_for_sm90(tmp_path):
+    """kernels/w4a8_gluon.py on the compiler's output for sm_90a (a format matrix and every
+    shipped 'gluon_pipe' tile): int8 wgmma with A in registers, no shared-memory trip and no byte
+    permutes of the weights, waits 1 and 0, no serialization, spill or wgmma register hazard, the
+    rings' shared memory as the launcher counts it, 12 warps with setmaxnreg and TMA."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    run_compile_child(_GLUON_PIPE_CHILD.replace("bad = []", LOOP_PROBLEMS + "bad = []", 1), tmp_path)

@@ -544,7 +544,7 @@ def _pipe_loader(x_desc, M, K, x0_buf, x1_buf, ready0, ready1, empty0, empty1, S
     """The pipe kernel's producer warp: each K step's two x chunks into their rings by TMA (rows
     past M zero-filled), a slot refilled once both consumer warpgroups released it."""
     pid_n, pid_m, pid_k, first, n = _program(M, K, SPLIT_K, BLOCK_M)
-    nbytes: gl.constexpr = BLOCK_M * _CHUNK * 2
+    nbytes: gl.constexpr = x_desc.block_type.nbytes  # (fp16 / bf16 x, or W4A8's int8 x_q)
     for j in range(n):
         k0 = (first + j) * _STEP
         a = j % S0
@@ -639,6 +639,26 @@ def _pipe_consumer(qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, strid
 
 
 @gluon.jit
+def _pipe_rings(DT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, X_SMEM: gl.constexpr):
+    """The pipe kernels' x rings (STAGES slots of (BLOCK_M, 128) for chunk 0 of a K step, STAGES
+    + 1 for chunk 1) and their per-slot ready / empty mbarriers, initialized."""
+    S1: gl.constexpr = STAGES + 1
+    x0_buf = gl.allocate_shared_memory(DT, [STAGES, BLOCK_M, _CHUNK], X_SMEM)
+    x1_buf = gl.allocate_shared_memory(DT, [S1, BLOCK_M, _CHUNK], X_SMEM)
+    ready0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready1 = gl.allocate_shared_memory(gl.int64, [S1, 1], mbarrier.MBarrierLayout())
+    empty1 = gl.allocate_shared_memory(gl.int64, [S1, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready0.index(s), count=1)  # the producer's expect; the TMA bytes complete it
+        mbarrier.init(empty0.index(s), count=2)  # both consumer warpgroups
+    for s in gl.static_range(S1):
+        mbarrier.init(ready1.index(s), count=1)
+        mbarrier.init(empty1.index(s), count=2)
+    return x0_buf, x1_buf, ready0, ready1, empty0, empty1
+
+
+@gluon.jit
 def w4a16_gluon_pipe_kernel(x_ptr, x_desc, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_xm,
                             stride_ym, stride_qn, stride_sn, GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr,
                             HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -666,18 +686,7 @@ def w4a16_gluon_pipe_kernel(x_ptr, x_desc, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr
         gdc_launch_dependents()
     DT: gl.constexpr = x_ptr.dtype.element_ty
     S1: gl.constexpr = STAGES + 1
-    x0_buf = gl.allocate_shared_memory(DT, [STAGES, BLOCK_M, _CHUNK], X_SMEM)
-    x1_buf = gl.allocate_shared_memory(DT, [S1, BLOCK_M, _CHUNK], X_SMEM)
-    ready0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ready1 = gl.allocate_shared_memory(gl.int64, [S1, 1], mbarrier.MBarrierLayout())
-    empty1 = gl.allocate_shared_memory(gl.int64, [S1, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready0.index(s), count=1)  # the producer's expect; the TMA bytes complete it
-        mbarrier.init(empty0.index(s), count=2)  # both consumer warpgroups
-    for s in gl.static_range(S1):
-        mbarrier.init(ready1.index(s), count=1)
-        mbarrier.init(empty1.index(s), count=2)
+    x0_buf, x1_buf, ready0, ready1, empty0, empty1 = _pipe_rings(DT, BLOCK_M, STAGES, X_SMEM)
     gl.warp_specialize([
         (_pipe_consumer, (qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_ym, stride_qn, stride_sn,
                           x0_buf, x1_buf, ready0, ready1, empty0, empty1, 0, GROUP_CHUNKS, HAS_ZEROS, HAS_BIAS,

@@ -11,12 +11,13 @@ Formats: formats/qqq.py. Kernels: kernels/w4a8.py.
 
 Paths (tuning.Config.kernel), chosen per (K, N, bucketed M, group size, out dtype, activation
 dtype) by W4A8_TUNER: "mma" (tensor-core tiles with the weight in registers; the heuristic's
-choice at every M: BLOCK_M 16 / 32 / 64 / 128 by M bucket, split-K when there are fewer than 2
-tiles per SM), "gemv" (M = 1, CUDA cores; a tuning candidate), "dequant" (int8 weight +
-torch._int_mm; a tuning candidate for M >= 256). The shipped tables hold entries for fp16
-output, per channel and g128, on the 8 Llama-3 shapes (tuned for the fragment-order kernel;
-docs/perf_log.md v16, v22, v23): H200 at M = 1, 2, 4, 8, 16, 32, 64, 128, 1024, H100 at M = 1, 2, 8,
-16, 32, 64, 1024; the other M buckets run the heuristic.
+choice at every M but the next path's: BLOCK_M 16 / 32 / 64 / 128 by M bucket, split-K when there
+are fewer than 2 tiles per SM), "gluon_pipe" (int8, the warp-specialized Hopper kernel of
+kernels/w4a8_gluon.py, its "mma" twin elsewhere; the heuristic's at M = 65-512, g128 up to 2048,
+where K is a multiple of 256), "gemv" (M = 1, CUDA cores; a tuning candidate), "dequant" (int8
+weight + torch._int_mm; a tuning candidate for M >= 256). The shipped tables hold entries for fp16
+output, per channel and g128, on the 8 Llama-3 shapes (docs/perf_log.md v16, v22, v23, v33): H200
+at M = 1-4096, H100 at M = 1, 2, 8, 16, 32, 64 and 128-4096; the other M buckets run the heuristic.
 fp8 activations (x_q float8_e4m3fn) run "mma" only, under their own table keys.
 `w4a8_launch(..., raw_acc=True)` returns the int32 accumulator.
 
@@ -27,7 +28,8 @@ call of a problem goes through the tuner and Triton's JIT and builds the plan.
 """
 from __future__ import annotations
 
-from functools import lru_cache
+from dataclasses import replace
+from functools import lru_cache, partial
 from typing import Optional, Tuple
 
 import torch
@@ -35,10 +37,12 @@ import torch
 from ..formats.int4 import HALF_DTYPES, K_PAD
 from ..formats.qqq import (GROUP_SIZES_W4A8, PackedQQQ, check_act_dtype, fp8_weight, group_scales_fit_int8,
                            quantize_activations, unpack_qqq)
-from ..tuning import (Config, Tuner, check_config, gemv_candidates, m_bucket,
-                      mma_candidates, mma_heuristic, next_pow2, problem_key, scratch_runner, sms_for)
+from ..tuning import (KERNELS, Config, Tuner, check_config, gemv_candidates, m_bucket,
+                      mma_candidates, mma_heuristic, next_pow2, problem_key, scratch_runner, sms_for,
+                      split_k_for)
 from . import define_op, device_of, use_triton
 from .launch import Launch, aligned, current_device, hooks_idle, pointers, stream_getter
+from .w4a16 import _gluon_compile_failed, gluon_device, gluon_split_ok
 
 ACT_DTYPES = HALF_DTYPES + (torch.float32,)
 # the quantized activations' torch dtype per act_dtype (formats.qqq.ACT_DTYPES_W4A8)
@@ -210,6 +214,58 @@ quantize_per_token_fp8 = define_op("quantize_per_token_fp8", "(Tensor x) -> (Ten
 # ----------------------------------------------------------------------------------
 # GEMM configs
 # ----------------------------------------------------------------------------------
+# 'gluon_pipe' (int8 activations, large M): the warp-specialized Hopper kernel
+# (kernels/w4a8_gluon.py), where it applies (w4a8_gluon_applies); its Triton twin (w4a8_gluon_twin)
+# elsewhere: the CPU interpreter, other GPUs, K not a multiple of its 256-channel step
+W4A8_KERNELS = KERNELS + ("gluon_pipe",)
+GLUON_STEP = 256  # channels per K step of the Gluon kernel (its BLOCK_K)
+# its tile (BLOCK_M, BLOCK_N, num_warps, num_stages): 128 weight rows over two consumer warpgroups
+# (and a TMA producer warp), x_q rings of 3 / 4 chunks of (BLOCK_M, 128) int8 (112 KiB at BLOCK_M 128)
+W4A8_PIPE_TILES = ((128, 128, 8, 3), (128, 128, 8, 4))
+
+
+@lru_cache(maxsize=None)
+def w4a8_gluon_device(device_index: int) -> bool:
+    """gluon_device (an sm_90 GPU, a Triton whose Gluon compiles the kernels, SAILFISH_GLUON)
+    and kernels/w4a8_gluon importable."""
+    if not gluon_device(device_index):
+        return False
+    try:
+        from ..kernels import w4a8_gluon  # noqa: F401
+    except Exception:  # noqa: BLE001 - a Triton whose Gluon API differs
+        return False
+    return True
+
+
+def w4a8_gluon_applies(x_q: torch.Tensor, qweight: torch.Tensor) -> bool:
+    """Whether a 'gluon_pipe' config runs the Gluon kernel: int8 x_q on a Hopper GPU, K a multiple
+    of 256 (its K step; then x_q's rows are 16-byte aligned for TMA), x_q and the words 16-byte
+    aligned."""
+    return (x_q.is_cuda and x_q.dtype is torch.int8 and x_q.shape[1] % GLUON_STEP == 0
+            and x_q.data_ptr() % 16 == 0 and qweight.data_ptr() % 16 == 0 and w4a8_gluon_device(x_q.device.index))
+
+
+def w4a8_gluon_twin(cfg: Config) -> Config:
+    """The Triton config computing what a 'gluon_pipe' config does: the same tile and split, K tiles
+    of 128 channels (the Triton kernel's M = 1024 tile, _W4A8_TILES)."""
+    return replace(cfg, kernel="mma", BLOCK_K=128)
+
+
+def _gluon_pipe_candidates(*, device, M, N, Kp, group_size, act_dtype):
+    """'gluon_pipe' configs at M > 64 on a Hopper GPU: W4A8_PIPE_TILES, unsplit and with every
+    split up to 4 that leaves no split empty and keeps the programs within 4 per SM."""
+    if act_dtype != "int8" or M <= 64 or Kp % GLUON_STEP or device.type != "cuda":
+        return
+    if not w4a8_gluon_device(device.index or 0):
+        return
+    sms = sms_for(device)
+    for bm, bn, warps, stages in W4A8_PIPE_TILES:
+        tiles = -(-M // bm) * -(-N // bn)
+        for split in (1, 2, 3, 4):
+            if gluon_split_ok(split, Kp // GLUON_STEP) and (split == 1 or tiles * split <= 4 * sms):
+                yield Config(bm, bn, GLUON_STEP, split, 8, warps, stages, kernel="gluon_pipe")
+
+
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) at M <= 16, M <= 64 (BLOCK_M 32 / 64), M > 64,
 # from the fragment-order kernel on H200 (8192x57344 / 4096x4096, quantization included):
 # M = 1-16 (16, 64, 256) per-channel 86.5 / 73.4 us (gemv 101.3 at M = 1), g128 within 1-5%
@@ -228,7 +284,19 @@ def _w4a8_heuristic(*, device, M, N, K, Kp, group_size, act_dtype="int8") -> Con
         small, mid = (16, 128, 128, 4, 4), (32, 128, 128, 4, 4)
     # M = 1 too: the tensor-core tile beat the CUDA-core GEMV on 8192x57344 (86.5 vs 101.3 us
     # per-channel, 136.1 vs 144.4 g128) and lost by 0.6 us on 4096x4096
-    return mma_heuristic(M, N, K, sms, small, mid, large)
+    cfg = mma_heuristic(M, N, K, sms, small, mid, large)
+    # the Gluon kernel where the H200 tuner chose it on most Llama-3 shapes (docs/perf_log.md v33):
+    # M = 65-512 both formats (per channel 1.0-1.6x the Triton tile, g128 1.1-1.8x), g128 up to
+    # M = 2048; its twin (w4a8_gluon_twin) is the large tile above, so elsewhere nothing changes
+    if (act_dtype == "int8" and 64 < M <= (512 if group_size == -1 else 2048) and K % GLUON_STEP == 0
+            and device.type == "cuda" and w4a8_gluon_device(device.index or 0)):
+        bm, bn, warps, stages = W4A8_PIPE_TILES[0]
+        steps = Kp // GLUON_STEP
+        split = split_k_for(-(-M // bm) * -(-N // bn), steps, sms // 4)
+        while not gluon_split_ok(split, steps):
+            split -= 1
+        cfg = Config(bm, bn, GLUON_STEP, split, 8, warps, stages, kernel="gluon_pipe")
+    return cfg
 
 
 def _w4a8_candidates(*, device, M, N, K, Kp, group_size, act_dtype="int8"):
@@ -257,6 +325,7 @@ def _w4a8_candidates(*, device, M, N, K, Kp, group_size, act_dtype="int8"):
                  (256, 128, 128, 8, 3), (128, 128, 64, 8, 4)]
     if M >= 256 and K % 8 == 0 and N % 8 == 0 and K >= 16 and N >= 16:
         yield Config(1, 64, 256, 1, 8, 4, 1, kernel="dequant")  # int8 weight + torch._int_mm
+    yield from _gluon_pipe_candidates(device=device, M=M, N=N, Kp=Kp, group_size=group_size, act_dtype=act_dtype)
     yield from mma_candidates(space, M, N, K, Kp, sms)
 
 
@@ -285,7 +354,36 @@ def _check_config(cfg: Config, M: int, N: int, K: int, Kp: int, group_size: int 
         raise ValueError(f"config SPLIT_K={cfg.SPLIT_K} must be 1 for 'dequant'")
     if cfg.BLOCK_K < 32:
         raise ValueError(f"config BLOCK_K={cfg.BLOCK_K} must be >= 32 (the int8 MMA's K)")
-    check_config(cfg, Kp, K)
+    if cfg.kernel == "gluon_pipe":
+        _check_pipe_config(cfg, Kp)
+        check_config(w4a8_gluon_twin(cfg), Kp, K)
+    else:
+        check_config(cfg, Kp, K)
+
+
+def _check_pipe_config(cfg: Config, Kp: int) -> None:
+    """The tiles kernels/w4a8_gluon.py compiles (int8 activations: _check_config): BLOCK_K = one K step of two
+    128-channel chunks, BLOCK_M 64 or 128 (wgmma's N; the int32 accumulator of 64 x 128 per
+    consumer thread group), BLOCK_N 128 over two consumer warpgroups (num_warps 8), x_q rings of
+    >= 3 and >= 4 chunks that fit an SM's shared memory, every split non-empty."""
+    from ..kernels.w4a16_gluon import CTA_RESERVED_SHARED, SM_SHARED_BYTES
+
+    k = "config kernel='gluon_pipe'"
+    if cfg.BLOCK_K != GLUON_STEP:
+        raise ValueError(f"{k} needs BLOCK_K={GLUON_STEP}, got {cfg.BLOCK_K}")
+    if cfg.BLOCK_M not in (64, 128):
+        raise ValueError(f"{k} needs BLOCK_M 64 or 128, got {cfg.BLOCK_M}")
+    if (cfg.BLOCK_N, cfg.num_warps) != (128, 8):
+        raise ValueError(f"{k} needs BLOCK_N 128 and num_warps 8 (two consumer warpgroups of 64 rows); "
+                         f"got BLOCK_N={cfg.BLOCK_N}, num_warps={cfg.num_warps}")
+    ring = (2 * cfg.num_stages + 1) * (cfg.BLOCK_M * 128 + 16)  # kernels/w4a8_gluon.pipe_shared_bytes
+    if cfg.num_stages < 3 or ring + CTA_RESERVED_SHARED > SM_SHARED_BYTES:
+        raise ValueError(f"{k} needs num_stages >= 3 with its rings ({ring} bytes at num_stages="
+                         f"{cfg.num_stages}) within an SM's {SM_SHARED_BYTES - CTA_RESERVED_SHARED} bytes")
+    steps = Kp // GLUON_STEP
+    if Kp % GLUON_STEP or not gluon_split_ok(cfg.SPLIT_K, steps):
+        raise ValueError(f"{k} SPLIT_K={cfg.SPLIT_K} leaves a split of the {steps} K steps empty (split k "
+                         "takes steps [k * ceil(steps / SPLIT_K), ...))")
 
 
 W4A8_TUNER = Tuner("w4a8", _w4a8_heuristic, _w4a8_candidates,
@@ -353,19 +451,30 @@ class _W4A8Plan:
     ops/w4a16.py keeps W4A16's (_GemmPlan there). fixup: the split-K slices are added inside
     the GEMM (fixup_tile), no reduce kernel; each call then passes the stream's sync_buffer."""
 
-    __slots__ = ("config", "gemv", "gemm", "reduce", "ws_dtype", "fixup", "sync_at")
+    __slots__ = ("config", "kind", "gemv", "gemm", "reduce", "ws_dtype", "fixup", "sync_at", "x_desc")
 
     def __init__(self, cfg: Config, device_index: int, *, gs: int, has_bias: bool, raw: bool, emu: bool,
-                 asm: bool, fp8: bool, K: int, clamp: bool = True, fixup: bool = False):
+                 asm: bool, fp8: bool, K: int, clamp: bool = True, fixup: bool = False, gluon: bool = False):
         kern = _kernels()
-        self.config, self.gemv, self.fixup = cfg, cfg.kernel == "gemv", fixup
+        if cfg.kernel == "gluon_pipe" and not gluon:  # (w4a8_gluon_applies)
+            cfg = w4a8_gluon_twin(cfg)
+        self.config, self.gemv, self.fixup, self.kind = cfg, cfg.kernel == "gemv", fixup, cfg.kernel
+        self.x_desc = None  # the Gluon kernel's: x_q -> its TMA descriptor
         # sync_buffer's arguments: the counters live on the plan's device
         self.sync_at = (torch.device("cpu") if device_index < 0 else torch.device("cuda", device_index), device_index)
         self.ws_dtype = torch.float32 if fp8 else torch.int32  # split-K partial sums
         meta = dict(GROUP_SIZE=gs, HAS_BIAS=has_bias, EVEN_K=K % cfg.BLOCK_K == 0, SPLIT_K=cfg.SPLIT_K,
                     RAW=raw, EMU_BF16=emu, USE_ASM=asm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
                     CLAMP=clamp, FIXUP=self.fixup, **cfg.launch())
-        if self.gemv:
+        if cfg.kernel == "gluon_pipe":
+            from ..kernels.w4a8_gluon import pipe_descriptor, pipe_meta, w4a8_gluon_pipe_kernel
+
+            # (no PDL: W4A8's reduce is not a programmatic dependent, _reduce_launch)
+            self.gemm = Launch(w4a8_gluon_pipe_kernel, dict(
+                GROUPED=gs > 0, CLAMP=clamp, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K, RAW=raw, BLOCK_M=cfg.BLOCK_M,
+                STAGES=cfg.num_stages, PDL_EARLY=False, **pipe_meta(cfg.BLOCK_M)), device_index)
+            self.x_desc = partial(pipe_descriptor, BLOCK_M=cfg.BLOCK_M)  # (per call: ~3 us of host time)
+        elif self.gemv:
             self.gemm = Launch(kern._w4a8_gemv_kernel, meta, device_index)
         else:
             meta.update(BLOCK_M=cfg.BLOCK_M, GROUP_M=cfg.GROUP_M)
@@ -376,12 +485,23 @@ class _W4A8Plan:
     def bound(self) -> bool:
         return self.gemm.run is not None and (self.reduce is None or self.reduce.run is not None)
 
-    def __call__(self, out, y, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sgn) -> None:
+    def __call__(self, out, y, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sgn,
+                 x_tensor: Optional[torch.Tensor] = None) -> None:
         """out (M, N) = the product; y, x_q, ..., bias: out's and the operands' pointers, as
-        tensors or ints (see ops/w4a16.py _GemmPlan); sxm: x_q's row stride; sqn: qweight's
-        row stride in bytes (the kernels read its int32 words as bytes). s_g / bias may be
-        None (Triton makes them constexprs)."""
+        tensors or ints (see ops/w4a16.py _GemmPlan; x_tensor: x_q itself, for the Gluon
+        kernel's TMA descriptor); sxm: x_q's row stride; sqn: qweight's row stride in bytes
+        (the Triton kernels read its int32 words as bytes). s_g / bias may be None (Triton
+        makes them constexprs)."""
         cfg = self.config
+        if self.kind == "gluon_pipe":
+            split = cfg.SPLIT_K
+            ws = None if split == 1 else out.new_empty((split, M, N), dtype=torch.int32)
+            desc = self.x_desc(x_q if x_tensor is None else x_tensor)
+            self.gemm((_cdiv(M, cfg.BLOCK_M) * _cdiv(N, cfg.BLOCK_N), split), desc, x_scales, qweight, s_ch,
+                      s_g, bias, y if ws is None else ws, M, N, K, out.stride(0), sqn // 4, sgn)
+            if ws is not None:
+                self.reduce((_cdiv(M, 16), _cdiv(N, 128)), ws, x_scales, s_ch, bias, y, M, N, out.stride(0))
+            return
         split = cfg.SPLIT_K
         sync = None
         if self.fixup:  # the current stream's counters (a tensor for the JIT's first call)
@@ -440,11 +560,23 @@ def _launch(cfg: Config, out: torch.Tensor, x_q, x_scales, qweight, s_ch, s_g, b
     # split-K inside the GEMM while the tile counters fit and a slice's offsets fit in 32 bits (M
     # up to twice this call's: a plan serves an M bucket)
     tiles = (1 if cfg.kernel == "gemv" else _cdiv(2 * M, cfg.BLOCK_M)) * _cdiv(N, cfg.BLOCK_N)
-    plan = _W4A8Plan(cfg, dev, gs=gs, has_bias=bias is not None, raw=raw, emu=emu, asm=asm,
-                     fp8=x_q.dtype is torch.float8_e4m3fn, K=K, clamp=clamp,
-                     fixup=fixup_tile(cfg) and tiles <= SYNC_CAP and 2 * M * N < 2**31)
+
+    def build() -> _W4A8Plan:
+        return _W4A8Plan(cfg, dev, gs=gs, has_bias=bias is not None, raw=raw, emu=emu, asm=asm,
+                         fp8=x_q.dtype is torch.float8_e4m3fn, K=K, clamp=clamp,
+                         fixup=fixup_tile(cfg) and tiles <= SYNC_CAP and 2 * M * N < 2**31,
+                         gluon=cfg.kernel == "gluon_pipe" and w4a8_gluon_applies(x_q, qweight))
+
     sxm = K if M == 1 else x_q.stride(0)
-    plan(out, out, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sg_stride)
+    plan = build()
+    try:
+        plan(out, out, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sg_stride)
+    except Exception as e:  # noqa: BLE001 - only a Gluon compile failure is handled
+        if plan.kind != "gluon_pipe" or not _gluon_compile_failed(e):
+            raise
+        w4a8_gluon_device.cache_clear()
+        plan = build()  # (the twin, from now on)
+        plan(out, out, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sg_stride)
     return plan
 
 
@@ -488,11 +620,12 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
         if plan is not None and hooks_idle():
             ptrs = pointers(y, x_q, x_scales, qweight, s_ch, s_g, bias)
             if ptrs is not None:
+                xt = x_q if plan.kind == "gluon_pipe" else None
                 if current_device() == dev:
-                    plan(y, *ptrs, M, N, K, sxm, sqn, sgn)
+                    plan(y, *ptrs, M, N, K, sxm, sqn, sgn, xt)
                 else:
                     with device_of(x_q):
-                        plan(y, *ptrs, M, N, K, sxm, sqn, sgn)
+                        plan(y, *ptrs, M, N, K, sxm, sqn, sgn, xt)
                 return y
     plans = None if key is None else W4A8_TUNER.plans_for_build()  # before the config lookup
     Kp = kp8 * 8
