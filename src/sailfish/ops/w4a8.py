@@ -239,10 +239,10 @@ def w4a8_gluon_device(device_index: int) -> bool:
 
 def w4a8_gluon_applies(x_q: torch.Tensor, qweight: torch.Tensor) -> bool:
     """Whether a 'gluon_pipe' config runs the Gluon kernel: int8 x_q on a Hopper GPU, K a multiple
-    of 256 (its K step; then x_q's rows are 16-byte aligned for TMA), x_q and the words 16-byte
-    aligned."""
+    of 256 (its K step), x_q's rows and the words 16-byte aligned (TMA, 16-byte loads)."""
     return (x_q.is_cuda and x_q.dtype is torch.int8 and x_q.shape[1] % GLUON_STEP == 0
-            and x_q.data_ptr() % 16 == 0 and qweight.data_ptr() % 16 == 0 and w4a8_gluon_device(x_q.device.index))
+            and x_q.data_ptr() % 16 == 0 and x_q.stride(0) % 16 == 0 and qweight.data_ptr() % 16 == 0
+            and w4a8_gluon_device(x_q.device.index))
 
 
 def w4a8_gluon_twin(cfg: Config) -> Config:
