@@ -955,7 +955,8 @@ import json
 import re
 import triton
 from sailfish.bench.ptx import k_loop_stats, ptxas_report, sass, wgmma_loop
-from sailfish.kernels.w4a8_gluon import compile_sm90, pipe_shared_bytes
+from sailfish.kernels.w4a16_gluon import pipe_shared_bytes
+from sailfish.kernels.w4a8_gluon import compile_sm90
 from sailfish.tuning import CONFIG_DIR, Config
 
 cases = [dict(), dict(group_size=128), dict(group_size=128, clamp=False), dict(SPLIT_K=2), dict(raw=True),
@@ -987,7 +988,7 @@ for kw in cases:
     # own two per word (a join of the int8 values compiled to ~18 PRMT per word)
     if sum("PRMT" in t for t in body) > (2 * 16 * 2 if kw.get("group_size") == 128 else 0):
         why.append(f"{sum('PRMT' in t for t in body)} PRMT in the K loop")
-    ring = pipe_shared_bytes(kw.get("BLOCK_M", 128), kw.get("STAGES", 3))
+    ring = pipe_shared_bytes(kw.get("BLOCK_M", 128), kw.get("STAGES", 3), elem_bytes=1)
     if not ring <= k.metadata.shared < ring + 1024:
         why.append(f"shared memory {k.metadata.shared}, rings {ring}")
     if ".reqntid 384" not in ptx or "cp.async.bulk.tensor" not in ptx or "setmaxnreg" not in ptx:

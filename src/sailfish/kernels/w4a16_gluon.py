@@ -120,10 +120,11 @@ def shared_bytes(BLOCK_M: int, BLOCK_N: int, STAGES: int, words: bool = True) ->
     return 2 * STAGES * (BLOCK_M * CHUNK * 2 + (BLOCK_N * 16 * 4 if words else 0))
 
 
-def pipe_shared_bytes(BLOCK_M: int, STAGES: int) -> int:
-    """w4a16_gluon_pipe_kernel's shared memory: x chunk rings of STAGES and STAGES + 1 slots and
+def pipe_shared_bytes(BLOCK_M: int, STAGES: int, elem_bytes: int = 2) -> int:
+    """The pipe kernels' shared memory (_pipe_rings): x chunk rings of STAGES and STAGES + 1 slots
+    of (BLOCK_M, 128) elements of elem_bytes (2: W4A16's fp16 / bf16 x, 1: W4A8's int8 x_q) and
     their ready / empty mbarriers (8 bytes each)."""
-    return (2 * STAGES + 1) * (BLOCK_M * CHUNK * 2 + 16)
+    return (2 * STAGES + 1) * (BLOCK_M * CHUNK * elem_bytes + 16)
 
 
 def max_registers(BLOCK_M: int, BLOCK_N: int, STAGES: int, num_warps: int = NUM_WARPS, has_zeros: bool = True):

@@ -42,22 +42,23 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_init, warpgroup_mma_wait)
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .w4a16_gluon import (PIPE_CONSUMER_REGS, PIPE_MAXNREG, PIPE_PRODUCER_REGS, _pipe_loader, _pipe_rings, _program,
-                          _rows)
+from .w4a16_gluon import (_CHUNK, _HALF, CHUNK, PIPE_CONSUMER_REGS, PIPE_MAXNREG, PIPE_PRODUCER_REGS, _pipe_loader,
+                          _pipe_rings, _program, _rows)
 from .w4a8 import _ASM_CHAN, _ASM_GROUP, _ASM_GROUP_NOCLAMP
 
-CHUNK = 128  # channels per wgmma chunk (64 packed bytes per row)
-STEP = 2 * CHUNK  # channels per K step (the rings' two chunks)
-_HALF = gl.constexpr(64)  # rows per consumer warpgroup
-_CHUNK = gl.constexpr(CHUNK)
+
+def _one_scale_pair(asm: str) -> str:
+    """kernels/w4a8's group unpack for one 32-bit word whose four bytes share one scale: $3 is
+    the (s, s) pair itself, so the two prmt that gather per-byte pairs (s02, s13) go (15 / 23
+    instructions per word)."""
+    for ln in ("prmt.b32 s02, $3, $5, 0x5410;\n", "prmt.b32 s13, $4, $6, 0x5410;\n"):
+        assert ln in asm
+        asm = asm.replace(ln, "")
+    return asm.replace(" s02, s13,", "").replace("s02", "$3").replace("s13", "$3")
 
 
-# kernels/w4a8's group unpack for one 32-bit word whose four bytes share one scale: $3 is the
-# (s, s) pair itself, so the two prmt that gather per-byte pairs go (15 / 23 instructions per word)
-_ASM_GROUP1 = gl.constexpr(_ASM_GROUP.value.replace("prmt.b32 s02, $3, $5, 0x5410;\n", "").replace(
-    "prmt.b32 s13, $4, $6, 0x5410;\n", "").replace("s02", "$3").replace("s13", "$3").replace(", $3, $3,", ","))
-_ASM_GROUP1_NOCLAMP = gl.constexpr(_ASM_GROUP_NOCLAMP.value.replace("prmt.b32 s02, $3, $5, 0x5410;\n", "").replace(
-    "prmt.b32 s13, $4, $6, 0x5410;\n", "").replace("s02", "$3").replace("s13", "$3").replace(", $3, $3,", ","))
+_ASM_GROUP1 = gl.constexpr(_one_scale_pair(_ASM_GROUP.value))
+_ASM_GROUP1_NOCLAMP = gl.constexpr(_one_scale_pair(_ASM_GROUP_NOCLAMP.value))
 
 
 @lru_cache(maxsize=None)
@@ -90,11 +91,6 @@ def pipe_descriptor(x_q, BLOCK_M: int):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     return TensorDescriptor.from_tensor(x_q, [BLOCK_M, CHUNK], layouts(BLOCK_M)["X_SMEM"])
-
-
-def pipe_shared_bytes(BLOCK_M: int, STAGES: int) -> int:
-    """The rings: STAGES + STAGES + 1 int8 chunks (BLOCK_M, 128) and their mbarriers."""
-    return (2 * STAGES + 1) * (BLOCK_M * CHUNK + 2 * 8)
 
 
 @gluon.jit

@@ -42,7 +42,7 @@ from ..tuning import (KERNELS, Config, Tuner, check_config, gemv_candidates, m_b
                       split_k_for)
 from . import define_op, device_of, use_triton
 from .launch import Launch, aligned, current_device, hooks_idle, pointers, stream_getter
-from .w4a16 import _gluon_compile_failed, gluon_device, gluon_split_ok
+from .w4a16 import GLUON_STEP, _gluon_compile_failed, gluon_device, gluon_split_ok
 
 ACT_DTYPES = HALF_DTYPES + (torch.float32,)
 # the quantized activations' torch dtype per act_dtype (formats.qqq.ACT_DTYPES_W4A8)
@@ -218,7 +218,6 @@ quantize_per_token_fp8 = define_op("quantize_per_token_fp8", "(Tensor x) -> (Ten
 # (kernels/w4a8_gluon.py), where it applies (w4a8_gluon_applies); its Triton twin (w4a8_gluon_twin)
 # elsewhere: the CPU interpreter, other GPUs, K not a multiple of its 256-channel step
 W4A8_KERNELS = KERNELS + ("gluon_pipe",)
-GLUON_STEP = 256  # channels per K step of the Gluon kernel (its BLOCK_K)
 # its tile (BLOCK_M, BLOCK_N, num_warps, num_stages): 128 weight rows over two consumer warpgroups
 # (and a TMA producer warp), x_q rings of 3 / 4 chunks of (BLOCK_M, 128) int8 (112 KiB at BLOCK_M 128)
 W4A8_PIPE_TILES = ((128, 128, 8, 3), (128, 128, 8, 4))
@@ -366,7 +365,7 @@ def _check_pipe_config(cfg: Config, Kp: int) -> None:
     128-channel chunks, BLOCK_M 64 or 128 (wgmma's N; the int32 accumulator of 64 x 128 per
     consumer thread group), BLOCK_N 128 over two consumer warpgroups (num_warps 8), x_q rings of
     >= 3 and >= 4 chunks that fit an SM's shared memory, every split non-empty."""
-    from ..kernels.w4a16_gluon import CTA_RESERVED_SHARED, SM_SHARED_BYTES
+    from ..kernels.w4a16_gluon import CTA_RESERVED_SHARED, SM_SHARED_BYTES, pipe_shared_bytes
 
     k = "config kernel='gluon_pipe'"
     if cfg.BLOCK_K != GLUON_STEP:
@@ -376,7 +375,7 @@ def _check_pipe_config(cfg: Config, Kp: int) -> None:
     if (cfg.BLOCK_N, cfg.num_warps) != (128, 8):
         raise ValueError(f"{k} needs BLOCK_N 128 and num_warps 8 (two consumer warpgroups of 64 rows); "
                          f"got BLOCK_N={cfg.BLOCK_N}, num_warps={cfg.num_warps}")
-    ring = (2 * cfg.num_stages + 1) * (cfg.BLOCK_M * 128 + 16)  # kernels/w4a8_gluon.pipe_shared_bytes
+    ring = pipe_shared_bytes(cfg.BLOCK_M, cfg.num_stages, elem_bytes=1)
     if cfg.num_stages < 3 or ring + CTA_RESERVED_SHARED > SM_SHARED_BYTES:
         raise ValueError(f"{k} needs num_stages >= 3 with its rings ({ring} bytes at num_stages="
                          f"{cfg.num_stages}) within an SM's {SM_SHARED_BYTES - CTA_RESERVED_SHARED} bytes")
@@ -493,15 +492,6 @@ class _W4A8Plan:
         (the Triton kernels read its int32 words as bytes). s_g / bias may be None (Triton
         makes them constexprs)."""
         cfg = self.config
-        if self.kind == "gluon_pipe":
-            split = cfg.SPLIT_K
-            ws = None if split == 1 else out.new_empty((split, M, N), dtype=torch.int32)
-            desc = self.x_desc(x_q if x_tensor is None else x_tensor)
-            self.gemm((_cdiv(M, cfg.BLOCK_M) * _cdiv(N, cfg.BLOCK_N), split), desc, x_scales, qweight, s_ch,
-                      s_g, bias, y if ws is None else ws, M, N, K, out.stride(0), sqn // 4, sgn)
-            if ws is not None:
-                self.reduce((_cdiv(M, 16), _cdiv(N, 128)), ws, x_scales, s_ch, bias, y, M, N, out.stride(0))
-            return
         split = cfg.SPLIT_K
         sync = None
         if self.fixup:  # the current stream's counters (a tensor for the JIT's first call)
@@ -512,7 +502,10 @@ class _W4A8Plan:
         ws = None if split == 1 else out.new_empty((split, M, N), dtype=self.ws_dtype)
         target = ws if self.reduce is not None else y
         tiles_n = _cdiv(N, cfg.BLOCK_N)
-        if self.gemv:
+        if self.kind == "gluon_pipe":  # x_q as its TMA descriptor; the words' row stride in words
+            self.gemm((_cdiv(M, cfg.BLOCK_M) * tiles_n, split), self.x_desc(x_q if x_tensor is None else x_tensor),
+                      x_scales, qweight, s_ch, s_g, bias, target, M, N, K, out.stride(0), sqn // 4, sgn)
+        elif self.gemv:
             self.gemm((tiles_n, split), x_q, x_scales, qweight, s_ch, s_g, bias, target, N, K, sqn, sgn, sync, ws)
         else:
             self.gemm((_cdiv(M, cfg.BLOCK_M) * tiles_n, split), x_q, x_scales, qweight, s_ch, s_g, bias,
@@ -620,12 +613,11 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
         if plan is not None and hooks_idle():
             ptrs = pointers(y, x_q, x_scales, qweight, s_ch, s_g, bias)
             if ptrs is not None:
-                xt = x_q if plan.kind == "gluon_pipe" else None
-                if current_device() == dev:
-                    plan(y, *ptrs, M, N, K, sxm, sqn, sgn, xt)
+                if current_device() == dev:  # (x_q itself too: the Gluon kernel's descriptor)
+                    plan(y, *ptrs, M, N, K, sxm, sqn, sgn, x_q)
                 else:
                     with device_of(x_q):
-                        plan(y, *ptrs, M, N, K, sxm, sqn, sgn, xt)
+                        plan(y, *ptrs, M, N, K, sxm, sqn, sgn, x_q)
                 return y
     plans = None if key is None else W4A8_TUNER.plans_for_build()  # before the config lookup
     Kp = kp8 * 8
