@@ -9,6 +9,7 @@ interpreter (tests/conftest.py), on CUDA on the GPU.
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -498,6 +499,56 @@ def test_bad_config(m, cfg, match, device):
                     208, -1, F16, config=cfg)
 
 
+def test_gluon_pipe_compile_failure_falls_back_to_the_twin(monkeypatch, device):
+    """A Triton whose Gluon does not compile the W4A8 kernel: a warning naming it, the twin's
+    result, and no Gluon config (either family) tried again; other errors are raised."""
+    from triton.compiler.errors import CompilationError
+
+    import sailfish.kernels.w4a8_gluon as gk
+    import sailfish.ops.w4a16 as ops16
+    import sailfish.ops.w4a8 as ops8
+
+    class Broken:
+        params = None
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise CompilationError(None, None, "stand-in for an incompatible Gluon")
+            return launch
+
+    class Failing(Broken):
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("a launch error")
+            return launch
+
+    # the Gluon path as on a Hopper GPU, its TMA descriptor a stand-in (the stand-in kernels never read it)
+    monkeypatch.setattr(gk, "pipe_descriptor", lambda x_q, BLOCK_M: x_q)
+    monkeypatch.setattr(ops8, "w4a8_gluon_applies", lambda *a: ops16.GLUON)
+    k, n, m = 512, 136, 72
+    layer = random_layer(k, n, 128, True, device)
+    x_q, x_s = layer.quantize_input(torch.randn(m, k, device=device).to(F16))
+    cfg = Config(64, 128, 256, 1, 8, 8, 3, kernel="gluon_pipe")
+
+    def run(c):
+        return w4a8_launch(x_q, x_s, layer.qweight, layer.s_ch, layer.s_g, layer.bias, k, 128, F16, config=c)
+
+    monkeypatch.setattr(gk, "w4a8_gluon_pipe_kernel", Failing())
+    monkeypatch.setattr(ops16, "GLUON", True)
+    with pytest.raises(RuntimeError, match="a launch error"):
+        run(cfg)
+    monkeypatch.setattr(gk, "w4a8_gluon_pipe_kernel", Broken())
+    with pytest.warns(RuntimeWarning, match="Gluon W4A8 kernel does not compile"):
+        y = run(cfg)
+    assert not ops16.GLUON
+    assert torch.equal(y, run(ops8.w4a8_gluon_twin(cfg)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second attempt, no second warning
+        assert torch.equal(run(cfg), y)
+    ops16.gluon_device.cache_clear()
+    ops8.w4a8_gluon_device.cache_clear()
+
+
 def test_gluon_pipe_rejects_fp8(device):
     """'gluon_pipe' runs int8 activations only."""
     import sailfish.ops.w4a8 as ops8
@@ -897,6 +948,7 @@ def test_kernels_compile(arch, tmp_path):
 
 _PTX_CHILD = r"""
 import sys
+import warnings
 from sailfish.bench.ptx import W4A8_TILES, compile_w4a8, k_loop_stats
 bad = []
 n = 0

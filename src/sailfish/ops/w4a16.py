@@ -565,10 +565,11 @@ def gluon_device(device_index: int) -> bool:
     return True
 
 
-def _gluon_compile_failed(err: Exception) -> bool:
+def _gluon_compile_failed(err: Exception, family: str = "W4A16") -> bool:
     """Whether `err` is the Gluon kernel failing to compile (a Triton whose Gluon differs from
-    the tested 3.6-3.9); if so, warn once and run every 'gluon' config as its twin from now on
-    (a CUDA or launch error is not this, and is raised)."""
+    the tested 3.6-3.9); if so, warn once and run every Gluon config (both families: one switch)
+    as its twin from now on (a CUDA or launch error is not this, and is raised). family: the
+    kernel that failed, for the warning."""
     global GLUON
     from triton.compiler.errors import CompilationError
 
@@ -580,9 +581,9 @@ def _gluon_compile_failed(err: Exception) -> bool:
 
     GLUON = False
     gluon_device.cache_clear()
-    warnings.warn(f"sailfish: the Gluon W4A16 kernel does not compile with Triton {triton.__version__} "
+    warnings.warn(f"sailfish: the Gluon {family} kernel does not compile with Triton {triton.__version__} "
                   f"({type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}); "
-                  "its configs run as their Triton twins from now on", RuntimeWarning, stacklevel=4)
+                  "every Gluon config (W4A16 and W4A8) runs as its Triton twin from now on", RuntimeWarning, stacklevel=4)
     return True
 
 

@@ -565,7 +565,7 @@ def _launch(cfg: Config, out: torch.Tensor, x_q, x_scales, qweight, s_ch, s_g, b
     try:
         plan(out, out, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sg_stride)
     except Exception as e:  # noqa: BLE001 - only a Gluon compile failure is handled
-        if plan.kind != "gluon_pipe" or not _gluon_compile_failed(e):
+        if plan.kind != "gluon_pipe" or not _gluon_compile_failed(e, "W4A8"):
             raise
         w4a8_gluon_device.cache_clear()
         plan = build()  # (the twin, from now on)
