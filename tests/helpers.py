@@ -163,6 +163,27 @@ def run_compile_child(code: str, tmp_path) -> None:
     assert r.returncode == 0 and "checked" in r.stdout, (r.stdout + r.stderr)[-3000:]
 
 
+class StandInKernel:
+    """A stand-in for a Gluon kernel (tests of the compile-failure fallback): launching it raises
+    `error` (a CompilationError: a Triton whose Gluon the kernel does not compile with)."""
+
+    params = None
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            raise self.error
+        return launch
+
+
+def incompatible_gluon() -> Exception:
+    from triton.compiler.errors import CompilationError
+
+    return CompilationError(None, None, "stand-in for an incompatible Gluon")
+
+
 # the Gluon compile checks' K-loop verdict (prepended to their child scripts: tests/test_w4a16_gluon.py,
 # tests/test_w4a8.py): ptxas serialization or spill, a wgmma register hazard, local memory in the loop
 LOOP_PROBLEMS = r"""

@@ -12,8 +12,8 @@ import warnings
 import pytest
 import torch
 
-from helpers import (DTYPE_NAMES, LOOP_PROBLEMS, assert_close_per_element, make_g_idx, random_quantized,
-                     run_compile_child)
+from helpers import (DTYPE_NAMES, LOOP_PROBLEMS, StandInKernel, assert_close_per_element, incompatible_gluon,
+                     make_g_idx, random_quantized, run_compile_child)
 from sailfish import Config, QuantLinear
 from sailfish.ops import w4a16 as ops16
 from sailfish.ops.w4a16 import gluon_overlap_split_ok, gluon_split_ok, gluon_twin, w4a16_launch
@@ -547,19 +547,9 @@ def test_gluon_compile_failure_falls_back_to_the_twin(monkeypatch, device):
     """A Triton whose Gluon does not compile the kernel (an API change past the tested 3.6-3.9)
     gives a warning and the twin's result, and the Gluon kernel is not tried again; other
     errors are raised."""
-    from triton.compiler.errors import CompilationError
-
     import sailfish.kernels.w4a16_gluon as gk
 
-    class Broken:
-        params = None
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                raise CompilationError(None, None, "stand-in for an incompatible Gluon")
-            return launch
-
-    monkeypatch.setattr(gk, "w4a16_gluon_kernel", Broken())
+    monkeypatch.setattr(gk, "w4a16_gluon_kernel", StandInKernel(incompatible_gluon()))
     monkeypatch.setattr(ops16, "GLUON", True)
     monkeypatch.setattr(ops16, "gluon_applies", lambda *a: ops16.GLUON)
     layer = _layer(1024, 192, 128, F16, True, device)
@@ -574,13 +564,7 @@ def test_gluon_compile_failure_falls_back_to_the_twin(monkeypatch, device):
         assert torch.equal(_launch(layer, x, cfg), y)
     ops16.gluon_device.cache_clear()
 
-    class Failing(Broken):
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                raise RuntimeError("a launch error")
-            return launch
-
-    monkeypatch.setattr(gk, "w4a16_gluon_kernel", Failing())
+    monkeypatch.setattr(gk, "w4a16_gluon_kernel", StandInKernel(RuntimeError("a launch error")))
     monkeypatch.setattr(ops16, "GLUON", True)
     with pytest.raises(RuntimeError, match="a launch error"):
         _launch(layer, x, cfg)

@@ -16,7 +16,7 @@ import torch
 
 import sailfish
 
-from helpers import DTYPE_NAMES, LOOP_PROBLEMS, TOL, rel_err, run_compile_child
+from helpers import DTYPE_NAMES, LOOP_PROBLEMS, TOL, StandInKernel, incompatible_gluon, rel_err, run_compile_child
 from sailfish import Config, QuantLinear, QuantLinearW4A8, quantize_model
 from sailfish.formats.nibbles import pack_nibbles
 from sailfish.formats.qqq import (QQQWeight, codes_to_int8, natural_to_fragment_order_w4a8,
@@ -502,25 +502,9 @@ def test_bad_config(m, cfg, match, device):
 def test_gluon_pipe_compile_failure_falls_back_to_the_twin(monkeypatch, device):
     """A Triton whose Gluon does not compile the W4A8 kernel: a warning naming it, the twin's
     result, and no Gluon config (either family) tried again; other errors are raised."""
-    from triton.compiler.errors import CompilationError
-
     import sailfish.kernels.w4a8_gluon as gk
     import sailfish.ops.w4a16 as ops16
     import sailfish.ops.w4a8 as ops8
-
-    class Broken:
-        params = None
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                raise CompilationError(None, None, "stand-in for an incompatible Gluon")
-            return launch
-
-    class Failing(Broken):
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                raise RuntimeError("a launch error")
-            return launch
 
     # the Gluon path as on a Hopper GPU, its TMA descriptor a stand-in (the stand-in kernels never read it)
     monkeypatch.setattr(gk, "pipe_descriptor", lambda x_q, BLOCK_M: x_q)
@@ -533,11 +517,11 @@ def test_gluon_pipe_compile_failure_falls_back_to_the_twin(monkeypatch, device):
     def run(c):
         return w4a8_launch(x_q, x_s, layer.qweight, layer.s_ch, layer.s_g, layer.bias, k, 128, F16, config=c)
 
-    monkeypatch.setattr(gk, "w4a8_gluon_pipe_kernel", Failing())
+    monkeypatch.setattr(gk, "w4a8_gluon_pipe_kernel", StandInKernel(RuntimeError("a launch error")))
     monkeypatch.setattr(ops16, "GLUON", True)
     with pytest.raises(RuntimeError, match="a launch error"):
         run(cfg)
-    monkeypatch.setattr(gk, "w4a8_gluon_pipe_kernel", Broken())
+    monkeypatch.setattr(gk, "w4a8_gluon_pipe_kernel", StandInKernel(incompatible_gluon()))
     with pytest.warns(RuntimeWarning, match="Gluon W4A8 kernel does not compile"):
         y = run(cfg)
     assert not ops16.GLUON
