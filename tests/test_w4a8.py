@@ -1044,3 +1044,23 @@ def test_gluon_pipe_kernel_compiles_for_sm90(tmp_path):
     rings' shared memory as the launcher counts it, 12 warps with setmaxnreg and TMA."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     run_compile_child(_GLUON_PIPE_CHILD.replace("bad = []", LOOP_PROBLEMS + "bad = []", 1), tmp_path)
+
+
+# ----------------------------------------------------------------------------------
+# batch invariance
+# ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("gs", [-1, 128], ids=["chan", "g128"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=DTYPE_NAMES.get)
+def test_int8_outputs_are_batch_invariant(gs, bias, dtype, device):
+    """A token's int8 W4A8 output does not depend on the batch it is in: its per-token scale
+    is its own, the int32 accumulator is exact in any order and every path (GEMV, tensor-core
+    tiles, split-K, the Gluon kernel, dequantize + _int_mm) applies the same epilogue. So the
+    rows of one call equal, bit for bit, the same tokens run alone or in other batches, although
+    the configs (and kernels) differ by M."""
+    k, n, m = 512, 200, 80
+    layer = random_layer(k, n, gs, bias, device)
+    x = torch.randn(m, k, device=device).to(dtype)
+    y = layer(x)
+    for lo, hi in ((0, 1), (7, 8), (3, 5), (10, 27), (40, 80), (0, 64)):
+        assert torch.equal(layer(x[lo:hi]), y[lo:hi]), (lo, hi)

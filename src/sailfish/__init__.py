@@ -10,6 +10,9 @@
     model = sailfish.load_quantized("path/to/Llama-GPTQ", device="cuda")
     sailfish.save_quantized(model, "out")
 
+    # a token's output independent of the rest of the batch, bit for bit (W4A8 int8 always is)
+    sailfish.set_batch_invariant(True)            # or SAILFISH_BATCH_INVARIANT=1
+
     # pick the fastest tile configs for a model's shapes once (CUDA; forward never tunes)
     sailfish.tune(model, m=[1, 16, 256], save="my_gpu.json")   # SAILFISH_CONFIG_FILE=my_gpu.json
 
@@ -19,13 +22,15 @@ from .checkpoint import load_quantized, save_quantized
 from .formats import (GROUP_SIZES, GROUP_SIZES_W4A8, QQQWeight, QuantizedWeight, from_awq, from_gptq,
                       quantize, quantize_qqq, to_gptq)
 from .nn import QuantLinear, QuantLinearW4A8, quantize_model
+from .ops import batch_invariant, batch_invariant_mode, set_batch_invariant
 from .tuning import Config, tune
 
 __version__ = "0.1.0"
 __all__ = ["QuantLinear", "quantize_model", "quantize", "QuantizedWeight", "from_gptq", "to_gptq",
            "GROUP_SIZES", "Config", "tune", "__version__",
            "QuantLinearW4A8", "QQQWeight", "quantize_qqq", "GROUP_SIZES_W4A8",
-           "from_awq", "load_quantized", "save_quantized", "SailfishConfig"]
+           "from_awq", "load_quantized", "save_quantized", "SailfishConfig",
+           "batch_invariant", "batch_invariant_mode", "set_batch_invariant"]
 
 
 def __getattr__(name):

@@ -64,6 +64,41 @@ def plain_context() -> bool:
                 or profiler())
 
 
+# Batch-invariant mode (README "Batch invariance"): every M of a W4A16 problem, and of a W4A8
+# problem with fp8 activations, runs one tensor-core tile with one K order (ops/w4a16.py
+# invariant_config), so a token's output does not depend on the batch it is in. W4A8 with int8
+# activations is batch-invariant without it (exact int32 accumulation, one epilogue).
+_BATCH_INVARIANT = [os.environ.get("SAILFISH_BATCH_INVARIANT", "0") == "1"]
+
+
+def batch_invariant() -> bool:
+    """Whether batch-invariant mode is on (SAILFISH_BATCH_INVARIANT=1, set_batch_invariant)."""
+    return _BATCH_INVARIANT[0]
+
+
+def set_batch_invariant(enabled: bool) -> None:
+    """Turn batch-invariant mode on or off for this process: with it, a token's output is the same,
+    bit for bit, whatever else is in the batch (W4A16, W4A8 fp8; W4A8 int8 always is), at the
+    speed of one fixed tensor-core tile (no GEMV, split-K, Gluon kernels or cuBLAS at large M).
+    Takes effect at the next call (the configs and cached plans are kept per mode; a CUDA graph
+    or compiled model keeps the kernels it captured)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_batch_invariant: enabled must be a bool, got {enabled!r}")
+    _BATCH_INVARIANT[0] = enabled
+
+
+@contextlib.contextmanager
+def batch_invariant_mode(enabled: bool = True):
+    """`with batch_invariant_mode(): ...` : set_batch_invariant(enabled) inside, the previous
+    mode restored on exit."""
+    previous = batch_invariant()
+    set_batch_invariant(enabled)
+    try:
+        yield
+    finally:
+        set_batch_invariant(previous)
+
+
 # The hot ops are defined on this library fragment rather than with torch.library.custom_op:
 # custom_op's Python dispatch layers cost ~25 us per call on top of the kernel launch
 # (torch 2.13, 2-core x86 host; H200 host: W4A16 op 70 us vs its launcher 41 us), a

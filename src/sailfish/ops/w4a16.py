@@ -20,7 +20,7 @@ import torch
 from ..formats.int4 import K_CHUNK, K_PAD
 from ..tuning import (KERNELS, Config, Tuner, m_bucket, next_pow2, problem_key, scratch_runner, sm_count,
                       split_k_for)
-from . import define_op, device_of, use_triton
+from . import batch_invariant, define_op, device_of, use_triton
 from .launch import Launch, aligned, current_device, hooks_idle, pdl, pointers
 
 
@@ -385,6 +385,21 @@ def _check_gluon_config(cfg: Config, kp: int) -> None:
 # ----------------------------------------------------------------------------------
 # W4A16 launcher
 # ----------------------------------------------------------------------------------
+def invariant_config(M: int, N: int, Kp: int) -> Config:
+    """The config of batch-invariant mode (ops.set_batch_invariant) for an (M, N, padded K)
+    problem: the Triton tensor-core tile with one K order at every M (BLOCK_K 128, the scales
+    on the weights, a split-K that depends on N and K only: 2 programs per SM at M = 1 on a
+    132-SM GPU, so the bits do not depend on the GPU model either); only BLOCK_M, BLOCK_N and
+    the warps follow M, and they do not change any output element's arithmetic: bit-identical
+    outputs for BLOCK_M 16-128, BLOCK_N 64 / 128, 4 / 8 warps, fp16 / bf16, symmetric /
+    asymmetric, g128 / per channel, M = 1-300 (NVIDIA H200; also for the W4A8 fp8 kernel,
+    ops/w4a8.py). No GEMV, Gluon kernel or dequantize + cuBLAS: their reduction orders differ
+    (fp16 g128 rows differ by up to 2e-3 between M buckets without the mode)."""
+    bm = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
+    split = split_k_for(-(-N // 64), Kp // 128, 132)
+    return Config(bm, 64 if bm < 128 else 128, 128, split, 8, 4 if bm < 128 else 8, 3)
+
+
 def w4a16_reference(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_features, group_size):
     """PyTorch twin of the kernel: the same effective weight, an fp32 matmul."""
     from ..formats.int4 import PackedW4, unpack
@@ -818,7 +833,7 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         dev = x.get_device()
         key = (dev, x.dtype, (M - 1).bit_length(), M & 15 == 0, N, K, kp8, group_size, sqn, ssn,
                None if zeros is None else zeros.dtype, None if sorted_g_idx is None else sorted_g_idx.dtype,
-               None if bias is None else bias.dtype)
+               None if bias is None else bias.dtype, batch_invariant())
         plan = W4A16_TUNER.plan(key)
         if plan is not None and hooks_idle():
             ptrs = pointers(y, x, qweight, scales, z_arg, sorted_g_idx, bias)
@@ -870,7 +885,10 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return plan
 
     with device_of(x):
-        if config is None:
+        if config is None and batch_invariant():
+            config = invariant_config(M, N, Kp)
+            _check_config(config, Kp, M, group_size, sorted_g_idx is not None)
+        elif config is None:
             mb = m_bucket(M)
             memo = (Kp, N, mb, group_size, zeros is not None, sorted_g_idx is not None, x.dtype)
             config = W4A16_TUNER.lookup(x.device, memo)  # steady state: one dict lookup

@@ -40,9 +40,9 @@ from ..formats.qqq import (GROUP_SIZES_W4A8, PackedQQQ, check_act_dtype, fp8_wei
 from ..tuning import (KERNELS, Config, Tuner, check_config, gemv_candidates, m_bucket,
                       mma_candidates, mma_heuristic, next_pow2, problem_key, scratch_runner, sms_for,
                       split_k_for)
-from . import define_op, device_of, use_triton
+from . import batch_invariant, define_op, device_of, use_triton
 from .launch import Launch, aligned, current_device, hooks_idle, pointers, stream_getter
-from .w4a16 import GLUON_STEP, _gluon_compile_failed, gluon_device, gluon_split_ok
+from .w4a16 import GLUON_STEP, _gluon_compile_failed, gluon_device, gluon_split_ok, invariant_config
 
 ACT_DTYPES = HALF_DTYPES + (torch.float32,)
 # the quantized activations' torch dtype per act_dtype (formats.qqq.ACT_DTYPES_W4A8)
@@ -608,7 +608,7 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
         dev = x_q.get_device()
         sqn, sgn = 4 * qweight.stride(0), 0 if s_g is None else s_g.stride(0)  # (sqn in bytes)
         key = (dev, out_dtype, fp8, raw_acc, (M - 1).bit_length(), M & 15 == 0, N, K, kp8, group_size, sxm, sqn, sgn,
-               None if bias is None else bias.dtype, clamp)
+               None if bias is None else bias.dtype, clamp, fp8 and batch_invariant())
         plan = W4A8_TUNER.plan(key)
         if plan is not None and hooks_idle():
             ptrs = pointers(y, x_q, x_scales, qweight, s_ch, s_g, bias)
@@ -626,7 +626,12 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
     emu = out_dtype == torch.bfloat16 and not x_q.is_cuda  # interpreter bf16 twin (kernels/common.py)
     args = (x_q, x_scales, qweight, s_ch, s_g, bias, gs, raw_acc, emu, clamp)
     with device_of(x_q):
-        if config is None:
+        if config is None and fp8 and batch_invariant():
+            # fp8's float32 sums depend on the K tiling and split; int8's int32 sums are exact in
+            # any order, so int8 is batch-invariant with every config (ops.set_batch_invariant)
+            config = invariant_config(M, N, Kp)
+            _check_config(config, M, N, K, Kp, group_size, act)
+        elif config is None:
             mb = m_bucket(M)
             config = W4A8_TUNER.lookup(x_q.device, (K, N, mb, group_size, out_dtype, act))
             if config is None:  # first call of this problem on this device
