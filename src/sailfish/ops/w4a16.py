@@ -391,13 +391,18 @@ def invariant_config(M: int, N: int, Kp: int) -> Config:
     on the weights, a split-K that depends on N and K only: 2 programs per SM at M = 1 on a
     132-SM GPU, so the bits do not depend on the GPU model either); only BLOCK_M, BLOCK_N and
     the warps follow M, and they do not change any output element's arithmetic: bit-identical
-    outputs for BLOCK_M 16-128, BLOCK_N 64 / 128, 4 / 8 warps, fp16 / bf16, symmetric /
+    outputs for BLOCK_M 16-128, BLOCK_N 64-256, 4 / 8 warps, fp16 / bf16, symmetric /
     asymmetric, g128 / per channel, M = 1-300 (NVIDIA H200; also for the W4A8 fp8 kernel,
     ops/w4a8.py). No GEMV, Gluon kernel or dequantize + cuBLAS: their reduction orders differ
     (fp16 g128 rows differ by up to 2e-3 between M buckets without the mode)."""
-    bm = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
+    # tiles: the fastest of a sweep per M bucket on the H200 (fp16 g128, 8 Llama-3 shapes, the
+    # split fixed as below: the rule that was fastest at M <= 64, where decode runs; at M >= 256
+    # half the split would be 0.88-0.92x the time), except M = 33-64: BLOCK_N 64, as fast for
+    # fp16 and 1.1-1.3x faster for bf16 asymmetric than the sweep's BLOCK_N 128 (docs/perf_log.md v34)
+    bm, bn, warps, stages = ((16, 128, 4, 4) if M <= 8 else (16, 64, 4, 3) if M <= 16 else (32, 64, 4, 4) if M <= 32
+                             else (64, 64, 4, 3) if M <= 64 else (128, 256, 8, 3))
     split = split_k_for(-(-N // 64), Kp // 128, 132)
-    return Config(bm, 64 if bm < 128 else 128, 128, split, 8, 4 if bm < 128 else 8, 3)
+    return Config(bm, bn, 128, split, 8, warps, stages)
 
 
 def w4a16_reference(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_features, group_size):
