@@ -217,8 +217,12 @@ def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros=F
         # with the one-tile word prefetch. The tiles that were best on some Llama shape on
         # an H200 (prefetch cost 5-10% on most; few-warp tiles with 4-8 chunk slots per warp
         # were slower everywhere). Warps beyond the program's (chunk, row block) work units
-        # are dropped by the launcher (kernels/w4a16.gemv_warps).
-        space = [(M, 16, 1024, 8, 1), (M, 16, 1024, 8, 2), (M, 16, 512, 4, 1), (M, 32, 512, 4, 1),
+        # are dropped by the launcher (kernels/w4a16.gemv_warps). BLOCK_K 2048 (two chunks per
+        # warp, loaded at once; 2.34 SASS instructions per weight against 2.47): the H200 tuner
+        # (M = 1, 3 formats x 8 Llama shapes) took it for per channel 4096x4096 only (6.9 -> 6.7
+        # us); BLOCK_K 4096 was slower everywhere (docs/perf_log.md v34).
+        space = [(M, 16, 1024, 8, 1), (M, 16, 1024, 8, 2), (M, 16, 2048, 8, 1), (M, 16, 2048, 8, 2),
+                 (M, 16, 512, 4, 1), (M, 32, 512, 4, 1),
                  (M, 32, 512, 4, 2), (M, 64, 512, 4, 1), (M, 64, 512, 4, 2), (M, 128, 256, 4, 1),
                  (M, 128, 256, 4, 2)]
     elif M == 1:  # CUDA-core GEMV (group 32 / 64, a general g_idx)
