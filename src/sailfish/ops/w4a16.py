@@ -837,12 +837,13 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     x = x.contiguous()
     z_arg = scales if zeros is None else zeros  # symmetric: z_ptr must address something (kernels/w4a16.py)
     sqn, ssn = qweight.stride(0), scales.stride(0)
+    invariant = batch_invariant()  # (read once: the plan key and the config choice agree)
     key = None
     if config is None and use_asm and x.is_cuda:
         dev = x.get_device()
         key = (dev, x.dtype, (M - 1).bit_length(), M & 15 == 0, N, K, kp8, group_size, sqn, ssn,
                None if zeros is None else zeros.dtype, None if sorted_g_idx is None else sorted_g_idx.dtype,
-               None if bias is None else bias.dtype, batch_invariant())
+               None if bias is None else bias.dtype, invariant)
         plan = W4A16_TUNER.plan(key)
         if plan is not None and hooks_idle():
             ptrs = pointers(y, x, qweight, scales, z_arg, sorted_g_idx, bias)
@@ -894,7 +895,7 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return plan
 
     with device_of(x):
-        if config is None and batch_invariant():
+        if config is None and invariant:
             config = invariant_config(M, N, Kp)
             _check_config(config, Kp, M, group_size, sorted_g_idx is not None)
         elif config is None:

@@ -603,12 +603,14 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
     x_scales, qweight, s_ch = x_scales.contiguous(), qweight.contiguous(), s_ch.contiguous()
     s_g = None if s_g is None else s_g.contiguous()
     bias = None if bias is None else bias.contiguous()
+    # batch-invariant mode pins fp8's config (ops.set_batch_invariant; int8 is invariant with any)
+    invariant = fp8 and batch_invariant()
     key = None
     if config is None and x_q.is_cuda:
         dev = x_q.get_device()
         sqn, sgn = 4 * qweight.stride(0), 0 if s_g is None else s_g.stride(0)  # (sqn in bytes)
         key = (dev, out_dtype, fp8, raw_acc, (M - 1).bit_length(), M & 15 == 0, N, K, kp8, group_size, sxm, sqn, sgn,
-               None if bias is None else bias.dtype, clamp, fp8 and batch_invariant())
+               None if bias is None else bias.dtype, clamp, invariant)
         plan = W4A8_TUNER.plan(key)
         if plan is not None and hooks_idle():
             ptrs = pointers(y, x_q, x_scales, qweight, s_ch, s_g, bias)
@@ -626,9 +628,9 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
     emu = out_dtype == torch.bfloat16 and not x_q.is_cuda  # interpreter bf16 twin (kernels/common.py)
     args = (x_q, x_scales, qweight, s_ch, s_g, bias, gs, raw_acc, emu, clamp)
     with device_of(x_q):
-        if config is None and fp8 and batch_invariant():
+        if config is None and invariant:
             # fp8's float32 sums depend on the K tiling and split; int8's int32 sums are exact in
-            # any order, so int8 is batch-invariant with every config (ops.set_batch_invariant)
+            # any order, so int8 is batch-invariant with every config
             config = invariant_config(M, N, Kp)
             _check_config(config, M, N, K, Kp, group_size, act)
         elif config is None:
