@@ -22,7 +22,7 @@ arithmetic replaced by an xor of the words, and a flat reader of the same bytes.
 
 What it showed (NVIDIA H200, torch 2.11, Triton 3.6; docs/perf_log.md v35): errors equal to the
 shipped GEMV's; the shipped GEMV's time over the best tile of each form, fp16 g128: warp-specialized
-0.72-0.89x, ring 0.82-0.95x, ring + x 0.89-1.01x. The ring without arithmetic streams at the flat
+0.72-0.89x, ring 0.82-0.96x, ring + x 0.89-1.01x. The ring without arithmetic streams at the flat
 reader's rate (8192x8192 11.0 us against 10.6-11.0), so the memory side is solved and the consumers
 are the bound: ncu (8192x8192) put the ring's stalls on the mma waiting for x (41% of samples), and
 the ring + x form at 7.6 cycles per issued instruction (shipped 18.2) but with 31% more
