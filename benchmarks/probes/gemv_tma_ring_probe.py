@@ -31,6 +31,7 @@ instructions and half the shipped kernel's warps per SM.
 import copy
 import re
 import sys
+from functools import lru_cache
 
 import torch
 import triton
@@ -46,6 +47,7 @@ _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 PRODUCER_REGS = gl.constexpr(24)
 
 
+@lru_cache(maxsize=None)
 def layouts(CW: int, P: int) -> dict:
     """WL: a stage's (CW, 16 P, 16) words, warp w owning chunk w, lane 4g + t the words 4t..4t+3
     of rows g, g + 8 (+16: P = 2) as the mma A fragment wants them; W_SMEM: no swizzle (rows of 64
@@ -203,14 +205,20 @@ def _issue(w_desc, words, ready, pid_n, j, s, CW: gl.constexpr, ROWS: gl.constex
 
 
 @gluon.jit
-def _ring(STAGES: gl.constexpr, CW: gl.constexpr, ROWS: gl.constexpr, W_SMEM: gl.constexpr):
+def _ring(STAGES: gl.constexpr, CW: gl.constexpr, ROWS: gl.constexpr, W_SMEM: gl.constexpr,
+          EMPTY: gl.constexpr = False):
+    """The words' ring and its 'ready' mbarriers; EMPTY: also the 'empty' ones a separate producer
+    waits on (the ring forms refill after a CTA barrier instead)."""
     words = gl.allocate_shared_memory(gl.int32, [STAGES, CW, ROWS, 16], W_SMEM)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    return words, ready, empty
+    if EMPTY:
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(empty.index(i), count=1)
+        return words, ready, empty
+    return words, ready, ready
 
 
 @gluon.jit
@@ -222,6 +230,14 @@ def _setup(x_ptr, s_ptr, z_ptr, pid_n, N, P: gl.constexpr, CW: gl.constexpr, WL:
     za = gl.zeros((CW, 8, 4), gl.int64, layout=L3) + (z_ptr.to(gl.int64, bitcast=True) - s_ptr.to(gl.int64, bitcast=True))
     return (w_, t_, n0l, n0h, n1l, n1h, _wrap(n0l, N), _wrap(n0h, N), _wrap(n1l, N), _wrap(n1h, N),
             x_ptr.to(gl.pointer_type(gl.int32)), za, gl.zeros((CW, 8, 4), gl.float32, layout=L3))
+
+
+@gluon.jit
+def _take(words, ready, j, STAGES: gl.constexpr, WL: gl.constexpr):
+    """Stage j's slot, once its words have landed, and the words in the fragment order."""
+    s = j % STAGES
+    mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+    return s, words.index(s).load(WL)
 
 
 @gluon.jit
@@ -240,9 +256,7 @@ def _consumer(x_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, N, K, KCH, stride_sn, words, r
     w_, t_, n0l, n0h, n1l, n1h, r0l, r0h, r1l, r1h, xq, za, acc0 = _setup(x_ptr, s_ptr, z_ptr, pid_n, N, P, CW, WL)
     acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
     for j in range(n):
-        s = j % STAGES
-        mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-        q = words.index(s).load(WL)
+        s, q = _take(words, ready, j, STAGES, WL)
         mbarrier.arrive(empty.index(s), count=1)
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _product(
             q, (first + j) * CW + w_, t_, r0l, r0h, r1l, r1h, xq, K, KCH, s_ptr, stride_sn, za, acc0, acc1, acc2,
@@ -257,7 +271,7 @@ def gemv_ws_kernel(x_ptr, w_desc, s_ptr, z_ptr, y_ptr, ws_ptr, N, K, KCH, stride
     """Form 'w': a one-warp TMA producer, CW consumer warps (the kernel's num_warps)."""
     pid_n = gl.program_id(0)
     first, n = _stages(KCH, CW, SPLIT_K)
-    words, ready, empty = _ring(STAGES, CW, 16 * P, W_SMEM)
+    words, ready, empty = _ring(STAGES, CW, 16 * P, W_SMEM, True)
     gl.warp_specialize([
         (_consumer, (x_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, N, K, KCH, stride_sn, words, ready, empty, pid_n, first, n,
                      GROUP_SIZE, SPLIT_K, ASM, ASM_CONSTRAINTS, P, CW, STAGES, WL)),
@@ -270,7 +284,7 @@ def _filled_ring(w_desc, pid_n, KCH, SPLIT_K: gl.constexpr, CW: gl.constexpr, RO
                  STAGES: gl.constexpr, W_SMEM: gl.constexpr):
     """The ring forms' start: the stages, the ring, its first STAGES stages in flight."""
     first, n = _stages(KCH, CW, SPLIT_K)
-    words, ready, empty = _ring(STAGES, CW, ROWS, W_SMEM)
+    words, ready, _ = _ring(STAGES, CW, ROWS, W_SMEM)
     for i in gl.static_range(STAGES):
         if i < n:
             _issue(w_desc, words, ready, pid_n, first + i, i, CW, ROWS)
@@ -290,9 +304,7 @@ def gemv_ring_kernel(x_ptr, w_desc, s_ptr, z_ptr, y_ptr, ws_ptr, N, K, KCH, stri
     w_, t_, n0l, n0h, n1l, n1h, r0l, r0h, r1l, r1h, xq, za, acc0 = _setup(x_ptr, s_ptr, z_ptr, pid_n, N, P, CW, WL)
     acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
     for j in range(n):
-        sl = j % STAGES
-        mbarrier.wait(ready.index(sl), (j // STAGES) & 1)
-        q = words.index(sl).load(WL)
+        sl, q = _take(words, ready, j, STAGES, WL)
         _barrier()  # every warp holds its words of slot sl: refill it
         if j + STAGES < n:
             _issue(w_desc, words, ready, pid_n, first + j + STAGES, sl, CW, ROWS)
@@ -302,6 +314,7 @@ def gemv_ring_kernel(x_ptr, w_desc, s_ptr, z_ptr, y_ptr, ws_ptr, N, K, KCH, stri
     _store_all(acc0, acc2, acc4, acc6, n0l, n0h, n1l, n1h, t_, N, y_ptr, ws_ptr, gl.program_id(1), P, SPLIT_K)
 
 
+@lru_cache(maxsize=None)
 def xreg_asm(bf16: bool, zeros: bool, pairs: int, scale_acc: bool = True, strip: bool = False):
     """The shipped GEMV asm with x from 16 register operands appended after the accumulators
     instead of its own loads. strip: without the zero-point subtractions and the high nibbles'
@@ -350,15 +363,13 @@ def gemv_ringx_kernel(x_ptr, w_desc, s_ptr, z_ptr, y_ptr, ws_ptr, N, K, KCH, str
     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _xload(xq, (first * CW + w_) * 64 + t_, KH,
                                                                                   EVEN)
     for j in range(n):
-        sl = j % STAGES
         ch = (first + j) * CW + w_
         pk = ch * 64 + t_
         pn = pk + CW * 64
         if EVEN:  # (the last stage reads its own x again: in bounds)
             pn = gl.where(j + 1 < n, pn, pk)
         y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _xload(xq, pn, KH, EVEN)
-        mbarrier.wait(ready.index(sl), (j // STAGES) & 1)
-        q = words.index(sl).load(WL)
+        sl, q = _take(words, ready, j, STAGES, WL)
         _barrier()
         if j + STAGES < n:
             _issue(w_desc, words, ready, pid_n, first + j + STAGES, sl, CW, ROWS)
