@@ -33,3 +33,5 @@ def test_readme_quickstart_runs(tmp_path):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "max |y - ref|:" in proc.stdout and "'quantized': ['0', '2']" in proc.stdout
+    # a user pastes it into their own directory: it must leave nothing there (issue 37: model.pt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["quickstart.py"]
