@@ -64,7 +64,7 @@ def plain_context() -> bool:
                 or profiler())
 
 
-# Batch-invariant mode (README "Batch invariance"): every M of a W4A16 problem, and of a W4A8
+# Batch-invariant mode (docs/batch_invariance.md): every M of a W4A16 problem, and of a W4A8
 # problem with fp8 activations, runs one tensor-core tile with one K order (ops/w4a16.py
 # invariant_config), so a token's output does not depend on the batch it is in. W4A8 with int8
 # activations is batch-invariant without it (exact int32 accumulation, one epilogue).
