@@ -23,6 +23,7 @@ import sailfish
 import sailfish.ops.w4a16 as ops16
 from helpers import assert_close_per_element, make_g_idx, random_quantized
 from sailfish import QuantLinear, QuantLinearW4A8, batch_invariant_mode
+from sailfish.tuning import clear_caches
 
 F16, BF16 = torch.float16, torch.bfloat16
 # (lo, hi) row slices of one batch of M = 150: single tokens, small batches, every M bucket
@@ -38,7 +39,8 @@ def _mode_restored():
 
 @pytest.fixture
 def invariant_calls(monkeypatch):
-    """The Ms for which the launchers took batch-invariant mode's config."""
+    """(M, config) for each call in which the launchers took batch-invariant mode's config."""
+    clear_caches()  # a plan cached by an earlier test of the same problem would skip the choice
     calls = []
     real = ops16.invariant_config
 
