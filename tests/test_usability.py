@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from helpers import (DTYPE_NAMES, UNIT_ROUNDOFF, assert_close_per_element, elementwise_bound,
-                     make_g_idx, random_quantized)
+                     make_g_idx, random_checkpoint_weight, random_quantized)
 from sailfish import QuantLinear, QuantLinearW4A8, quantize_model, to_gptq
 from sailfish.formats.qqq import quantize_qqq
 
@@ -206,7 +206,7 @@ def test_quantize_model_dtype_errors():
 # error messages
 # ----------------------------------------------------------------------------------
 def test_from_gptq_blames_the_right_tensor():
-    t = to_gptq(random_quantized(256, 64, 128, True, F16))
+    t = to_gptq(random_checkpoint_weight(256, 64, 128, True, F16))
     with pytest.raises(ValueError, match=r"scales has 3 groups but K=256 with group_size=128 needs .* = 2"):
         QuantLinear.from_gptq(t["qweight"], t["qzeros"], torch.ones(3, 64, dtype=F16))
     with pytest.raises(ValueError, match=r"qzeros must have shape \(G=2, N/8=8\), got \(2, 4\)"):
@@ -216,7 +216,7 @@ def test_from_gptq_blames_the_right_tensor():
 
 
 def test_bias_validation():
-    qw = random_quantized(256, 64, 128, True, F16)
+    qw = random_checkpoint_weight(256, 64, 128, True, F16)
     wrong = r"bias must have shape \(out_features,\) = \(64,\), got \(32,\)"
     with pytest.raises(ValueError, match=wrong):
         QuantLinear.from_quantized(qw, torch.zeros(32, dtype=F16))

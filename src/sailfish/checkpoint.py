@@ -2,6 +2,7 @@
 
     model = sailfish.load_quantized("Llama-3-8B-GPTQ", device="cuda")   # GPTQ or AWQ
     sailfish.save_quantized(model, "out")                               # GPTQ checkpoint
+    sailfish.save_quantized(model, "out-awq", format="awq")             # AWQ GEMM checkpoint
 
 load_quantized builds the model from config.json with transformers, its parameters on the
 meta device (buffers such as the rotary frequencies are computed for real), puts a
@@ -19,18 +20,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
-from .formats.gptq import to_gptq
-from .formats.int4 import GROUP_SIZES, HALF_DTYPES, num_groups
+from .formats.awq import from_awq, to_awq
+from .formats.gptq import CHECKPOINT_FORMATS, from_gptq, to_gptq
+from .formats.int4 import GROUP_SIZES, HALF_DTYPES, QuantizedWeight, num_groups
 from .nn import QuantLinear, QuantLinearW4A8, check_shape
 
-SUPPORTED = ('quant_method "gptq" (bits 4, checkpoint_format "gptq") or "awq" '
-             '(bits 4, version "gemm", zero_point true)')
+SUPPORTED = ('quant_method "gptq" (bits 4, checkpoint_format "gptq" or "gptq_v2") or "awq" '
+             '(bits 4, version "gemm", zero_point true or false)')
+SAVE_FORMATS = ("gptq", "awq")
 _INT = ("I32",)
 _HALF = ("F16", "BF16")
 _DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
@@ -50,6 +54,8 @@ def _require_hf():
 class _Spec:
     method: str  # "gptq" or "awq"
     group_size: int
+    checkpoint_format: str  # GPTQ: "gptq" (v1) or "gptq_v2"
+    zero_point: bool  # AWQ: false = symmetric (qzeros all 8)
     desc_act: bool
     not_convert: Tuple[str, ...]
 
@@ -72,9 +78,10 @@ def _parse_quant_config(qc) -> _Spec:
         raise _field_error("group_size", group_size, f"group sizes {GROUP_SIZES}")
     if method == "gptq":
         key = "checkpoint_format" if "checkpoint_format" in qc else "format"
-        fmt = qc.get(key) or "gptq"
-        if str(fmt).lower() != "gptq":
-            raise _field_error(key, fmt, 'GPTQ checkpoint_format "gptq" (v1: zeros stored minus 1)')
+        fmt = str(qc.get(key) or "gptq").lower()
+        if fmt not in CHECKPOINT_FORMATS:
+            raise _field_error(key, qc.get(key), 'GPTQ checkpoint_format "gptq" (v1: zero points stored '
+                               'minus 0x11111111 per word) or "gptq_v2" (stored as they are)')
         if qc.get("dynamic"):
             raise _field_error("dynamic", qc["dynamic"], "one bits / group_size for every layer (no "
                                "per-module overrides)")
@@ -86,12 +93,14 @@ def _parse_quant_config(qc) -> _Spec:
         if str(qc.get("backend") or "").lower() == "llm-awq":
             raise _field_error("backend", qc["backend"], 'AutoAWQ "gemm" checkpoints (llm-awq packs '
                                "differently)")
-        if qc.get("zero_point", True) is not True:
-            raise _field_error("zero_point", qc.get("zero_point"), "AWQ with zero points (zero_point true)")
+        if qc.get("zero_point", True) not in (True, False):
+            raise _field_error("zero_point", qc.get("zero_point"), "zero_point true (AWQ with zero points) "
+                               "or false (symmetric: qzeros all 8)")
     not_convert = qc.get("modules_to_not_convert") or ()
     if isinstance(not_convert, str) or not all(isinstance(s, str) for s in not_convert):
         raise _field_error("modules_to_not_convert", not_convert, "a list of module names")
-    return _Spec(method, group_size, bool(qc.get("desc_act", False)), tuple(not_convert))
+    return _Spec(method, group_size, fmt if method == "gptq" else "", qc.get("zero_point", True) is True,
+                 bool(qc.get("desc_act", False)), tuple(not_convert))
 
 
 def _matches(module_name: str, entry: str) -> bool:
@@ -282,8 +291,9 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
     inference (parameters with requires_grad=False).
 
     Supported: quant_method "gptq" (bits 4, group sizes 32/64/128/256/-1, desc_act true or
-    false, sym true or false, checkpoint_format "gptq") and "awq" (bits 4, version "gemm",
-    zero_point true). Layers with a `qweight` tensor become QuantLinear; every other weight
+    false, sym true or false, checkpoint_format "gptq" (v1, zero points read as GPTQModel
+    reads them) or "gptq_v2") and "awq" (bits 4, version "gemm", zero_point true or false).
+    Layers with a `qweight` tensor become QuantLinear; every other weight
     loads into the transformers model unchanged.
     """
     _require_hf()
@@ -322,11 +332,14 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
             try:
                 if spec.method == "gptq":
                     g_idx = read(f"{name}.g_idx").to(device) if f"{name}.g_idx" in entries else None
-                    layer = QuantLinear.from_gptq(t["qweight"], t["qzeros"], t["scales"], g_idx, bias,
-                                                  group_size=spec.group_size, dtype=dtype)
+                    qw = from_gptq(t["qweight"], t["qzeros"], t["scales"], g_idx, group_size=spec.group_size,
+                                   checkpoint_format=spec.checkpoint_format)
                 else:
-                    layer = QuantLinear.from_awq(t["qweight"], t["qzeros"], t["scales"], bias,
-                                                 group_size=spec.group_size, dtype=dtype)
+                    qw = from_awq(t["qweight"], t["qzeros"], t["scales"], group_size=spec.group_size,
+                                  zero_point=spec.zero_point)
+                if qw.dtype != dtype:
+                    qw = QuantizedWeight(qw.qweight, qw.scales.to(dtype), qw.zeros, qw.g_idx, qw.group_size)
+                layer = QuantLinear.from_quantized(qw, bias)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"{name}: {e}") from e
             model.set_submodule(name, layer)
@@ -347,20 +360,29 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
     return model.to(device).eval()
 
 
-def save_quantized(model: nn.Module, path: str, *, max_shard_size: int = 4 << 30) -> None:
+def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
+                   max_shard_size: int = 4 << 30) -> None:
     """Write `model` (a transformers model whose linear layers are Sailfish QuantLinear) as a
-    GPTQ checkpoint directory that GPTQ loaders (GPTQModel, vLLM, transformers) and
-    load_quantized read: config.json with quantization_config {quant_method "gptq", bits 4,
-    group_size, desc_act, sym, checkpoint_format "gptq"} and safetensors holding, per quantized
-    layer, qweight / qzeros / scales / g_idx (/ bias) (formats.gptq.to_gptq), plus every other
-    weight. Shards of at most max_shard_size bytes, with model.safetensors.index.json when
-    there is more than one.
+    checkpoint directory that load_quantized and the format's own loaders read: config.json
+    with quantization_config, and safetensors holding every quantized layer's tensors (and
+    bias) plus every other weight. Shards of at most max_shard_size bytes, with
+    model.safetensors.index.json when there is more than one.
 
-    All QuantLinear layers must share one group size and one dtype (the GPTQ config has one
-    of each); sym is written true only if every layer is symmetric (a symmetric layer is
-    stored with zero point 8, which reads back as symmetric), desc_act true if any layer has
-    act-order. QuantLinearW4A8 layers cannot be saved (no standard checkpoint format holds
-    them). `path` is created if needed and must not already hold *.safetensors files.
+    format="gptq" (GPTQModel, vLLM, transformers): {quant_method "gptq", bits 4, group_size,
+    desc_act, sym, checkpoint_format}, per layer qweight / qzeros / scales / g_idx
+    (formats.gptq.to_gptq). checkpoint_format is "gptq" (v1, which every GPTQ loader reads)
+    when every zero point is >= 1, else "gptq_v2" (v1 cannot hold a zero point of 0 for
+    loaders that read it per nibble), with a warning naming the layers that need it.
+    format="awq" (AutoAWQ GEMM: transformers, vLLM, GPTQModel): {quant_method "awq", bits 4,
+    group_size, version "gemm", zero_point}, per layer qweight / qzeros / scales
+    (formats.awq.to_awq); no act-order layers, K a multiple of the group size.
+
+    All QuantLinear layers must share one group size and one dtype (the config has one of
+    each); sym / zero_point false are written only if every layer is symmetric (a symmetric
+    layer is stored with zero point 8, which reads back as symmetric), desc_act true if any
+    layer has act-order. A zero point of 16 (no format stores it) and QuantLinearW4A8 layers
+    (no standard checkpoint format holds them) are refused. `path` is created if needed and
+    must not already hold *.safetensors files; nothing is written when a layer is refused.
     """
     _require_hf()
     from safetensors.torch import save_file
@@ -370,6 +392,8 @@ def save_quantized(model: nn.Module, path: str, *, max_shard_size: int = 4 << 30
         raise TypeError(f"model must be a transformers model (with .config), got {type(model).__name__}")
     if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size <= 0:
         raise ValueError(f"max_shard_size={max_shard_size!r} must be a positive number of bytes")
+    if format not in SAVE_FORMATS:
+        raise ValueError(f"format={format!r} is not supported; allowed: {SAVE_FORMATS}")
     w4a8 = [n for n, m in model.named_modules() if isinstance(m, QuantLinearW4A8)]
     if w4a8:
         raise TypeError(f"{w4a8[0]} is a QuantLinearW4A8: W4A8 (QQQ) layers have no standard checkpoint "
@@ -383,15 +407,18 @@ def save_quantized(model: nn.Module, path: str, *, max_shard_size: int = 4 << 30
         if len(distinct) > 1:
             example = {v: next(n for n in values if values[n] == v) for v in distinct}
             raise ValueError(f"the QuantLinear layers have different {what} {distinct} (e.g. {example}); "
-                             f"a GPTQ checkpoint has one for the whole model")
+                             f"a {format} checkpoint has one for the whole model")
     first = next(iter(layers.values()))
     if os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path)):
         raise FileExistsError(f"{path} already holds *.safetensors files; save into an empty directory")
 
+    weights = {name: layer.quantized_weight() for name, layer in layers.items()}
+    zero_0 = [n for n, qw in weights.items() if qw.zeros is not None and bool((qw.zeros == 0).any())]
+    checkpoint_format = "gptq_v2" if zero_0 else "gptq"
     tensors: Dict[str, torch.Tensor] = {}
     for name, layer in layers.items():
         try:
-            packed = to_gptq(layer.quantized_weight())
+            packed = to_gptq(weights[name], checkpoint_format) if format == "gptq" else to_awq(weights[name])
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from e
         if layer.bias is not None:
@@ -429,13 +456,19 @@ def save_quantized(model: nn.Module, path: str, *, max_shard_size: int = 4 << 30
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in layers]
     cfg = config.to_dict()
     cfg["dtype" if "dtype" in cfg else "torch_dtype"] = str(first.dtype).removeprefix("torch.")
-    cfg["quantization_config"] = {
-        "quant_method": "gptq", "bits": 4, "group_size": first.group_size,
-        "desc_act": any(m.act_order for m in layers.values()),
-        "sym": all(m.sym for m in layers.values()),
-        "checkpoint_format": "gptq",
-        "lm_head": "lm_head" in layers,
-        "modules_to_not_convert": linears or None,
-    }
+    sym = all(m.sym for m in layers.values())
+    if format == "gptq":
+        qc = {"quant_method": "gptq", "bits": 4, "group_size": first.group_size,
+              "desc_act": any(m.act_order for m in layers.values()), "sym": sym,
+              "checkpoint_format": checkpoint_format, "lm_head": "lm_head" in layers}
+    else:
+        qc = {"quant_method": "awq", "bits": 4, "group_size": first.group_size, "version": "gemm",
+              "zero_point": not sym}
+    cfg["quantization_config"] = dict(qc, modules_to_not_convert=linears or None)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
+    if format == "gptq" and zero_0:
+        warnings.warn(f"sailfish: save_quantized wrote checkpoint_format \"gptq_v2\" (zero points stored as "
+                      f"they are), not v1: {len(zero_0)} layer(s) have a zero point of 0, which v1 loaders "
+                      f"that read zero points per nibble misread (e.g. {zero_0[0]}); GPTQModel reads "
+                      f"gptq_v2", stacklevel=2)

@@ -196,11 +196,14 @@ class QuantLinear(nn.Module):
     @classmethod
     def from_gptq(cls, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                   g_idx: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, *,
-                  bits: int = 4, group_size: int = 128, dtype: Optional[torch.dtype] = None) -> "QuantLinear":
-        """Load GPTQ checkpoint tensors (formats.gptq). dtype: layer dtype, default scales.dtype."""
+                  bits: int = 4, group_size: int = 128, dtype: Optional[torch.dtype] = None,
+                  checkpoint_format: str = "gptq") -> "QuantLinear":
+        """Load GPTQ checkpoint tensors (formats.gptq; checkpoint_format "gptq" = v1 or "gptq_v2").
+        dtype: layer dtype, default scales.dtype."""
         shape = (qweight.shape[0] * 8, qweight.shape[1]) if qweight.dim() == 2 else None
         return cls._from_checkpoint(shape, dtype, bias, lambda: _read_gptq(
-            qweight, qzeros, scales, g_idx, bits=bits, group_size=group_size))
+            qweight, qzeros, scales, g_idx, bits=bits, group_size=group_size,
+            checkpoint_format=checkpoint_format))
 
     @classmethod
     def from_awq(cls, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,

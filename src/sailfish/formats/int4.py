@@ -58,8 +58,9 @@ class QuantizedWeight:
 
     qweight: uint8 (N, K), codes in [0, 15].
     scales:  float16 or bfloat16 (G, N); G = ceil(K / group_size), or more with a g_idx.
-    zeros:   uint8 (G, N) in [0, 16] (16 occurs in GPTQ checkpoints, which store
-             zero - 1 in a nibble), or None for symmetric (zero point 8).
+    zeros:   uint8 (G, N) in [0, 16], or None for symmetric (zero point 8). Checkpoint
+             formats hold 0..15; 16 is what Sailfish before the whole-word reading of GPTQ
+             v1 zero points (formats/gptq.py) made of a stored 15, kept loadable.
     g_idx:   int32 (K,), group of each input channel, or None for k // group_size.
     group_size: 32, 64, 128, 256 or -1 (per output channel).
     """
