@@ -185,9 +185,9 @@ def write_checkpoint(path, config, tensors, quant_config, shards="single"):
 
 
 def make_quantized(path, method="gptq", gs=64, sym=False, desc_act=False, shards="single", tie=False,
-                   hidden=128, inter=256, extra_qc=None, seed=0, checkpoint_format="gptq"):
+                   hidden=128, inter=256, extra_qc=None, seed=0, checkpoint_format="gptq", **config_kw):
     """Write a checkpoint; return the fp16 reference model holding the dequantized weights."""
-    config = tiny_config(hidden, inter, tie)
+    config = tiny_config(hidden, inter, tie, **config_kw)
     ref = reference_model(config)
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
@@ -264,12 +264,63 @@ def test_load_quantized_kernels(tmp_path, device):
     assert rel_err(logits(model.to(device), seq=2), logits(ref.to(device), seq=2)) <= TOL[F16]
 
 
-def test_load_quantized_bf16(tmp_path, reference_path):
-    make_quantized(tmp_path, "awq", 64)
-    model = load_quantized(str(tmp_path), dtype=torch.bfloat16)
-    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_load_quantized_fp16_scales_into_bf16(tmp_path, reference_path, method):
+    """fp16 scales (GPTQModel writes them even for bf16 models) in a bf16 model: refused by
+    default, naming the tensor and the opt-in; allow_lossy_scales=True rounds them and warns
+    once with the largest relative change of a dequantized weight against the format's own
+    dequantization in bf16 (fp16 scale times (q - z), rounded to bf16), and of a bias value."""
+    make_quantized(tmp_path, method, 32, desc_act=method == "gptq", hidden=64, inter=128, attention_bias=True)
+    _edit_tensors(tmp_path, lambda t: t.update({k: torch.randn(v.shape).half() for k, v in t.items()
+                                                if k.endswith("proj.bias")}))
+    with pytest.raises(ValueError, match=r"model.layers.\d.\w+.\w+_proj: scales: \d+ of \d+ torch.float16 values are "
+                                         r"not exactly representable in torch.bfloat16 \(first: .*\); allowed: an exact "
+                                         r"cast, or load_quantized\(\.\.\., dtype=torch.bfloat16, allow_lossy_scales=True\)"):
+        load_quantized(str(tmp_path), dtype=BF16)
+    exact = load_quantized(str(tmp_path), dtype=F16)  # the checkpoint's own dtype: exact
+    with pytest.warns(UserWarning, match=r"load_quantized with allow_lossy_scales=True rounded torch.float16 scales "
+                                         r"to torch.bfloat16 in 14 of 14 quantized layers \(largest in .*\): the "
+                                         r"largest relative change of a dequantized weight is [\d.e-]+, of a bias "
+                                         r"value [\d.e-]+") as rec:
+        model = load_quantized(str(tmp_path), dtype=BF16, allow_lossy_scales=True)
+    weight_change = bias_change = 0.0
+    for name, layer in model.named_modules():
+        if not isinstance(layer, QuantLinear):
+            continue
+        qw = exact.get_submodule(name).quantized_weight()
+        g = qw.group_index()
+        z = 8.0 if qw.zeros is None else qw.zeros.double()[g].T
+        codes = qw.qweight.double() - z
+        own = (qw.scales.double()[g].T * codes).to(BF16).double()  # fp16 scales, bf16 weight
+        got = (qw.scales.to(BF16).double()[g].T * codes).to(BF16).double()
+        assert layer.dtype == BF16 and torch.equal(layer.dequantize().double(), got), name
+        weight_change = max(weight_change, ((got - own).abs()[own != 0] / own.abs()[own != 0]).max().item())
+        if layer.bias is not None:  # attention projections
+            b16 = exact.get_submodule(name).bias.double()
+            bias_change = max(bias_change, ((layer.bias.double() - b16).abs() / b16.abs()).max().item())
+    said = str(rec[0].message)
+    assert f"weight is {weight_change:.3g}, of a bias value {bias_change:.3g}" in said
+    assert 0 < weight_change <= 3.1 * 2 ** -8  # three roundings to bf16 (unit roundoff 2**-8)
+
+
+def test_load_quantized_exact_scales_into_bf16(tmp_path, reference_path):
+    """fp16 scales that bf16 holds exactly (powers of two) load into a bf16 model without a
+    word, and the weights are the format's own dequantization in bf16."""
+    make_quantized(tmp_path, "awq", 64, hidden=64, inter=128)
+    _edit_tensors(tmp_path, lambda t: t.update({k: torch.exp2(torch.randint(-10, -4, v.shape).float()).half()
+                                                for k, v in t.items() if k.endswith(".scales")}))
+    exact = load_quantized(str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = load_quantized(str(tmp_path), dtype=BF16)
+    assert model.model.embed_tokens.weight.dtype == BF16
     layer = model.model.layers[1].mlp.up_proj
-    assert layer.dtype == torch.bfloat16 and layer.scales.dtype == torch.bfloat16
+    assert layer.dtype == BF16 and layer.scales.dtype == BF16
+    qw = exact.model.layers[1].mlp.up_proj.quantized_weight()
+    assert torch.equal(layer.dequantize(), qw.dequantize(rounded=False).to(BF16).float())
     assert logits(model).isfinite().all()
 
 

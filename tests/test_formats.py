@@ -248,12 +248,22 @@ def test_from_gptq_g_idx_optional():
 
 
 def test_from_gptq_layer_dtype_bf16():
+    """fp16 scales into a bf16 layer: refused unless allow_lossy_scales=True, which warns;
+    scales bf16 holds exactly convert without a word."""
     np.random.seed(2)
     q, zs, scales, g_idx = random_gptq(256, 64, 128, "asym")
     qweight, qzeros = gptq_pack(q, zs)
-    layer = QuantLinear.from_gptq(qweight, qzeros, scales, g_idx, group_size=128, dtype=BF16)
+    with pytest.raises(ValueError, match=r"scales: \d+ of 128 torch.float16 values are not exactly representable in "
+                                         r"torch.bfloat16 .* allow_lossy_scales=True"):
+        QuantLinear.from_gptq(qweight, qzeros, scales, g_idx, group_size=128, dtype=BF16)
+    with pytest.warns(UserWarning, match="from_gptq / from_awq with allow_lossy_scales=True rounded torch.float16"):
+        layer = QuantLinear.from_gptq(qweight, qzeros, scales, g_idx, group_size=128, dtype=BF16,
+                                      allow_lossy_scales=True)
     assert layer.dtype == BF16
     assert torch.equal(layer.dequantize(), gptq_dequant(q, zs, scales.to(BF16), g_idx, BF16))
+    pow2 = torch.exp2(torch.randint(-10, -4, scales.shape).float()).half()
+    layer = QuantLinear.from_gptq(qweight, qzeros, pow2, g_idx, group_size=128, dtype=BF16)
+    assert torch.equal(layer.dequantize(), gptq_dequant(q, zs, pow2, g_idx, BF16))
 
 
 @pytest.mark.parametrize("sym,gidx,fmt", [(True, "none", "gptq"), (False, "none", "gptq"),

@@ -29,7 +29,7 @@ from torch import nn
 
 from .formats.awq import from_awq, to_awq
 from .formats.gptq import CHECKPOINT_FORMATS, from_gptq, to_gptq
-from .formats.int4 import GROUP_SIZES, HALF_DTYPES, QuantizedWeight, num_groups
+from .formats.int4 import GROUP_SIZES, HALF_DTYPES, cast_scales, checked_cast, num_groups, relative_change, warn_lossy_cast
 from .nn import QuantLinear, QuantLinearW4A8, check_shape
 
 SUPPORTED = ('quant_method "gptq" (bits 4, checkpoint_format "gptq" or "gptq_v2") or "awq" '
@@ -279,14 +279,20 @@ def _plan(model: nn.Module, entries: Dict[str, _Entry], spec: _Spec) -> _Plan:
 
 
 # -- public API ---------------------------------------------------------------------------
-def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cpu") -> nn.Module:
+def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cpu",
+                   allow_lossy_scales: bool = False) -> nn.Module:
     """Load a GPTQ or AWQ checkpoint directory (Hugging Face layout) as a model whose
     quantized linear layers are Sailfish QuantLinear modules.
 
     path: a local directory with config.json (holding quantization_config) and one or more
     *.safetensors files (with or without model.safetensors.index.json).
     dtype: activation / layer dtype, float16 or bfloat16; default the config's dtype when it
-    is one of those, else float16. GPTQ / AWQ scales are cast to it.
+    is one of those, else float16. Quantized layers' scales and biases are cast to it when
+    that is exact; a checkpoint whose scales it cannot hold exactly (GPTQModel writes fp16
+    scales for bf16 models) raises ValueError naming the tensor, unless
+    allow_lossy_scales=True, which rounds them and warns once with the largest relative
+    change of any dequantized weight (pass dtype=torch.float16 to run them exactly).
+    The other weights are cast to dtype, as transformers does.
     device: where the model lives ("cpu", "cuda", ...). Returns the model in eval mode, for
     inference (parameters with requires_grad=False).
 
@@ -326,9 +332,12 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
         for key in plan.zero_biases:
             if bool(read(key).any()):
                 raise ValueError(f"{key} is not zero, but the model's layer has no bias")
+        how = f"load_quantized(..., dtype={dtype}, allow_lossy_scales=True)"
+        lossy = {}  # layer -> (largest relative change of a weight, of a bias value)
         for name, linear in plan.layers.items():
             t = {s: read(f"{name}.{s}").to(device) for s in _layer_tensors(spec, linear)}
             bias = read(f"{name}.bias").to(device) if linear.bias is not None else None
+            src = t["scales"].dtype
             try:
                 if spec.method == "gptq":
                     g_idx = read(f"{name}.g_idx").to(device) if f"{name}.g_idx" in entries else None
@@ -337,8 +346,13 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
                 else:
                     qw = from_awq(t["qweight"], t["qzeros"], t["scales"], group_size=spec.group_size,
                                   zero_point=spec.zero_point)
-                if qw.dtype != dtype:
-                    qw = QuantizedWeight(qw.qweight, qw.scales.to(dtype), qw.zeros, qw.g_idx, qw.group_size)
+                qw, change = cast_scales(qw, dtype, allow_lossy_scales=allow_lossy_scales, field="scales", how=how)
+                bias_change = 0.0
+                if bias is not None:
+                    cast, _ = checked_cast(bias, dtype, "bias", allow_lossy_scales=allow_lossy_scales, how=how)
+                    bias, bias_change = cast, relative_change(bias, cast)
+                if change or bias_change:
+                    lossy[name] = (change, bias_change)
                 layer = QuantLinear.from_quantized(qw, bias)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"{name}: {e}") from e
@@ -354,6 +368,10 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
             owner, _, attr = key.rpartition(".")
             module = model.get_submodule(owner) if owner else model
             module._buffers[attr] = read(key).to(dtype=module._buffers[attr].dtype)
+    if lossy:
+        worst = max(lossy, key=lambda n: lossy[n][0])
+        warn_lossy_cast("load_quantized", src, dtype, lossy[worst][0], max(b for _, b in lossy.values()),
+                        f" in {len(lossy)} of {len(plan.layers)} quantized layers (largest in {worst})")
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:  # _plan accounts for every parameter; this guards against a model that re-creates some
         raise RuntimeError(f"parameters left unloaded: {left[:5]}")
