@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from .gptq import _unpack_nibbles, check_packed, check_scales, check_zeros_fit
+from .gptq import check_packed, check_scales, check_zeros_fit
 from .int4 import QuantizedWeight
-from .nibbles import pack_nibbles
+from .nibbles import pack_nibbles, unpack_along
 
 # Nibble i (bits 4 * i) of a word holds output channel 8c + AWQ_ORDER[i].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -32,7 +32,7 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 def _unpack_awq(words: torch.Tensor) -> torch.Tensor:
     """int32 (R, C) -> uint8 (R, 8C), column 8c + j being output channel 8c + j."""
-    nibbles = _unpack_nibbles(words, dim=1).reshape(words.shape[0], words.shape[1], 8)
+    nibbles = unpack_along(words, dim=1).reshape(words.shape[0], words.shape[1], 8)
     cols = torch.empty_like(nibbles)
     cols[..., list(AWQ_ORDER)] = nibbles  # channel AWQ_ORDER[i] <- nibble i
     return cols.reshape(words.shape[0], words.shape[1] * 8)

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from .int4 import QuantizedWeight, _check_bits, _check_group_size, default_g_idx, num_groups
-from .nibbles import pack_nibbles, unpack_nibbles
+from .nibbles import pack_along, unpack_along
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 _V1_OFFSET = 0x11111111  # v1 stores the zero-point word minus one in every nibble
@@ -45,31 +45,14 @@ def _add_words(words: torch.Tensor, delta: int) -> torch.Tensor:
     return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
 
 
-def _unpack_nibbles(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """int32 tensor -> uint8 nibbles, 8 per word, expanded along `dim` (low nibble first)."""
-    q = unpack_nibbles(t)  # (R, C, 8)
-    if dim == 0:  # (R, C, 8) -> (R, 8, C) -> (8R, C)
-        return q.permute(0, 2, 1).reshape(t.shape[0] * 8, t.shape[1])
-    return q.reshape(t.shape[0], t.shape[1] * 8)  # (R, C, 8) -> (R, 8C)
-
-
-def _pack_nibbles(q: torch.Tensor, dim: int) -> torch.Tensor:
-    """Inverse of `_unpack_nibbles`: codes in [0, 15] -> int32 words."""
-    if dim == 0:
-        q = q.reshape(q.shape[0] // 8, 8, q.shape[1]).permute(0, 2, 1)
-    else:
-        q = q.reshape(q.shape[0], q.shape[1] // 8, 8)
-    return pack_nibbles(q).contiguous()
-
-
-def check_scales(scales: torch.Tensor) -> None:
-    """Checkpoint scales (G, N) must be finite and > 0: GPTQ and AWQ quantizers never write
-    anything else, so a NaN or negative scale is a corrupt file, never a weight to run."""
+def check_scales(scales: torch.Tensor, name: str = "scales") -> None:
+    """Checkpoint scales must be finite and > 0: GPTQ, AWQ and compressed-tensors quantizers
+    never write anything else, so a NaN or negative scale is a corrupt file, never a weight."""
     bad = ~(scales.isfinite() & (scales > 0))
     if bool(bad.any()):
-        g, n = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"scales must be finite and > 0; {int(bad.sum())} of {scales.numel()} are not "
-                         f"(first: scales[{g}, {n}] = {scales[g, n].item()!r})")
+        i, j = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{name} must be finite and > 0; {int(bad.sum())} of {scales.numel()} are not "
+                         f"(first: {name}[{i}, {j}] = {scales[i, j].item()!r})")
 
 
 def check_packed(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, bits: int,
@@ -118,10 +101,10 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
         g_idx = g_idx.to(torch.int32)
         if torch.equal(g_idx, default_g_idx(k, group_size, g_idx.device)):
             g_idx = None  # plain k // group_size order: no act-order
-    q = _unpack_nibbles(qweight, dim=0).T.contiguous()  # (N, K)
+    q = unpack_along(qweight, dim=0).T.contiguous()  # (N, K)
     if checkpoint_format == "gptq":
         qzeros = _add_words(qzeros, _V1_OFFSET)
-    zeros = _unpack_nibbles(qzeros, dim=1)  # (G, N)
+    zeros = unpack_along(qzeros, dim=1)  # (G, N)
     if bool((zeros == 8).all()):
         zeros = None  # symmetric checkpoint
     return QuantizedWeight(q, scales.contiguous(), zeros, g_idx, group_size)
@@ -146,9 +129,9 @@ def to_gptq(qw: QuantizedWeight, checkpoint_format: str = "gptq") -> dict:
     if checkpoint_format == "gptq" and bool((zeros == 0).any()):
         raise ValueError('a zero point of 0 cannot be stored in checkpoint_format "gptq" (v1 stores '
                          'zero - 1, which per-nibble readers misread); allowed: "gptq_v2"')
-    qzeros = _pack_nibbles(zeros, dim=1)
+    qzeros = pack_along(zeros, dim=1)
     return {
-        "qweight": _pack_nibbles(qw.qweight.T.contiguous(), dim=0),
+        "qweight": pack_along(qw.qweight.T.contiguous(), dim=0),
         "qzeros": _add_words(qzeros, -_V1_OFFSET) if checkpoint_format == "gptq" else qzeros,
         "scales": qw.scales.contiguous(),
         "g_idx": qw.group_index().to(torch.int32),
