@@ -240,7 +240,7 @@ def reference_model(config):
     return AutoModelForCausalLM.from_config(config, dtype=F16).eval()
 
 
-def quantize_layer(method, linear, gs, sym, desc_act, rng, checkpoint_format="gptq"):
+def quantize_layer(method, linear, gs, sym, desc_act, rng, checkpoint_format="gptq", zero_low=0):
     """Random codes, zeros and scales for one layer: its checkpoint tensors (packed from the
     spec; zero points 0 and 15 occur) and its effective weight, which goes into the reference
     model. AWQ sym: GPTQModel's symmetric AWQ (qzeros all 8). method "ct": compressed-tensors
@@ -264,7 +264,7 @@ def quantize_layer(method, linear, gs, sym, desc_act, rng, checkpoint_format="gp
         zeros = np.full((g, n), 8, np.uint8) if sym else rng.integers(0, 16, (g, n)).astype(np.uint8)
         return ({"qweight": awq_pack(q), "qzeros": awq_pack(zeros), "scales": scales},
                 awq_dequant(q, zeros, scales, gs))
-    zeros = np.full((g, n), 8, np.uint8) if sym else rng.integers(0, 16, (g, n)).astype(np.uint8)
+    zeros = np.full((g, n), 8, np.uint8) if sym else rng.integers(zero_low, 16, (g, n)).astype(np.uint8)
     g_idx = desc_act_g_idx(k, gs) if desc_act else torch.arange(k, dtype=torch.int32) // gs
     qweight, qzeros = gptq_pack(q, zeros, checkpoint_format)
     return ({"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx},
@@ -290,7 +290,8 @@ def write_checkpoint(path, config, tensors, quant_config, shards="single"):
 
 
 def make_quantized(path, method="gptq", gs=64, sym=False, desc_act=False, shards="single", tie=False,
-                   hidden=128, inter=256, extra_qc=None, seed=0, checkpoint_format="gptq", **config_kw):
+                   hidden=128, inter=256, extra_qc=None, seed=0, checkpoint_format="gptq", zero_low=0,
+                   **config_kw):
     """Write a checkpoint; return the fp16 reference model holding the dequantized weights."""
     config = tiny_config(hidden, inter, tie, **config_kw)
     ref = reference_model(config)
@@ -304,7 +305,7 @@ def make_quantized(path, method="gptq", gs=64, sym=False, desc_act=False, shards
         for proj in PROJ:
             name = f"model.layers.{i}.{proj}"
             linear = ref.get_submodule(name)
-            packed, w = quantize_layer(method, linear, gs, sym, desc_act, rng, checkpoint_format)
+            packed, w = quantize_layer(method, linear, gs, sym, desc_act, rng, checkpoint_format, zero_low)
             with torch.no_grad():
                 linear.weight.copy_(w.to(F16))
             del tensors[f"{name}.weight"]
@@ -389,7 +390,8 @@ def test_load_quantized_fp16_scales_into_bf16(tmp_path, reference_path, method):
                                                 if k.endswith("proj.bias")}))
     with pytest.raises(ValueError, match=r"model.layers.\d.\w+.\w+_proj: scales: \d+ of \d+ torch.float16 values are "
                                          r"not exactly representable in torch.bfloat16 \(first: .*\); allowed: an exact "
-                                         r"cast, or load_quantized\(\.\.\., dtype=torch.bfloat16, allow_lossy_scales=True\)"):
+                                         r"cast, or load_quantized\(\.\.\., allow_lossy_scales=True\) \(dtype=torch.float16 "
+                                         r"keeps them exact\), which rounds them"):
         load_quantized(str(tmp_path), dtype=BF16)
     exact = load_quantized(str(tmp_path), dtype=F16)  # the checkpoint's own dtype: exact
     with pytest.warns(UserWarning, match=r"load_quantized with allow_lossy_scales=True rounded torch.float16 scales "
@@ -752,15 +754,17 @@ def test_save_quantized_errors(tmp_path):
         save_quantized(model, str(tmp_path))
 
 
-@pytest.mark.parametrize("method,sym,desc_act,fmt", [
-    ("gptq", True, True, "gptq"), ("gptq", False, True, "gptq_v2"), ("awq", False, False, None),
-    ("awq", True, False, None), ("ct", False, True, None), ("ct", True, False, None)],
-    ids=["gptq-sym-descact", "gptq_v2-asym-descact", "awq", "awq-sym", "ct-asym-actorder", "ct-sym"])
-def test_save_back_byte_identical(tmp_path, reference_path, method, sym, desc_act, fmt):
+@pytest.mark.parametrize("method,sym,desc_act,fmt,zero_low", [
+    ("gptq", True, True, "gptq", 0), ("gptq", False, False, "gptq", 1), ("gptq", False, True, "gptq_v2", 0),
+    ("awq", False, False, None, 0), ("awq", True, False, None, 0), ("ct", False, True, None, 0),
+    ("ct", True, False, None, 0)],
+    ids=["gptq-sym-descact", "gptq-asym", "gptq_v2-asym-descact", "awq", "awq-sym", "ct-asym-actorder", "ct-sym"])
+def test_save_back_byte_identical(tmp_path, reference_path, method, sym, desc_act, fmt, zero_low):
     """A checkpoint written by the independent packers, loaded and saved back in its own
-    format, gives the same tensors byte for byte (the asymmetric GPTQ one has zero points of
-    0, so it is gptq_v2 both ways, with a warning on save)."""
-    make_quantized(tmp_path / "in", method, 32, sym, desc_act, hidden=64, inter=128, checkpoint_format=fmt)
+    format, gives the same tensors byte for byte (GPTQ asymmetric with zero points >= 1 is
+    v1 both ways; with zero points of 0 it is gptq_v2 both ways, with a warning on save)."""
+    make_quantized(tmp_path / "in", method, 32, sym, desc_act, hidden=64, inter=128, checkpoint_format=fmt,
+                   zero_low=zero_low)
     model = load_quantized(str(tmp_path / "in"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

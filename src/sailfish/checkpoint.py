@@ -413,7 +413,6 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
         for key in plan.zero_biases:
             if bool(read(key).any()):
                 raise ValueError(f"{key} is not zero, but the model's layer has no bias")
-        how = f"load_quantized(..., dtype={dtype}, allow_lossy_scales=True)"
         lossy = {}  # layer -> (largest relative change of a weight, of a bias value)
         for name, linear in plan.layers.items():
             t = {s: read(f"{name}.{s}").to(device) for s in _layer_tensors(spec, linear)}
@@ -431,6 +430,7 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
                     qw = from_awq(t["qweight"], t["qzeros"], t["scales"], group_size=spec.group_size,
                                   zero_point=spec.zero_point)
                 src = qw.dtype
+                how = f"load_quantized(..., allow_lossy_scales=True) (dtype={src} keeps them exact)"
                 qw, change = cast_scales(qw, dtype, allow_lossy_scales=allow_lossy_scales, how=how)
                 bias_change = 0.0
                 if bias is not None:

@@ -211,7 +211,7 @@ def checked_cast(t: torch.Tensor, dtype: torch.dtype, field: str, *, allow_lossy
     if bool(bad.any()) and not allow_lossy_scales:
         raise ValueError(f"{field}: {int(bad.sum())} of {t.numel()} {t.dtype} values are not exactly "
                          f"representable in {dtype} (first: {t[bad][0].item()!r}); allowed: an exact cast, "
-                         f"or {how} (rounds them and warns with the largest change)")
+                         f"or {how}, which rounds them and warns with the largest change")
     return t.to(dtype), bool(bad.any())
 
 
