@@ -68,6 +68,17 @@ def random_quantized(k: int, n: int, group_size: int, sym: bool, dtype: torch.dt
     return QuantizedWeight(q, scales, zeros, g_idx, group_size)
 
 
+def random_checkpoint_weight(k: int, n: int, group_size: int, sym: bool, dtype: torch.dtype,
+                             g_idx: Optional[torch.Tensor] = None, device=None, min_zero: int = 1) -> QuantizedWeight:
+    """random_quantized as checkpoints hold it: scales > 0, zero points in [min_zero, 15]
+    (one nibble; GPTQ v1 needs min_zero=1)."""
+    qw = random_quantized(k, n, group_size, sym, dtype, g_idx, device)
+    qw.scales = qw.scales.abs()
+    if qw.zeros is not None:
+        qw.zeros = qw.zeros.clamp(min_zero, 15)
+    return qw
+
+
 # ----------------------------------------------------------------------------------
 # Per-element error bound for a GEMM output y ~ x @ w.T (+ bias)
 # ----------------------------------------------------------------------------------

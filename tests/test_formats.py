@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import DTYPE_NAMES, TOL, make_g_idx, random_quantized, rel_err
+from helpers import DTYPE_NAMES, TOL, make_g_idx, random_checkpoint_weight, random_quantized, rel_err
 from sailfish import QuantLinear, QuantizedWeight, from_gptq, quantize, to_gptq
 from sailfish.formats import pack, unpack
 from sailfish.formats.int4 import num_groups
@@ -132,41 +132,44 @@ def test_pack_trivial_g_idx_is_not_act_order():
 # ----------------------------------------------------------------------------------
 # GPTQ checkpoints: an independent packer written from the format spec
 # ----------------------------------------------------------------------------------
-def gptq_pack(q_kn: np.ndarray, stored_zeros: np.ndarray):
+def gptq_pack(q_kn: np.ndarray, zeros: np.ndarray, checkpoint_format="gptq"):
     """q_kn (K, N) codes -> qweight int32 (K/8, N): channel k is the nibble at bits
-    4*(k%8) of row k//8.  stored_zeros (G, N) -> qzeros int32 (G, N/8): channel n is
-    the nibble at bits 4*(n%8) of column n//8."""
+    4*(k%8) of row k//8.  zeros (G, N), the true zero points in [0, 15] -> qzeros int32
+    (G, N/8): channel n is the nibble at bits 4*(n%8) of the word Z of column n//8; gptq_v2
+    stores Z, v1 (GPTQModel) Z - 0x11111111 modulo 2**32 (a zero point of 0 borrows)."""
     k, n = q_kn.shape
     qweight = np.zeros((k // 8, n), dtype=np.uint32)
     for kk in range(k):
         qweight[kk // 8] |= q_kn[kk].astype(np.uint32) << np.uint32(4 * (kk % 8))
-    g = stored_zeros.shape[0]
-    qzeros = np.zeros((g, n // 8), dtype=np.uint32)
+    g = zeros.shape[0]
+    words = np.zeros((g, n // 8), dtype=np.int64)
     for nn in range(n):
-        qzeros[:, nn // 8] |= stored_zeros[:, nn].astype(np.uint32) << np.uint32(4 * (nn % 8))
-    return torch.from_numpy(qweight.view(np.int32)), torch.from_numpy(qzeros.view(np.int32))
+        words[:, nn // 8] += zeros[:, nn].astype(np.int64) << (4 * (nn % 8))
+    if checkpoint_format == "gptq":
+        words = (words - 0x11111111) % 2**32
+    return torch.from_numpy(qweight.view(np.int32)), torch.from_numpy(words.astype(np.uint32).view(np.int32))
 
 
-def gptq_dequant(q_kn, stored_zeros, scales, g_idx, dtype=F16):
-    """W[n, k] = scales[g, n] * (q[k, n] - (stored_zero[g, n] + 1)), g = g_idx[k], with the
-    product rounded once to the scale dtype (the library's effective weight)."""
+def gptq_dequant(q_kn, zeros, scales, g_idx, dtype=F16):
+    """W[n, k] = scales[g, n] * (q[k, n] - zero[g, n]), g = g_idx[k], with the product
+    rounded once to the scale dtype (the library's effective weight)."""
     g = g_idx.long()
     s = scales.double()[g]  # (K, N)
-    z = torch.from_numpy(stored_zeros.astype(np.float64))[g] + 1
+    z = torch.from_numpy(zeros.astype(np.float64))[g]
     w = s * (torch.from_numpy(q_kn.astype(np.float64)) - z)
     return w.T.to(dtype).float()
 
 
 def random_gptq(k, n, gs, kind):
-    """kind: 'asym' (random stored zeros, with 15 -> zero 16 and 0 -> zero 1 present),
-    'sym' (all stored zeros 7), 'descact' (asym + GPTQ desc_act g_idx)."""
+    """kind: 'asym' (random zero points, 0 and 15 present, 0 in the lowest and the highest
+    nibble of a word), 'sym' (all zero points 8), 'descact' (asym + GPTQ desc_act g_idx)."""
     g = 1 if gs == -1 else -(-k // gs)
     q = np.random.randint(0, 16, size=(k, n)).astype(np.uint8)
     if kind == "sym":
-        zs = np.full((g, n), 7, dtype=np.uint8)
+        zs = np.full((g, n), 8, dtype=np.uint8)
     else:
         zs = np.random.randint(0, 16, size=(g, n)).astype(np.uint8)
-        zs[0, 0], zs[-1, 1] = 15, 0
+        zs[0, 0], zs[-1, 1], zs[0, 7], zs[-1, 8] = 15, 0, 0, 0
     scales = (torch.rand(g, n) * 0.02 + 0.001).to(F16)
     g_idx = make_g_idx("descact" if kind == "descact" else "none", k, gs)
     if g_idx is None:
@@ -174,40 +177,64 @@ def random_gptq(k, n, gs, kind):
     return q, zs, scales, g_idx
 
 
-@pytest.mark.parametrize("k,n,gs,kind", [
-    (256, 64, 128, "asym"),
-    (400, 136, 128, "asym"),
-    (272, 200, 32, "sym"),
-    (400, 64, 64, "descact"),
-    (512, 136, 128, "descact"),
-    (256, 64, -1, "asym"),
-], ids=["K256-N64-g128-asym", "K400-N136-g128-asym", "K272-N200-g32-sym", "K400-N64-g64-descact",
-        "K512-N136-g128-descact", "K256-N64-g-1-asym"])
-def test_from_gptq(k, n, gs, kind, device):
+@pytest.mark.parametrize("k,n,gs,kind,fmt", [
+    (256, 64, 128, "asym", "gptq"),
+    (400, 136, 128, "asym", "gptq_v2"),
+    (272, 200, 32, "sym", "gptq"),
+    (400, 64, 64, "descact", "gptq"),
+    (512, 136, 128, "descact", "gptq_v2"),
+    (256, 64, -1, "asym", "gptq"),
+], ids=["K256-N64-g128-asym", "K400-N136-g128-asym-v2", "K272-N200-g32-sym", "K400-N64-g64-descact",
+        "K512-N136-g128-descact-v2", "K256-N64-g-1-asym"])
+def test_from_gptq(k, n, gs, kind, fmt, device):
     np.random.seed(k + n)
     q, zs, scales, g_idx = random_gptq(k, n, gs, kind)
-    qweight, qzeros = gptq_pack(q, zs)
+    qweight, qzeros = gptq_pack(q, zs, fmt)
     bias = torch.randn(n).to(F16)
     layer = QuantLinear.from_gptq(qweight.to(device), qzeros.to(device), scales.to(device),
-                                  g_idx.to(device), bias.to(device), group_size=gs)
+                                  g_idx.to(device), bias.to(device), group_size=gs, checkpoint_format=fmt)
     assert layer.dtype == F16 and layer.sym == (kind == "sym")
     assert layer.act_order == (kind == "descact")
     expected = gptq_dequant(q, zs, scales, g_idx)
     assert torch.equal(layer.dequantize().cpu(), expected)
+    # saved back byte for byte (v1 holds no zero point of 0, so those layers go to gptq_v2)
+    back = fmt if kind == "sym" else "gptq_v2"
+    t = to_gptq(layer.quantized_weight(), back)
+    want = dict(zip(("qweight", "qzeros"), gptq_pack(q, zs, back)), scales=scales, g_idx=g_idx)
+    assert all(torch.equal(t[key].cpu(), want[key]) for key in want)
     x = torch.randn(5, k).to(F16)
     y = layer(x.to(device)).cpu()
     ref = x.float() @ expected.T + bias.float()
     assert rel_err(y, ref) <= TOL[F16]
 
 
-def test_from_gptq_zero_16():
-    """A stored zero of 15 means zero point 16 (GPTQ stores zero - 1)."""
+@pytest.mark.parametrize("zeros,v1_word", [
+    (range(8), 0x654320FF),                  # 0 in the lowest nibble borrows from the next
+    ((1, 1, 1, 1, 1, 1, 1, 0), 0xF0000000),  # 0 in the highest: the borrow leaves the word
+    ((15,) * 8, 0xEEEEEEEE),                 # no zero point of 0: each nibble is zero - 1
+    ((8,) * 8, 0x77777777),                  # symmetric
+])
+def test_gptq_v1_zero_word_literal(zeros, v1_word):
+    """v1 qzeros words as GPTQModel writes them (the zero-point word minus 0x11111111) read
+    back as whole words: a zero point of 0 and its neighbour are not misread (per nibble + 1
+    would give 16 and one less), and the same zero points in gptq_v2 are the plain word."""
+    v2_word = sum(z << (4 * j) for j, z in enumerate(zeros))
+    assert (v2_word - 0x11111111) % 2**32 == v1_word
     q = np.full((32, 8), 3, dtype=np.uint8)
-    zs = np.full((1, 8), 15, dtype=np.uint8)
-    qweight, qzeros = gptq_pack(q, zs)
-    qw = from_gptq(qweight, qzeros, torch.ones(1, 8, dtype=F16), group_size=32)
-    assert bool((qw.zeros == 16).all())
-    assert bool((qw.dequantize() == -13.0).all())
+    as_int32 = lambda w: torch.tensor([[np.uint32(w).view(np.int32)]])  # noqa: E731
+    for fmt, word in (("gptq", v1_word), ("gptq_v2", v2_word)):
+        qweight, qzeros = gptq_pack(q, np.array([zeros], dtype=np.uint8), fmt)
+        assert torch.equal(qzeros, as_int32(word))
+        qw = from_gptq(qweight, qzeros, torch.ones(1, 8, dtype=F16), group_size=32, checkpoint_format=fmt)
+        got = [8] * 8 if qw.zeros is None else qw.zeros[0].tolist()
+        assert got == list(zeros), fmt
+        assert qw.dequantize()[:, 0].tolist() == [3.0 - z for z in zeros]
+        if fmt == "gptq" and 0 in zeros:  # per-nibble v1 readers would misread it: refused
+            with pytest.raises(ValueError, match='zero point of 0 cannot be stored in checkpoint_format "gptq"'):
+                to_gptq(qw, fmt)
+        else:  # saved back byte for byte
+            t = to_gptq(qw, fmt)
+            assert torch.equal(t["qzeros"], qzeros) and torch.equal(t["qweight"], qweight)
 
 
 def test_from_gptq_g_idx_optional():
@@ -221,37 +248,52 @@ def test_from_gptq_g_idx_optional():
 
 
 def test_from_gptq_layer_dtype_bf16():
+    """fp16 scales into a bf16 layer: refused unless allow_lossy_scales=True, which warns;
+    scales bf16 holds exactly convert without a word."""
     np.random.seed(2)
     q, zs, scales, g_idx = random_gptq(256, 64, 128, "asym")
     qweight, qzeros = gptq_pack(q, zs)
-    layer = QuantLinear.from_gptq(qweight, qzeros, scales, g_idx, group_size=128, dtype=BF16)
+    with pytest.raises(ValueError, match=r"scales: \d+ of 128 torch.float16 values are not exactly representable in "
+                                         r"torch.bfloat16 .* allow_lossy_scales=True"):
+        QuantLinear.from_gptq(qweight, qzeros, scales, g_idx, group_size=128, dtype=BF16)
+    with pytest.warns(UserWarning, match="from_gptq / from_awq with allow_lossy_scales=True rounded torch.float16"):
+        layer = QuantLinear.from_gptq(qweight, qzeros, scales, g_idx, group_size=128, dtype=BF16,
+                                      allow_lossy_scales=True)
     assert layer.dtype == BF16
     assert torch.equal(layer.dequantize(), gptq_dequant(q, zs, scales.to(BF16), g_idx, BF16))
+    pow2 = torch.exp2(torch.randint(-10, -4, scales.shape).float()).half()
+    layer = QuantLinear.from_gptq(qweight, qzeros, pow2, g_idx, group_size=128, dtype=BF16)
+    assert torch.equal(layer.dequantize(), gptq_dequant(q, zs, pow2, g_idx, BF16))
 
 
-@pytest.mark.parametrize("sym,gidx", [(True, "none"), (False, "none"), (False, "descact"),
-                                      (True, "gidx")], ids=["sym", "asym", "asym-descact", "sym-gidx"])
-def test_gptq_roundtrip(sym, gidx):
+@pytest.mark.parametrize("sym,gidx,fmt", [(True, "none", "gptq"), (False, "none", "gptq"),
+                                          (False, "descact", "gptq_v2"), (True, "gidx", "gptq_v2")],
+                         ids=["sym", "asym", "asym-descact-v2", "sym-gidx-v2"])
+def test_gptq_roundtrip(sym, gidx, fmt):
     k, n, gs = 400, 136, 128
-    qw = random_quantized(k, n, gs, sym, F16, make_g_idx(gidx, k, gs))
-    if qw.zeros is not None:
-        qw.zeros.clamp_(min=1)  # GPTQ cannot store a zero point of 0
-    t = to_gptq(qw)
+    qw = random_checkpoint_weight(k, n, gs, sym, F16, make_g_idx(gidx, k, gs), min_zero=1 if fmt == "gptq" else 0)
+    t = to_gptq(qw, fmt)
     assert t["qweight"].shape == (k // 8, n) and t["qweight"].dtype == torch.int32
     assert t["qzeros"].shape == (4, n // 8) and t["qzeros"].dtype == torch.int32
     assert t["g_idx"].shape == (k,) and t["g_idx"].dtype == torch.int32
     # bit-for-bit the layout the independent packer writes
     zeros = np.full((4, n), 8) if sym else qw.zeros.numpy()
-    ref_qweight, ref_qzeros = gptq_pack(qw.qweight.T.numpy(), (zeros - 1).astype(np.uint8))
+    ref_qweight, ref_qzeros = gptq_pack(qw.qweight.T.numpy(), zeros, fmt)
     assert torch.equal(t["qweight"], ref_qweight) and torch.equal(t["qzeros"], ref_qzeros)
-    assert_same_weight(from_gptq(**t, group_size=gs), qw)
+    assert_same_weight(from_gptq(**t, group_size=gs, checkpoint_format=fmt), qw)
 
 
-def test_to_gptq_rejects_zero_point_0():
-    qw = random_quantized(256, 64, 128, False, F16)
-    qw.zeros[0, 0] = 0
-    with pytest.raises(ValueError, match="zero point of 0"):
-        to_gptq(qw)
+@pytest.mark.parametrize("edit,fmt,match", [
+    (lambda qw: qw.zeros.__setitem__((0, 0), 0), "gptq", 'zero point of 0 .* allowed: "gptq_v2"'),
+    (lambda qw: qw.zeros.__setitem__((0, 0), 16), "gptq_v2", r"zero point of 16 .* allowed 0..15"),
+    (lambda qw: qw.scales.__setitem__((1, 2), -0.5), "gptq", r"finite and > 0; 1 of 128 .*scales\[1, 2\] = -0.5"),
+    (lambda qw: None, "gptq_v3", r"checkpoint_format='gptq_v3' is not supported; allowed: \('gptq', 'gptq_v2'\)"),
+], ids=["zero-0-v1", "zero-16", "negative-scale", "format"])
+def test_to_gptq_refusals(edit, fmt, match):
+    qw = random_checkpoint_weight(256, 64, 128, False, F16)
+    edit(qw)
+    with pytest.raises(ValueError, match=match):
+        to_gptq(qw, fmt)
 
 
 # ----------------------------------------------------------------------------------
@@ -312,8 +354,13 @@ def _gptq_args(k=64, n=16, g=2):
     (dict(scales=torch.ones(3, 16, dtype=F16), qzeros=torch.zeros(3, 2, dtype=torch.int32)),
      ValueError, "scales has 3 groups but K=64"),
     (dict(g_idx=torch.zeros(32, dtype=torch.int32)), ValueError, r"g_idx must have shape \(K=64,\)"),
+    (dict(scales=torch.ones(2, 16, dtype=F16).index_put_((torch.tensor(1), torch.tensor(3)), torch.tensor(float("nan"), dtype=F16))),
+     ValueError, r"scales must be finite and > 0; 1 of 32 are not \(first: scales\[1, 3\] = nan\)"),
+    (dict(scales=-torch.ones(2, 16, dtype=F16)), ValueError, r"32 of 32 are not \(first: scales\[0, 0\] = -1.0\)"),
+    (dict(scales=torch.zeros(2, 16, dtype=F16)), ValueError, "scales must be finite and > 0"),
+    (dict(checkpoint_format="gptq_v3"), ValueError, r"checkpoint_format='gptq_v3' is not supported"),
 ], ids=["bits", "group_size", "qweight-dtype", "qzeros-dtype", "scales-dtype", "scales-cols",
-        "qzeros-shape", "groups", "g_idx-shape"])
+        "qzeros-shape", "groups", "g_idx-shape", "scales-nan", "scales-negative", "scales-zero", "format"])
 def test_from_gptq_errors(over, exc, match):
     kw = _gptq_args()
     kw.update(over)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import TOL, make_g_idx, random_quantized, rel_err
+from helpers import TOL, make_g_idx, random_checkpoint_weight, random_quantized, rel_err
 from sailfish import QuantLinear, QuantLinearW4A8, from_gptq, to_gptq
 from sailfish.formats.qqq import quantize_activations, quantize_qqq
 from sailfish.formats.shard import slice_qqq, slice_quantized, slice_weight
@@ -201,8 +201,7 @@ def test_shard_from_gptq_checkpoint(gidx):
     # what a loader does: GPTQ tensors -> canonical weight -> this rank's shard -> one packed
     # shard layer; the same layer as sharding the fully built one
     k, n = 512, 64
-    qw = random_quantized(k, n, 128, False, F16, make_g_idx(gidx, k, 128))
-    qw.zeros.clamp_(min=1)  # GPTQ stores zero - 1: a zero point of 0 has no encoding
+    qw = random_checkpoint_weight(k, n, 128, False, F16, make_g_idx(gidx, k, 128))
     bias = torch.randn(n).to(F16)
     full = QuantLinear.from_quantized(qw, bias)
     ckpt = to_gptq(qw)

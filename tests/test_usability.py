@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from helpers import (DTYPE_NAMES, UNIT_ROUNDOFF, assert_close_per_element, elementwise_bound,
-                     make_g_idx, random_quantized)
-from sailfish import QuantLinear, QuantLinearW4A8, quantize_model, to_gptq
+                     make_g_idx, random_checkpoint_weight, random_quantized)
+from sailfish import QuantLinear, QuantLinearW4A8, QuantizedWeight, quantize_model, to_gptq
 from sailfish.formats.qqq import quantize_qqq
 
 F16, BF16 = torch.float16, torch.bfloat16
@@ -146,11 +146,37 @@ def test_to_dtype_exact(device):
     # fp16 -> bf16: random fp16 scales need 11 significant bits: refused, layer unchanged
     layer = random_layer(256, 64, 64, False, "none", F16, True, device)
     before = buffers(layer)
-    with pytest.raises(ValueError, match=r"scales: \d+ of \d+ values are not exactly representable in torch.bfloat16"):
+    with pytest.raises(ValueError, match=r"scales: \d+ of \d+ torch.float16 values are not exactly representable "
+                                         r"in torch.bfloat16 \(first: .*\); allowed: an exact cast, or "
+                                         r"to_dtype\(torch.bfloat16, allow_lossy_scales=True\)"):
         layer.to_dtype(BF16)
     assert_same_buffers(layer, before)
     with pytest.raises(TypeError, match="dtype=torch.float32 is not supported"):
         layer.to_dtype(torch.float32)
+
+
+def test_to_dtype_lossy_opt_in(device):
+    """allow_lossy_scales=True rounds the scales (and bias) and warns with the largest
+    relative change of a dequantized weight: against s * (q - z) with the original fp16
+    scales rounded to bf16, i.e. what the weight would be in a bf16 layer with exact scales."""
+    layer = random_layer(256, 64, 64, False, "descact", F16, True, device)
+    qw, bias = layer.quantized_weight(), layer.bias.clone()
+    exact_in_bf16 = qw.dequantize(rounded=False).to(BF16).float()
+    with pytest.warns(UserWarning, match=r"QuantLinear.to_dtype with allow_lossy_scales=True rounded torch.float16 "
+                                         r"scales to torch.bfloat16: the largest relative change of a dequantized "
+                                         r"weight is ([\d.e-]+), of a bias value ([\d.e-]+)") as rec:
+        assert layer.to_dtype(BF16, allow_lossy_scales=True) is layer
+    w = layer.dequantize()
+    assert layer.dtype == BF16 and torch.equal(layer.scales[:, :4], qw.scales.T.to(BF16))
+    nz = exact_in_bf16 != 0
+    want = ((w - exact_in_bf16).abs()[nz] / exact_in_bf16.abs()[nz]).max().item()
+    # the scale and the two products are each rounded once to bf16 (unit roundoff 2**-8)
+    assert 0 < want <= 3.1 * 2 ** -8
+    said = str(rec[0].message)
+    assert f"weight is {want:.3g}" in said
+    bias_change = ((layer.bias.float() - bias.float()).abs() / bias.float().abs()).max().item()
+    assert f"bias value {bias_change:.3g}" in said
+    assert torch.equal(layer.bias, bias.to(BF16))
 
 
 def test_to_dtype_powers_of_two_both_ways(device):
@@ -164,11 +190,21 @@ def test_to_dtype_powers_of_two_both_ways(device):
     assert torch.equal(layer.dequantize(), w)
 
 
-def test_load_state_dict_refuses_other_dtype(device):
+def test_load_state_dict_other_dtype_exact_or_refused(device):
+    """The rule of to_dtype: an exact cast loads, a lossy one is a load error naming the
+    tensor, its values and the opt-in (a layer of the checkpoint's dtype, then to_dtype)."""
     src = random_layer(256, 64, 128, True, "none", F16, True, device)
     dst = QuantLinear(256, 64, bias=True, dtype=BF16, device=device)
-    with pytest.raises(RuntimeError, match="scales: the checkpoint has dtype torch.float16 but the layer has dtype torch.bfloat16"):
+    with pytest.raises(RuntimeError, match=r"scales: \d+ of \d+ torch.float16 values are not exactly representable in "
+                                           r"torch.bfloat16 .* loading into a torch.float16 layer, then "
+                                           r"layer.to_dtype\(torch.bfloat16, allow_lossy_scales=True\)"):
         dst.load_state_dict(src.state_dict())
+    exact = QuantLinear.from_quantized(QuantizedWeight(
+        src.quantized_weight().qweight, torch.exp2(torch.randint(-12, 0, (2, 64), device=device).float()).half(),
+        None, None, 128), torch.ones(64, device=device).half())
+    dst.load_state_dict(exact.state_dict())  # powers of two: exact in bf16
+    assert dst.dtype == BF16 and torch.equal(dst.scales.float(), exact.scales.float())
+    assert torch.equal(dst.dequantize(), exact.quantized_weight().dequantize(rounded=False).to(BF16).float())
 
 
 # ----------------------------------------------------------------------------------
@@ -206,7 +242,7 @@ def test_quantize_model_dtype_errors():
 # error messages
 # ----------------------------------------------------------------------------------
 def test_from_gptq_blames_the_right_tensor():
-    t = to_gptq(random_quantized(256, 64, 128, True, F16))
+    t = to_gptq(random_checkpoint_weight(256, 64, 128, True, F16))
     with pytest.raises(ValueError, match=r"scales has 3 groups but K=256 with group_size=128 needs .* = 2"):
         QuantLinear.from_gptq(t["qweight"], t["qzeros"], torch.ones(3, 64, dtype=F16))
     with pytest.raises(ValueError, match=r"qzeros must have shape \(G=2, N/8=8\), got \(2, 4\)"):
@@ -216,7 +252,7 @@ def test_from_gptq_blames_the_right_tensor():
 
 
 def test_bias_validation():
-    qw = random_quantized(256, 64, 128, True, F16)
+    qw = random_checkpoint_weight(256, 64, 128, True, F16)
     wrong = r"bias must have shape \(out_features,\) = \(64,\), got \(32,\)"
     with pytest.raises(ValueError, match=wrong):
         QuantLinear.from_quantized(qw, torch.zeros(32, dtype=F16))

@@ -1,7 +1,8 @@
 """Whole quantized models in the Hugging Face directory layout (config.json + safetensors).
 
-    model = sailfish.load_quantized("Llama-3-8B-GPTQ", device="cuda")   # GPTQ or AWQ
+    model = sailfish.load_quantized("Llama-3-8B-GPTQ", device="cuda")   # GPTQ, AWQ or compressed-tensors
     sailfish.save_quantized(model, "out")                               # GPTQ checkpoint
+    sailfish.save_quantized(model, "out-awq", format="awq")             # AWQ GEMM checkpoint
 
 load_quantized builds the model from config.json with transformers, its parameters on the
 meta device (buffers such as the rotary frequencies are computed for real), puts a
@@ -19,18 +20,27 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import warnings
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
-from .formats.gptq import to_gptq
-from .formats.int4 import GROUP_SIZES, HALF_DTYPES, num_groups
+from .formats.awq import from_awq, to_awq
+from .formats.compressed_tensors import from_compressed_tensors, to_compressed_tensors
+from .formats.gptq import CHECKPOINT_FORMATS, from_gptq, to_gptq
+from .formats.int4 import GROUP_SIZES, HALF_DTYPES, cast_scales, checked_cast, num_groups, relative_change, warn_lossy_cast
 from .nn import QuantLinear, QuantLinearW4A8, check_shape
 
-SUPPORTED = ('quant_method "gptq" (bits 4, checkpoint_format "gptq") or "awq" '
-             '(bits 4, version "gemm", zero_point true)')
+SUPPORTED = ('quant_method "gptq" (bits 4, checkpoint_format "gptq" or "gptq_v2"), "awq" '
+             '(bits 4, version "gemm", zero_point true or false) or "compressed-tensors" '
+             '(format "pack-quantized", 4-bit int weights only)')
+SAVE_FORMATS = ("gptq", "awq", "compressed-tensors")
+CT = "compressed-tensors"
+_CT_ACTORDER = {None: False, False: False, True: True, "group": True, "dynamic": True, "weight": False,
+                "static": False}  # True: a weight_g_idx per layer ("dynamic" / "static" are aliases)
 _INT = ("I32",)
 _HALF = ("F16", "BF16")
 _DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
@@ -48,10 +58,12 @@ def _require_hf():
 # -- quantization_config -------------------------------------------------------------
 @dataclass(frozen=True)
 class _Spec:
-    method: str  # "gptq" or "awq"
+    method: str  # "gptq", "awq" or CT
     group_size: int
-    desc_act: bool
-    not_convert: Tuple[str, ...]
+    checkpoint_format: str  # GPTQ: "gptq" (v1) or "gptq_v2"
+    zero_point: bool  # AWQ: false = symmetric (qzeros all 8); CT: not symmetric (weight_zero_point)
+    desc_act: bool  # GPTQ desc_act; CT actorder "group": a g_idx per layer
+    not_convert: Tuple[str, ...]  # modules_to_not_convert; CT: ignore
 
 
 def _field_error(field: str, value, allowed: str) -> ValueError:
@@ -63,8 +75,10 @@ def _parse_quant_config(qc) -> _Spec:
         raise ValueError("config.json has no quantization_config: this is not a GPTQ or AWQ checkpoint "
                          "(load it with transformers and quantize it with sailfish.quantize_model)")
     method = qc.get("quant_method")
-    if method not in ("gptq", "awq"):
+    if method not in ("gptq", "awq", CT):
         raise _field_error("quant_method", method, SUPPORTED)
+    if method == CT:
+        return _parse_compressed_tensors(qc)
     if qc.get("bits") != 4:
         raise _field_error("bits", qc.get("bits"), "4-bit weights (bits=4)")
     group_size = qc.get("group_size", 128)
@@ -72,9 +86,10 @@ def _parse_quant_config(qc) -> _Spec:
         raise _field_error("group_size", group_size, f"group sizes {GROUP_SIZES}")
     if method == "gptq":
         key = "checkpoint_format" if "checkpoint_format" in qc else "format"
-        fmt = qc.get(key) or "gptq"
-        if str(fmt).lower() != "gptq":
-            raise _field_error(key, fmt, 'GPTQ checkpoint_format "gptq" (v1: zeros stored minus 1)')
+        fmt = str(qc.get(key) or "gptq").lower()
+        if fmt not in CHECKPOINT_FORMATS:
+            raise _field_error(key, qc.get(key), 'GPTQ checkpoint_format "gptq" (v1: zero points stored '
+                               'minus 0x11111111 per word) or "gptq_v2" (stored as they are)')
         if qc.get("dynamic"):
             raise _field_error("dynamic", qc["dynamic"], "one bits / group_size for every layer (no "
                                "per-module overrides)")
@@ -86,12 +101,68 @@ def _parse_quant_config(qc) -> _Spec:
         if str(qc.get("backend") or "").lower() == "llm-awq":
             raise _field_error("backend", qc["backend"], 'AutoAWQ "gemm" checkpoints (llm-awq packs '
                                "differently)")
-        if qc.get("zero_point", True) is not True:
-            raise _field_error("zero_point", qc.get("zero_point"), "AWQ with zero points (zero_point true)")
+        if qc.get("zero_point", True) not in (True, False):
+            raise _field_error("zero_point", qc.get("zero_point"), "zero_point true (AWQ with zero points) "
+                               "or false (symmetric: qzeros all 8)")
     not_convert = qc.get("modules_to_not_convert") or ()
     if isinstance(not_convert, str) or not all(isinstance(s, str) for s in not_convert):
         raise _field_error("modules_to_not_convert", not_convert, "a list of module names")
-    return _Spec(method, group_size, bool(qc.get("desc_act", False)), tuple(not_convert))
+    return _Spec(method, group_size, fmt if method == "gptq" else "", qc.get("zero_point", True) is True,
+                 bool(qc.get("desc_act", False)), tuple(not_convert))
+
+
+def _parse_compressed_tensors(qc) -> _Spec:
+    """llm-compressor's W4A16: one config group targeting "Linear" with 4-bit int weights
+    (group or channel strategy), no activation / kv-cache quantization, no sparsity."""
+    if qc.get("format") != "pack-quantized":
+        raise _field_error("format", qc.get("format"), 'compressed-tensors format "pack-quantized" (W4A16)')
+    if qc.get("quantization_status", "compressed") != "compressed":
+        raise _field_error("quantization_status", qc.get("quantization_status"), '"compressed" checkpoints')
+    for field in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if qc.get(field):
+            raise _field_error(field, qc[field], f"weight-only quantization (no {field})")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        raise _field_error("config_groups", groups, "exactly one config group (one scheme for every Linear)")
+    (gname, group), = groups.items()
+    at = f"config_groups.{gname}"
+    if not isinstance(group, dict):
+        raise _field_error(at, group, "a scheme with targets and weights (not a preset name)")
+    if group.get("targets") != ["Linear"]:
+        raise _field_error(f"{at}.targets", group.get("targets"), 'targets ["Linear"]')
+    for field in ("input_activations", "output_activations"):
+        if group.get(field):
+            raise _field_error(f"{at}.{field}", group[field], "W4A16: weights-only quantization (null)")
+    if group.get("format") not in (None, "pack-quantized"):
+        raise _field_error(f"{at}.format", group["format"], '"pack-quantized"')
+    w = group.get("weights")
+    if not isinstance(w, dict):
+        raise _field_error(f"{at}.weights", w, "a weights scheme")
+    for field, allowed in (("num_bits", (4,)), ("type", ("int",)), ("strategy", ("group", "channel")),
+                           ("symmetric", (True, False)), ("dynamic", (False, None)),
+                           ("block_structure", (None,)), ("actorder", tuple(_CT_ACTORDER))):
+        if w.get(field) not in allowed:
+            raise _field_error(f"{at}.weights.{field}", w.get(field), f"{field} in {allowed}")
+    group_size = w.get("group_size")
+    if w["strategy"] == "channel":
+        if group_size not in (None, -1):
+            raise _field_error(f"{at}.weights.group_size", group_size, 'none (or -1) for strategy "channel"')
+        group_size = -1
+    elif group_size not in GROUP_SIZES or group_size == -1:
+        raise _field_error(f"{at}.weights.group_size", group_size, f"group sizes {GROUP_SIZES[:-1]} for strategy "
+                           f'"group" (strategy "channel" for one group)')
+    ignore = qc.get("ignore") or ()
+    if isinstance(ignore, str) or not all(isinstance(e, str) for e in ignore):
+        raise _field_error("ignore", ignore, "a list of module names or re: patterns")
+    return _Spec(CT, group_size, "", not w["symmetric"], _CT_ACTORDER[w.get("actorder")], tuple(ignore))
+
+
+def _ct_ignores(module_name: str, module: nn.Module, entry: str) -> bool:
+    """compressed-tensors' ignore matching: "re:<pattern>" matched from the start of the
+    name, else the module's full name or its class name."""
+    if entry.startswith("re:"):
+        return re.match(entry[3:], module_name) is not None
+    return entry in (module_name, type(module).__name__)
 
 
 def _matches(module_name: str, entry: str) -> bool:
@@ -189,7 +260,19 @@ def _layer_tensors(spec: _Spec, linear: nn.Linear):
     g = num_groups(k, spec.group_size)
     if spec.method == "gptq":
         return {"qweight": ((k // 8, n), _INT), "qzeros": ((g, n // 8), _INT), "scales": ((g, n), _HALF)}
+    if spec.method == CT:
+        zero_point = {"weight_zero_point": ((n // 8, g), _INT)} if spec.zero_point else {}
+        return {"weight_packed": ((n, k // 8), _INT), "weight_scale": ((n, g), _HALF),
+                "weight_shape": ((2,), ("I32", "I64")), **zero_point}
     return {"qweight": ((k, n // 8), _INT), "qzeros": ((g, n // 8), _INT), "scales": ((g, n), _HALF)}
+
+
+def _g_idx_key(spec: _Spec, name: str, entries) -> Optional[str]:
+    """The layer's g_idx tensor, if it must be read: GPTQ's when present or desc_act,
+    compressed-tensors' with actorder "group" (elsewhere it would be an unexpected tensor)."""
+    if spec.method == "gptq" and (f"{name}.g_idx" in entries or spec.desc_act):
+        return f"{name}.g_idx"
+    return f"{name}.weight_g_idx" if spec.method == CT and spec.desc_act else None
 
 
 @dataclass
@@ -203,38 +286,41 @@ class _Plan:
 def _plan(model: nn.Module, entries: Dict[str, _Entry], spec: _Spec) -> _Plan:
     """Match the checkpoint's tensors to the model; raise on anything that does not fit."""
     modules = dict(model.named_modules())
-    for entry in spec.not_convert:
+    field = "ignore" if spec.method == CT else "modules_to_not_convert"
+    for entry in spec.not_convert if spec.method != CT else ():  # CT's patterns may name none
         if not any(_matches(name, entry) for name in modules if name):
-            raise _field_error("modules_to_not_convert", list(spec.not_convert),
-                               f"names of modules of the model; {entry!r} names none")
+            raise _field_error(field, list(spec.not_convert), f"names of modules of the model; {entry!r} names none")
+    marker = ".weight_packed" if spec.method == CT else ".qweight"
     layers: Dict[str, nn.Linear] = {}
     for key in entries:
-        if not key.endswith(".qweight"):
+        if not key.endswith(marker):
             continue
-        name = key[: -len(".qweight")]
+        name = key[: -len(marker)]
         module = modules.get(name)
         if not isinstance(module, nn.Linear):
             raise ValueError(f"{key}: the model has no nn.Linear named {name!r} "
                              f"(found {type(module).__name__ if module is not None else 'nothing'})")
-        skipped = [e for e in spec.not_convert if _matches(name, e)]
+        skipped = [e for e in spec.not_convert
+                   if (_ct_ignores(name, module, e) if spec.method == CT else _matches(name, e))]
         if skipped:
             raise ValueError(f"{name} is quantized in the checkpoint (it has {key}) but "
-                             f"quantization_config.modules_to_not_convert lists {skipped[0]!r}")
+                             f"quantization_config.{field} lists {skipped[0]!r}")
         err = check_shape(module.in_features, module.out_features)
         if err:
             raise ValueError(f"{name}: Sailfish cannot run this layer: {err}")
         layers[name] = module
     if not layers:
-        raise ValueError("the checkpoint has no quantized layer (no tensor named *.qweight)")
+        raise ValueError(f"the checkpoint has no quantized layer (no tensor named *{marker})")
 
     used, zero_biases = set(), []
     for name, linear in layers.items():
         for suffix, (shape, dtypes) in _layer_tensors(spec, linear).items():
             _check_tensor(entries, f"{name}.{suffix}", shape, dtypes)
             used.add(f"{name}.{suffix}")
-        if spec.method == "gptq" and (f"{name}.g_idx" in entries or spec.desc_act):
-            _check_tensor(entries, f"{name}.g_idx", (linear.in_features,), ("I32", "I64"))
-            used.add(f"{name}.g_idx")
+        g_idx = _g_idx_key(spec, name, entries)
+        if g_idx:
+            _check_tensor(entries, g_idx, (linear.in_features,), ("I32", "I64"))
+            used.add(g_idx)
         bias = f"{name}.bias"
         if linear.bias is not None:
             _check_tensor(entries, bias, (linear.out_features,), _HALF + ("F32",))
@@ -270,21 +356,32 @@ def _plan(model: nn.Module, entries: Dict[str, _Entry], spec: _Spec) -> _Plan:
 
 
 # -- public API ---------------------------------------------------------------------------
-def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cpu") -> nn.Module:
-    """Load a GPTQ or AWQ checkpoint directory (Hugging Face layout) as a model whose
-    quantized linear layers are Sailfish QuantLinear modules.
+def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cpu",
+                   allow_lossy_scales: bool = False) -> nn.Module:
+    """Load a GPTQ, AWQ or compressed-tensors W4A16 checkpoint directory (Hugging Face
+    layout) as a model whose quantized linear layers are Sailfish QuantLinear modules.
 
     path: a local directory with config.json (holding quantization_config) and one or more
     *.safetensors files (with or without model.safetensors.index.json).
     dtype: activation / layer dtype, float16 or bfloat16; default the config's dtype when it
-    is one of those, else float16. GPTQ / AWQ scales are cast to it.
+    is one of those, else float16. Quantized layers' scales and biases are cast to it when
+    that is exact; a checkpoint whose scales it cannot hold exactly (GPTQModel writes fp16
+    scales for bf16 models) raises ValueError naming the tensor, unless
+    allow_lossy_scales=True, which rounds them and warns once with the largest relative
+    change of any dequantized weight (pass dtype=torch.float16 to run them exactly).
+    The other weights are cast to dtype, as transformers does.
     device: where the model lives ("cpu", "cuda", ...). Returns the model in eval mode, for
     inference (parameters with requires_grad=False).
 
     Supported: quant_method "gptq" (bits 4, group sizes 32/64/128/256/-1, desc_act true or
-    false, sym true or false, checkpoint_format "gptq") and "awq" (bits 4, version "gemm",
-    zero_point true). Layers with a `qweight` tensor become QuantLinear; every other weight
-    loads into the transformers model unchanged.
+    false, sym true or false, checkpoint_format "gptq" (v1, zero points read as GPTQModel
+    reads them) or "gptq_v2"), "awq" (bits 4, version "gemm", zero_point true or false) and
+    "compressed-tensors" (format "pack-quantized": one config group targeting "Linear" with
+    4-bit int weights, symmetric or not, strategy "group" (32/64/128/256) or "channel",
+    actorder none / "weight" / "group", ignore; anything else, such as 8-bit or float weights,
+    activation quantization or sparsity, is refused naming the field). Layers with a
+    `qweight` (`weight_packed`) tensor become QuantLinear; every other weight loads into the
+    transformers model unchanged.
     """
     _require_hf()
     from safetensors import safe_open
@@ -316,17 +413,32 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
         for key in plan.zero_biases:
             if bool(read(key).any()):
                 raise ValueError(f"{key} is not zero, but the model's layer has no bias")
+        lossy = {}  # layer -> (largest relative change of a weight, of a bias value)
         for name, linear in plan.layers.items():
             t = {s: read(f"{name}.{s}").to(device) for s in _layer_tensors(spec, linear)}
             bias = read(f"{name}.bias").to(device) if linear.bias is not None else None
+            g_idx_key = _g_idx_key(spec, name, entries)
+            g_idx = read(g_idx_key).to(device) if g_idx_key else None
             try:
                 if spec.method == "gptq":
-                    g_idx = read(f"{name}.g_idx").to(device) if f"{name}.g_idx" in entries else None
-                    layer = QuantLinear.from_gptq(t["qweight"], t["qzeros"], t["scales"], g_idx, bias,
-                                                  group_size=spec.group_size, dtype=dtype)
+                    qw = from_gptq(t["qweight"], t["qzeros"], t["scales"], g_idx, group_size=spec.group_size,
+                                   checkpoint_format=spec.checkpoint_format)
+                elif spec.method == CT:
+                    qw = from_compressed_tensors(t["weight_packed"], t["weight_scale"], t["weight_shape"],
+                                                 t.get("weight_zero_point"), g_idx, group_size=spec.group_size)
                 else:
-                    layer = QuantLinear.from_awq(t["qweight"], t["qzeros"], t["scales"], bias,
-                                                 group_size=spec.group_size, dtype=dtype)
+                    qw = from_awq(t["qweight"], t["qzeros"], t["scales"], group_size=spec.group_size,
+                                  zero_point=spec.zero_point)
+                src = qw.dtype
+                how = f"load_quantized(..., allow_lossy_scales=True) (dtype={src} keeps them exact)"
+                qw, change = cast_scales(qw, dtype, allow_lossy_scales=allow_lossy_scales, how=how)
+                bias_change = 0.0
+                if bias is not None:
+                    cast, _ = checked_cast(bias, dtype, "bias", allow_lossy_scales=allow_lossy_scales, how=how)
+                    bias, bias_change = cast, relative_change(bias, cast)
+                if change or bias_change:
+                    lossy[name] = (change, bias_change)
+                layer = QuantLinear.from_quantized(qw, bias)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"{name}: {e}") from e
             model.set_submodule(name, layer)
@@ -341,26 +453,45 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
             owner, _, attr = key.rpartition(".")
             module = model.get_submodule(owner) if owner else model
             module._buffers[attr] = read(key).to(dtype=module._buffers[attr].dtype)
+    if lossy:
+        worst = max(lossy, key=lambda n: lossy[n][0])
+        warn_lossy_cast("load_quantized", src, dtype, lossy[worst][0], max(b for _, b in lossy.values()),
+                        f" in {len(lossy)} of {len(plan.layers)} quantized layers (largest in {worst})")
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:  # _plan accounts for every parameter; this guards against a model that re-creates some
         raise RuntimeError(f"parameters left unloaded: {left[:5]}")
     return model.to(device).eval()
 
 
-def save_quantized(model: nn.Module, path: str, *, max_shard_size: int = 4 << 30) -> None:
+def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
+                   max_shard_size: int = 4 << 30) -> None:
     """Write `model` (a transformers model whose linear layers are Sailfish QuantLinear) as a
-    GPTQ checkpoint directory that GPTQ loaders (GPTQModel, vLLM, transformers) and
-    load_quantized read: config.json with quantization_config {quant_method "gptq", bits 4,
-    group_size, desc_act, sym, checkpoint_format "gptq"} and safetensors holding, per quantized
-    layer, qweight / qzeros / scales / g_idx (/ bias) (formats.gptq.to_gptq), plus every other
-    weight. Shards of at most max_shard_size bytes, with model.safetensors.index.json when
-    there is more than one.
+    checkpoint directory that load_quantized and the format's own loaders read: config.json
+    with quantization_config, and safetensors holding every quantized layer's tensors (and
+    bias) plus every other weight. Shards of at most max_shard_size bytes, with
+    model.safetensors.index.json when there is more than one.
 
-    All QuantLinear layers must share one group size and one dtype (the GPTQ config has one
-    of each); sym is written true only if every layer is symmetric (a symmetric layer is
-    stored with zero point 8, which reads back as symmetric), desc_act true if any layer has
-    act-order. QuantLinearW4A8 layers cannot be saved (no standard checkpoint format holds
-    them). `path` is created if needed and must not already hold *.safetensors files.
+    format="gptq" (GPTQModel, vLLM, transformers): {quant_method "gptq", bits 4, group_size,
+    desc_act, sym, checkpoint_format}, per layer qweight / qzeros / scales / g_idx
+    (formats.gptq.to_gptq). checkpoint_format is "gptq" (v1, which every GPTQ loader reads)
+    when every zero point is >= 1, else "gptq_v2" (v1 cannot hold a zero point of 0 for
+    loaders that read it per nibble), with a warning naming the layers that need it.
+    format="awq" (AutoAWQ GEMM: transformers, vLLM, GPTQModel): {quant_method "awq", bits 4,
+    group_size, version "gemm", zero_point}, per layer qweight / qzeros / scales
+    (formats.awq.to_awq); no act-order layers, K a multiple of the group size.
+    format="compressed-tensors" (llm-compressor's W4A16: vLLM, transformers): {quant_method
+    "compressed-tensors", format "pack-quantized", one config group targeting "Linear" with
+    4-bit int weights, strategy "group" (or "channel" for group size -1), symmetric,
+    actorder "group" if any layer has act-order, ignore: the other Linear layers}, per layer
+    weight_packed / weight_scale / weight_shape (/ weight_zero_point / weight_g_idx)
+    (formats.compressed_tensors.to_compressed_tensors).
+
+    All QuantLinear layers must share one group size and one dtype (the config has one of
+    each); sym / zero_point false are written only if every layer is symmetric (a symmetric
+    layer is stored with zero point 8, which reads back as symmetric), desc_act true if any
+    layer has act-order. A zero point of 16 (no format stores it) and QuantLinearW4A8 layers
+    (no standard checkpoint format holds them) are refused. `path` is created if needed and
+    must not already hold *.safetensors files; nothing is written when a layer is refused.
     """
     _require_hf()
     from safetensors.torch import save_file
@@ -370,6 +501,8 @@ def save_quantized(model: nn.Module, path: str, *, max_shard_size: int = 4 << 30
         raise TypeError(f"model must be a transformers model (with .config), got {type(model).__name__}")
     if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size <= 0:
         raise ValueError(f"max_shard_size={max_shard_size!r} must be a positive number of bytes")
+    if format not in SAVE_FORMATS:
+        raise ValueError(f"format={format!r} is not supported; allowed: {SAVE_FORMATS}")
     w4a8 = [n for n, m in model.named_modules() if isinstance(m, QuantLinearW4A8)]
     if w4a8:
         raise TypeError(f"{w4a8[0]} is a QuantLinearW4A8: W4A8 (QQQ) layers have no standard checkpoint "
@@ -383,15 +516,21 @@ def save_quantized(model: nn.Module, path: str, *, max_shard_size: int = 4 << 30
         if len(distinct) > 1:
             example = {v: next(n for n in values if values[n] == v) for v in distinct}
             raise ValueError(f"the QuantLinear layers have different {what} {distinct} (e.g. {example}); "
-                             f"a GPTQ checkpoint has one for the whole model")
+                             f"a {format} checkpoint has one for the whole model")
     first = next(iter(layers.values()))
     if os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path)):
         raise FileExistsError(f"{path} already holds *.safetensors files; save into an empty directory")
 
+    weights = {name: layer.quantized_weight() for name, layer in layers.items()}
+    zero_0 = [n for n, qw in weights.items() if qw.zeros is not None and bool((qw.zeros == 0).any())]
+    checkpoint_format = "gptq_v2" if zero_0 else "gptq"
+    sym, act_order = all(m.sym for m in layers.values()), any(m.act_order for m in layers.values())
+    write = {"gptq": lambda qw: to_gptq(qw, checkpoint_format), "awq": to_awq,
+             CT: lambda qw: to_compressed_tensors(qw, symmetric=sym, actorder=act_order)}[format]
     tensors: Dict[str, torch.Tensor] = {}
     for name, layer in layers.items():
         try:
-            packed = to_gptq(layer.quantized_weight())
+            packed = write(weights[name])
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from e
         if layer.bias is not None:
@@ -429,13 +568,29 @@ def save_quantized(model: nn.Module, path: str, *, max_shard_size: int = 4 << 30
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in layers]
     cfg = config.to_dict()
     cfg["dtype" if "dtype" in cfg else "torch_dtype"] = str(first.dtype).removeprefix("torch.")
-    cfg["quantization_config"] = {
-        "quant_method": "gptq", "bits": 4, "group_size": first.group_size,
-        "desc_act": any(m.act_order for m in layers.values()),
-        "sym": all(m.sym for m in layers.values()),
-        "checkpoint_format": "gptq",
-        "lm_head": "lm_head" in layers,
-        "modules_to_not_convert": linears or None,
-    }
+    if format == "gptq":
+        qc = {"quant_method": "gptq", "bits": 4, "group_size": first.group_size, "desc_act": act_order,
+              "sym": sym, "checkpoint_format": checkpoint_format, "lm_head": "lm_head" in layers,
+              "modules_to_not_convert": linears or None}
+    elif format == "awq":
+        qc = {"quant_method": "awq", "bits": 4, "group_size": first.group_size, "version": "gemm",
+              "zero_point": not sym, "modules_to_not_convert": linears or None}
+    else:  # llm-compressor's W4A16 config, one group for every Linear but the ignored ones
+        channel = first.group_size == -1
+        weights_scheme = {"num_bits": 4, "type": "int", "symmetric": sym, "strategy": "channel" if channel else "group",
+                          "group_size": None if channel else first.group_size, "dynamic": False,
+                          "actorder": "group" if act_order else None, "block_structure": None,
+                          "observer": "minmax", "observer_kwargs": {}}
+        qc = {"quant_method": CT, "format": "pack-quantized", "quantization_status": "compressed",
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights_scheme,
+                                            "input_activations": None, "output_activations": None,
+                                            "format": "pack-quantized"}},
+              "ignore": linears, "kv_cache_scheme": None, "global_compression_ratio": None}
+    cfg["quantization_config"] = qc
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
+    if format == "gptq" and zero_0:
+        warnings.warn(f"sailfish: save_quantized wrote checkpoint_format \"gptq_v2\" (zero points stored as "
+                      f"they are), not v1: {len(zero_0)} layer(s) have a zero point of 0, which v1 loaders "
+                      f"that read zero points per nibble misread (e.g. {zero_0[0]}); GPTQModel reads "
+                      f"gptq_v2", stacklevel=2)

@@ -11,8 +11,9 @@ from . import ops  # noqa: F401  (registers torch.ops.sailfish.*)
 from .formats.awq import from_awq as _read_awq
 from .formats.gptq import from_gptq as _read_gptq
 from .formats.int4 import (HALF_DTYPES, LAYOUT_VERSION, PackedW4, QuantizedWeight, _check_bits,
-                           _check_group_size, default_g_idx, natural_to_fragment_order, pack, padded_k,
-                           quantize, unpack)
+                           _check_group_size, cast_scales, checked_cast, default_g_idx,
+                           natural_to_fragment_order, pack, padded_k, quantize, relative_change, unpack,
+                           warn_lossy_cast)
 from .formats.qqq import (LAYOUT_VERSION_W4A8, PackedQQQ, QQQWeight, check_act_dtype, check_group_size_w4a8,
                           fp8_weight, natural_to_fragment_order_w4a8, pack_qqq, quantize_qqq, unpack_qqq)
 from .ops import direct_call_ok
@@ -99,7 +100,9 @@ class QuantLinear(nn.Module):
     layer, ...) raises TypeError and leaves the layer as it was, because the scales define
     the weight and re-rounding them would silently change it. `layer.to_dtype(dtype)`
     converts scales, zeros and bias to the other half dtype when every value is exactly
-    representable there, and raises ValueError otherwise.
+    representable there, and raises ValueError otherwise, unless allow_lossy_scales=True
+    (rounds them, with a warning stating the largest change). load_state_dict and
+    from_gptq / from_awq(dtype=) follow the same rule.
 
     Autograd: the weights are frozen buffers; backward gives the input gradient
     dx = dy @ W_eff (W_eff = dequantize(), ops/autograd.py), so adapters such as LoRA can
@@ -196,25 +199,30 @@ class QuantLinear(nn.Module):
     @classmethod
     def from_gptq(cls, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                   g_idx: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, *,
-                  bits: int = 4, group_size: int = 128, dtype: Optional[torch.dtype] = None) -> "QuantLinear":
-        """Load GPTQ checkpoint tensors (formats.gptq). dtype: layer dtype, default scales.dtype."""
+                  bits: int = 4, group_size: int = 128, dtype: Optional[torch.dtype] = None,
+                  checkpoint_format: str = "gptq", allow_lossy_scales: bool = False) -> "QuantLinear":
+        """Load GPTQ checkpoint tensors (formats.gptq; checkpoint_format "gptq" = v1 or "gptq_v2").
+        dtype: layer dtype, default scales.dtype; scales that dtype cannot hold exactly need
+        allow_lossy_scales=True (formats.int4.cast_scales), which warns with the largest change."""
         shape = (qweight.shape[0] * 8, qweight.shape[1]) if qweight.dim() == 2 else None
-        return cls._from_checkpoint(shape, dtype, bias, lambda: _read_gptq(
-            qweight, qzeros, scales, g_idx, bits=bits, group_size=group_size))
+        return cls._from_checkpoint(shape, dtype, bias, allow_lossy_scales, lambda: _read_gptq(
+            qweight, qzeros, scales, g_idx, bits=bits, group_size=group_size,
+            checkpoint_format=checkpoint_format))
 
     @classmethod
     def from_awq(cls, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                  bias: Optional[torch.Tensor] = None, *, bits: int = 4, group_size: int = 128,
-                 dtype: Optional[torch.dtype] = None) -> "QuantLinear":
-        """Load AWQ GEMM checkpoint tensors (formats.awq). dtype: layer dtype, default scales.dtype."""
+                 dtype: Optional[torch.dtype] = None, allow_lossy_scales: bool = False) -> "QuantLinear":
+        """Load AWQ GEMM checkpoint tensors (formats.awq). dtype: layer dtype, default
+        scales.dtype; a lossy scale cast needs allow_lossy_scales=True, as in from_gptq."""
         shape = (qweight.shape[0], qweight.shape[1] * 8) if qweight.dim() == 2 else None
-        return cls._from_checkpoint(shape, dtype, bias, lambda: _read_awq(
+        return cls._from_checkpoint(shape, dtype, bias, allow_lossy_scales, lambda: _read_awq(
             qweight, qzeros, scales, bits=bits, group_size=group_size))
 
     @classmethod
-    def _from_checkpoint(cls, shape, dtype, bias, read) -> "QuantLinear":
+    def _from_checkpoint(cls, shape, dtype, bias, allow_lossy_scales, read) -> "QuantLinear":
         """Shared by from_gptq / from_awq: check the layer shape (K, N) and dtype before
-        `read()` converts the tensors, then cast the scales to `dtype`."""
+        `read()` converts the tensors, then cast the scales to `dtype` (exact, or said)."""
         err = check_shape(*shape) if shape else None
         if err:
             raise ValueError(err)
@@ -222,7 +230,10 @@ class QuantLinear(nn.Module):
             raise TypeError(f"dtype={dtype} is not supported; allowed: torch.float16, torch.bfloat16")
         qw = read()
         if dtype is not None and dtype != qw.dtype:
-            qw = QuantizedWeight(qw.qweight, qw.scales.to(dtype), qw.zeros, qw.g_idx, qw.group_size)
+            src = qw.dtype
+            qw, change = cast_scales(qw, dtype, allow_lossy_scales=allow_lossy_scales)
+            if change:
+                warn_lossy_cast("QuantLinear.from_gptq / from_awq", src, dtype, change)
         return cls.from_quantized(qw, bias)
 
     def _sync_flags(self) -> None:
@@ -245,46 +256,53 @@ class QuantLinear(nn.Module):
             self._buffers.update(before)
             new = next(iter(changed.values()))
             how = (f"use layer.to_dtype({new}) (exact; ValueError when a scale is not "
-                   f"representable) or QuantLinear.from_quantized(qw, bias) with "
-                   f"qw = layer.quantized_weight() and its scales converted"
+                   f"representable, unless allow_lossy_scales=True)"
                    if new in HALF_DTYPES else "QuantLinear runs float16 or bfloat16 only")
             raise TypeError(f"QuantLinear has dtype {self.dtype}; .to()/.half()/.float()/.bfloat16() "
                             f"do not change it (that would re-round its scales) and {new} was "
                             f"requested: {how}")
         return self
 
-    def to_dtype(self, dtype: torch.dtype) -> "QuantLinear":
-        """Convert the layer, in place, to the other half dtype, exactly: every scale, zero
-        point and bias value must be representable in `dtype` (else ValueError, layer
-        unchanged). The effective weight s * (q - z) is then rounded to `dtype`, as for any
-        layer of that dtype. Returns self."""
+    def to_dtype(self, dtype: torch.dtype, *, allow_lossy_scales: bool = False) -> "QuantLinear":
+        """Convert the layer, in place, to the other half dtype. Exact by default: every
+        scale, zero point and bias value must be representable in `dtype` (else ValueError
+        naming the buffer, layer unchanged). allow_lossy_scales=True rounds them instead and
+        warns with the largest relative change of a dequantized weight (and of the bias).
+        The effective weight s * (q - z) is then rounded to `dtype`, as for any layer of that
+        dtype. Returns self."""
         if dtype not in HALF_DTYPES:
             raise TypeError(f"dtype={dtype} is not supported; allowed: torch.float16, torch.bfloat16")
-        converted = {}
-        for name in ("scales", "zeros", "bias"):
-            t = self._buffers[name]
-            if t is None or t.dtype == dtype:
-                continue
-            c = t.to(dtype)
-            bad = (c.to(t.dtype) != t) & ~(t.isnan() & c.isnan())
-            if bad.any():
-                raise ValueError(
-                    f"{name}: {int(bad.sum())} of {t.numel()} values are not exactly representable "
-                    f"in {dtype} (first: {t[bad][0].item()!r}); the layer stays {t.dtype}")
-            converted[name] = c
+        if dtype == self.dtype:
+            return self
+        src, bias = self.dtype, self.bias
+        qw, change = cast_scales(self.quantized_weight(), dtype, allow_lossy_scales=allow_lossy_scales,
+                                 how=f"to_dtype({dtype}, allow_lossy_scales=True)")
+        converted = {"scales": self.scales.to(dtype)}  # the padded buffer: its values are qw's
+        for name in ("zeros", "bias"):
+            if self._buffers[name] is not None:
+                converted[name] = checked_cast(self._buffers[name], dtype, name, allow_lossy_scales=allow_lossy_scales,
+                                               how=f"to_dtype({dtype}, allow_lossy_scales=True)")[0]
         self._buffers.update(converted)
+        bias_change = 0.0 if bias is None else relative_change(bias, self.bias)
+        if change or bias_change:
+            warn_lossy_cast("QuantLinear.to_dtype", src, dtype, change, bias_change)
         return self
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        # load_state_dict would copy_ a float16 checkpoint into a bfloat16 layer (or back),
-        # re-rounding its scales without a word: report it as a load error instead.
+        # load_state_dict copy_s a float16 checkpoint into a bfloat16 layer (or back): exact
+        # values are fine, but re-rounding scales without a word is not (formats.int4
+        # cast_scales): report that as a load error naming the way to opt in.
         for name in ("scales", "zeros", "bias"):
             t, b = state_dict.get(prefix + name), self._buffers.get(name)
-            if isinstance(t, torch.Tensor) and b is not None and t.dtype != b.dtype:
-                error_msgs.append(f"{prefix}{name}: the checkpoint has dtype {t.dtype} but the layer "
-                                  f"has dtype {b.dtype}; construct the layer with dtype={t.dtype}")
-                return
+            if isinstance(t, torch.Tensor) and b is not None and t.dtype != b.dtype and t.is_floating_point():
+                try:
+                    checked_cast(t, b.dtype, prefix + name, allow_lossy_scales=False,
+                                 how=f"loading into a {t.dtype} layer, then layer.to_dtype({b.dtype}, "
+                                     f"allow_lossy_scales=True)")
+                except ValueError as e:
+                    error_msgs.append(str(e))
+                    return
         _upgrade_qweight_layout(state_dict, prefix, LAYOUT_VERSION, natural_to_fragment_order, "")
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)

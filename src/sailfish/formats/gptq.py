@@ -1,15 +1,24 @@
-"""GPTQ checkpoint format (checkpoint_format "gptq", as AutoGPTQ / GPTQModel write it
-and transformers loads it), converted exactly to and from `QuantizedWeight`.
+"""GPTQ checkpoint formats (checkpoint_format "gptq" = v1, as AutoGPTQ / GPTQModel write it
+and transformers / vLLM load it, and "gptq_v2", GPTQModel's), converted exactly to and from
+`QuantizedWeight`.
 
     qweight int32 (K / 8, N): input channel k is the nibble at bits 4 * (k % 8) of row k // 8
-    qzeros  int32 (G, N / 8): output channel n is the nibble at bits 4 * (n % 8) of column
-                              n // 8, stored as zero - 1 (a stored 15 means zero 16)
+    qzeros  int32 (G, N / 8): output channel n is the nibble at bits 4 * (n % 8) of the word
+                              Z of column n // 8, Z being
+                                v2: the word of the zero points, stored as they are
+                                v1: the stored word + 0x11111111 (mod 2**32)
     scales  fp16  (G, N)
     g_idx   int32 (K,)       (absent: k // group_size)
 
-    W[n, k] = scales[g, n] * (q[k, n] - (stored_zero[g, n] + 1)),  g = g_idx[k]
+    W[n, k] = scales[g, n] * (q[k, n] - zero[g, n]),  g = g_idx[k]
 
-Symmetric GPTQ checkpoints store 7 for every zero; they import as symmetric weights.
+v1 stores the word of the zero points minus 0x11111111 and is read back by adding that
+constant to the whole word, as GPTQModel does: a zero point of 0 borrows from the next
+nibble, and reading each nibble + 1 instead (AutoGPTQ's and vLLM's kernels) gives that
+layer a zero point of 16 and its neighbour one too small. Both readings agree on every word
+whose zero points are all >= 1, so to_gptq writes v1 only for those (gptq_v2 otherwise).
+Symmetric GPTQ checkpoints store zero 8 everywhere (v1 words 0x77777777); they import as
+symmetric weights.
 """
 from __future__ import annotations
 
@@ -18,23 +27,32 @@ from typing import Optional
 import torch
 
 from .int4 import QuantizedWeight, _check_bits, _check_group_size, default_g_idx, num_groups
-from .nibbles import pack_nibbles, unpack_nibbles
+from .nibbles import pack_along, unpack_along
 
-def _unpack_nibbles(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """int32 tensor -> uint8 nibbles, 8 per word, expanded along `dim` (low nibble first)."""
-    q = unpack_nibbles(t)  # (R, C, 8)
-    if dim == 0:  # (R, C, 8) -> (R, 8, C) -> (8R, C)
-        return q.permute(0, 2, 1).reshape(t.shape[0] * 8, t.shape[1])
-    return q.reshape(t.shape[0], t.shape[1] * 8)  # (R, C, 8) -> (R, 8C)
+CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
+_V1_OFFSET = 0x11111111  # v1 stores the zero-point word minus one in every nibble
 
 
-def _pack_nibbles(q: torch.Tensor, dim: int) -> torch.Tensor:
-    """Inverse of `_unpack_nibbles`: codes in [0, 15] -> int32 words."""
-    if dim == 0:
-        q = q.reshape(q.shape[0] // 8, 8, q.shape[1]).permute(0, 2, 1)
-    else:
-        q = q.reshape(q.shape[0], q.shape[1] // 8, 8)
-    return pack_nibbles(q).contiguous()
+def _check_format(checkpoint_format) -> None:
+    if checkpoint_format not in CHECKPOINT_FORMATS:
+        raise ValueError(f"checkpoint_format={checkpoint_format!r} is not supported; allowed: "
+                         f"{CHECKPOINT_FORMATS}")
+
+
+def _add_words(words: torch.Tensor, delta: int) -> torch.Tensor:
+    """int32 words + delta modulo 2**32 (carries and borrows cross nibbles), as int32."""
+    w = (words.to(torch.int64) + delta) & 0xFFFFFFFF
+    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+
+
+def check_scales(scales: torch.Tensor, name: str = "scales") -> None:
+    """Checkpoint scales must be finite and > 0: GPTQ, AWQ and compressed-tensors quantizers
+    never write anything else, so a NaN or negative scale is a corrupt file, never a weight."""
+    bad = ~(scales.isfinite() & (scales > 0))
+    if bool(bad.any()):
+        i, j = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{name} must be finite and > 0; {int(bad.sum())} of {scales.numel()} are not "
+                         f"(first: {name}[{i}, {j}] = {scales[i, j].item()!r})")
 
 
 def check_packed(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, bits: int,
@@ -48,6 +66,7 @@ def check_packed(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tens
             raise TypeError(f"{name} must be a 2-D torch.int32 tensor, got {t.dtype} {tuple(t.shape)}")
     if scales.dim() != 2 or scales.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"scales must be a 2-D float16 tensor, got {scales.dtype} {tuple(scales.shape)}")
+    check_scales(scales)
     rows, cols = qweight.shape
     k, n = (rows * 8, cols) if packed_dim == 0 else (rows, cols * 8)
     g = scales.shape[0]
@@ -62,10 +81,19 @@ def check_packed(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tens
     return k, n
 
 
+def check_zeros_fit(zeros: torch.Tensor, fmt: str) -> None:
+    """Checkpoint formats store zero points in one nibble: 16 (a QuantizedWeight allows it) cannot."""
+    if bool((zeros > 15).any()):
+        raise ValueError(f"a zero point of 16 cannot be stored in {fmt} format (zero points are one "
+                         f"nibble: allowed 0..15)")
+
+
 def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-              g_idx: Optional[torch.Tensor] = None, *, bits: int = 4,
-              group_size: int = 128) -> QuantizedWeight:
-    """Read GPTQ tensors (see module docstring) into a QuantizedWeight, exactly."""
+              g_idx: Optional[torch.Tensor] = None, *, bits: int = 4, group_size: int = 128,
+              checkpoint_format: str = "gptq") -> QuantizedWeight:
+    """Read GPTQ tensors (see module docstring; checkpoint_format "gptq" = v1 or "gptq_v2")
+    into a QuantizedWeight, exactly."""
+    _check_format(checkpoint_format)
     k, n = check_packed(qweight, qzeros, scales, bits, group_size, packed_dim=0)
     if g_idx is not None:
         if g_idx.shape != (k,):
@@ -73,31 +101,38 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
         g_idx = g_idx.to(torch.int32)
         if torch.equal(g_idx, default_g_idx(k, group_size, g_idx.device)):
             g_idx = None  # plain k // group_size order: no act-order
-    q = _unpack_nibbles(qweight, dim=0).T.contiguous()  # (N, K)
-    zeros = (_unpack_nibbles(qzeros, dim=1) + 1).to(torch.uint8)  # stored zero - 1; (G, N)
+    q = unpack_along(qweight, dim=0).T.contiguous()  # (N, K)
+    if checkpoint_format == "gptq":
+        qzeros = _add_words(qzeros, _V1_OFFSET)
+    zeros = unpack_along(qzeros, dim=1)  # (G, N)
     if bool((zeros == 8).all()):
         zeros = None  # symmetric checkpoint
     return QuantizedWeight(q, scales.contiguous(), zeros, g_idx, group_size)
 
 
-def to_gptq(qw: QuantizedWeight) -> dict:
+def to_gptq(qw: QuantizedWeight, checkpoint_format: str = "gptq") -> dict:
     """Write a QuantizedWeight as GPTQ tensors: {qweight, qzeros, scales, g_idx}.
 
-    Zero points must lie in [1, 16] to be representable (GPTQ stores zero - 1 in a
-    nibble); a zero point of 0 raises ValueError.
+    Zero points must lie in [0, 15] (one nibble); "gptq" (v1) also needs them >= 1, so that
+    every reader of v1 (whole-word or per-nibble) gets them back: use "gptq_v2" otherwise.
     """
+    _check_format(checkpoint_format)
     n, k = qw.qweight.shape
     if k % 8 or n % 8:
         raise ValueError(f"GPTQ needs K and N multiples of 8, got K={k}, N={n}")
     if qw.scales.shape[0] != num_groups(k, qw.group_size):
         raise ValueError(f"GPTQ stores ceil(K / group_size) = {num_groups(k, qw.group_size)} scale rows; this "
                          f"weight has {qw.scales.shape[0]} (a tensor-parallel slice of an act-order weight?)")
+    check_scales(qw.scales)
     zeros = torch.full_like(qw.scales, 8, dtype=torch.uint8) if qw.zeros is None else qw.zeros
-    if bool((zeros == 0).any()):
-        raise ValueError("a zero point of 0 cannot be stored in GPTQ format (it stores zero - 1)")
+    check_zeros_fit(zeros, "GPTQ")
+    if checkpoint_format == "gptq" and bool((zeros == 0).any()):
+        raise ValueError('a zero point of 0 cannot be stored in checkpoint_format "gptq" (v1 stores '
+                         'zero - 1, which per-nibble readers misread); allowed: "gptq_v2"')
+    qzeros = pack_along(zeros, dim=1)
     return {
-        "qweight": _pack_nibbles(qw.qweight.T.contiguous(), dim=0),
-        "qzeros": _pack_nibbles((zeros.to(torch.int64) - 1), dim=1),
+        "qweight": pack_along(qw.qweight.T.contiguous(), dim=0),
+        "qzeros": _add_words(qzeros, -_V1_OFFSET) if checkpoint_format == "gptq" else qzeros,
         "scales": qw.scales.contiguous(),
         "g_idx": qw.group_index().to(torch.int32),
     }

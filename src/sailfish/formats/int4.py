@@ -21,8 +21,9 @@ The kernel layout (`PackedW4`) is produced by `pack` and inverted exactly by `un
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -58,8 +59,9 @@ class QuantizedWeight:
 
     qweight: uint8 (N, K), codes in [0, 15].
     scales:  float16 or bfloat16 (G, N); G = ceil(K / group_size), or more with a g_idx.
-    zeros:   uint8 (G, N) in [0, 16] (16 occurs in GPTQ checkpoints, which store
-             zero - 1 in a nibble), or None for symmetric (zero point 8).
+    zeros:   uint8 (G, N) in [0, 16], or None for symmetric (zero point 8). Checkpoint
+             formats hold 0..15; 16 is what Sailfish before the whole-word reading of GPTQ
+             v1 zero points (formats/gptq.py) made of a stored 15, kept loadable.
     g_idx:   int32 (K,), group of each input channel, or None for k // group_size.
     group_size: 32, 64, 128, 256 or -1 (per output channel).
     """
@@ -185,6 +187,67 @@ def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bo
     q = q.clamp(0, 15).to(torch.uint8).reshape(n, g * gs)[:, :k].contiguous()
     zeros = None if z is None else z.to(torch.uint8).T.contiguous()
     return QuantizedWeight(q, s.T.contiguous(), zeros, None, group_size)
+
+
+# ----------------------------------------------------------------------------------
+# Scale dtype casts: exact, or lossy only when asked (allow_lossy_scales=True) and then said
+# ----------------------------------------------------------------------------------
+# The scales define the weight: rounding them to the other half dtype changes it, so every
+# path that changes a layer's dtype (load_quantized, QuantLinear.from_gptq / from_awq /
+# to_dtype / load_state_dict) takes an exact cast silently, refuses a lossy one unless
+# allow_lossy_scales=True, and then warns with the largest change.
+def inexact(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Mask of the values of t that `dtype` cannot hold exactly (a NaN stays NaN: exact)."""
+    c = t.to(dtype)
+    return (c.to(t.dtype) != t) & ~(t.isnan() & c.isnan())
+
+
+def checked_cast(t: torch.Tensor, dtype: torch.dtype, field: str, *, allow_lossy_scales: bool,
+                 how: str) -> Tuple[torch.Tensor, bool]:
+    """(t in dtype, whether that rounded any value). A lossy cast raises ValueError naming
+    `field`, how many values, the first one and what is allowed (`how`: the opt-in), unless
+    allow_lossy_scales=True."""
+    bad = inexact(t, dtype)
+    if bool(bad.any()) and not allow_lossy_scales:
+        raise ValueError(f"{field}: {int(bad.sum())} of {t.numel()} {t.dtype} values are not exactly "
+                         f"representable in {dtype} (first: {t[bad][0].item()!r}); allowed: an exact cast, "
+                         f"or {how}, which rounds them and warns with the largest change")
+    return t.to(dtype), bool(bad.any())
+
+
+def relative_change(before: torch.Tensor, after: torch.Tensor) -> float:
+    """max |after - before| / |before| over the nonzero entries of before (compared in float32)."""
+    before, after = before.float(), after.float()
+    nz = before != 0
+    return float(((after[nz] - before[nz]).abs() / before[nz].abs()).max()) if bool(nz.any()) else 0.0
+
+
+def cast_scales(qw: QuantizedWeight, dtype: torch.dtype, *, allow_lossy_scales: bool = False,
+                field: str = "scales", how: str = "allow_lossy_scales=True") -> Tuple[QuantizedWeight, float]:
+    """qw with its scales in `dtype`, and the largest relative change of any dequantized
+    weight against s * (q - z) with the original scales, rounded to `dtype` (what the
+    checkpoint's own dequantization gives in a `dtype` model): 0.0 when the scales are exact
+    in `dtype`. A lossy cast raises ValueError unless allow_lossy_scales=True (checked_cast);
+    one that overflows a scale or flushes it to 0 always does."""
+    if dtype == qw.dtype:
+        return qw, 0.0
+    scales, lossy = checked_cast(qw.scales, dtype, field, allow_lossy_scales=allow_lossy_scales, how=how)
+    out = QuantizedWeight(qw.qweight, scales, qw.zeros, qw.g_idx, qw.group_size)
+    if not lossy:
+        return out, 0.0
+    broken = (scales.isinf() & qw.scales.isfinite()) | ((scales == 0) & (qw.scales != 0))
+    if bool(broken.any()):
+        raise ValueError(f"{field}: {int(broken.sum())} values fall outside the range of {dtype} "
+                         f"(first: {qw.scales[broken][0].item()!r}); no cast to {dtype} keeps this weight")
+    return out, relative_change(qw.dequantize(rounded=False).to(dtype), out.dequantize())
+
+
+def warn_lossy_cast(where: str, src: torch.dtype, dst: torch.dtype, weight_change: float,
+                    bias_change: float = 0.0, detail: str = "") -> None:
+    bias = f", of a bias value {bias_change:.3g}" if bias_change else ""
+    warnings.warn(f"sailfish: {where} with allow_lossy_scales=True rounded {src} scales to {dst}{detail}: "
+                  f"the largest relative change of a dequantized weight is {weight_change:.3g}{bias}",
+                  stacklevel=3)
 
 
 # ----------------------------------------------------------------------------------
