@@ -22,6 +22,7 @@ from helpers import TOL, desc_act_g_idx, random_quantized, rel_err
 from test_formats import gptq_dequant, gptq_pack
 import sailfish
 from sailfish import QuantLinear, from_awq, load_quantized, save_quantized
+from sailfish.fuse import unfused_layers
 
 F16 = torch.float16
 PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -209,11 +210,16 @@ def logits(model, seq=5):
         return model(input_ids=ids.to(model.device)).logits.float().cpu()
 
 
+def projection(model, name):
+    """The layer `name` as a checkpoint stores it (fused q/k/v and gate/up given per projection)."""
+    return unfused_layers(model)[name]
+
+
 def assert_matches_reference(model, ref):
     for i in range(2):
         for proj in PROJ:
             name = f"model.layers.{i}.{proj}"
-            layer = model.get_submodule(name)
+            layer = projection(model, name)
             assert isinstance(layer, QuantLinear), name
             assert torch.equal(layer.dequantize().cpu(), ref.get_submodule(name).weight.float()), name
     assert rel_err(logits(model), logits(ref)) <= TOL[F16]
@@ -233,7 +239,7 @@ def test_load_quantized(tmp_path, reference_path, method, gs, sym, desc_act, sha
     ref = make_quantized(tmp_path, method, gs, sym, desc_act, shards, tie)
     model = load_quantized(str(tmp_path))
     assert not model.training
-    layer = model.model.layers[0].self_attn.q_proj
+    layer = projection(model, "model.layers.0.self_attn.q_proj")
     assert layer.group_size == gs and layer.sym == (method == "gptq" and sym)
     assert layer.act_order == desc_act
     if tie:
@@ -254,7 +260,7 @@ def test_load_quantized_bf16(tmp_path, reference_path):
     make_quantized(tmp_path, "awq", 64)
     model = load_quantized(str(tmp_path), dtype=torch.bfloat16)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
-    layer = model.model.layers[1].mlp.up_proj
+    layer = projection(model, "model.layers.1.mlp.up_proj")
     assert layer.dtype == torch.bfloat16 and layer.scales.dtype == torch.bfloat16
     assert logits(model).isfinite().all()
 
@@ -268,7 +274,7 @@ def test_load_quantized_old_checkpoint(tmp_path, reference_path):
     tensors["model.layers.0.mlp.up_proj.bias"] = torch.zeros(256, dtype=F16)
     save_file(tensors, file, metadata={"format": "pt"})
     model = load_quantized(str(tmp_path))
-    assert model.model.layers[0].mlp.up_proj.bias is None
+    assert projection(model, "model.layers.0.mlp.up_proj").bias is None
     assert_matches_reference(model, ref)
     # old checkpoints also stored the rotary frequencies: loaded into the buffer
     inv_freq = model.model.rotary_emb.inv_freq * 2
@@ -404,10 +410,10 @@ def test_load_quantized_index_errors(tmp_path):
 # ----------------------------------------------------------------------------------
 # save_quantized
 # ----------------------------------------------------------------------------------
-def sailfish_model(tie=False, act_order=True):
+def sailfish_model(tie=False, act_order=True, fuse=True):
     """A tiny Llama quantized by quantize_model, with an asymmetric act-order layer mixed in."""
     model = reference_model(tiny_config(64, 128, tie))
-    sailfish.quantize_model(model, group_size=32, sym=True)
+    sailfish.quantize_model(model, group_size=32, sym=True, fuse=fuse)
     if act_order:
         down = model.model.layers[1].mlp.down_proj
         qw = random_quantized(128, 64, 32, False, F16, desc_act_g_idx(128, 32))
@@ -451,12 +457,12 @@ def test_save_symmetric_in_order(tmp_path, reference_path):
     qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert qc["sym"] is True and qc["desc_act"] is False
     loaded = load_quantized(str(tmp_path))
-    assert loaded.model.layers[0].self_attn.q_proj.sym
+    assert projection(loaded, "model.layers.0.self_attn.q_proj").sym
     assert torch.equal(logits(loaded), logits(model))
 
 
 def test_save_quantized_errors(tmp_path):
-    model = sailfish_model(act_order=False)
+    model = sailfish_model(act_order=False, fuse=False)  # (it swaps single projections)
     with pytest.raises(TypeError, match="model must be a transformers model"):
         save_quantized(torch.nn.Sequential(model.model.layers[0].mlp.up_proj), str(tmp_path))
     with pytest.raises(ValueError, match="max_shard_size=0"):
@@ -503,10 +509,11 @@ def test_sailfish_config_from_pretrained(tmp_path, reference_path):
     for i in range(2):
         for proj in PROJ:
             name = f"model.layers.{i}.{proj}"
-            got = model.get_submodule(name)
+            got = projection(model, name)
             assert isinstance(got, QuantLinear) and got.group_size == 32 and not got.sym
-            assert torch.equal(got.dequantize(), expected.get_submodule(name).dequantize()), name
+            assert torch.equal(got.dequantize(), projection(expected, name).dequantize()), name
     assert torch.equal(logits(model), logits(expected))
+    assert len(model.sailfish_report["fused"]) == 4 and not model.sailfish_report["not_fused"]  # q/k/v, gate/up
 
 
 def test_sailfish_config_errors():

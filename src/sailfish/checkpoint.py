@@ -27,6 +27,7 @@ from torch import nn
 
 from .formats.gptq import to_gptq
 from .formats.int4 import GROUP_SIZES, HALF_DTYPES, num_groups
+from .fuse import check_fuse_flag, fuse_projections, unfused_layers
 from .nn import QuantLinear, QuantLinearW4A8, check_shape
 
 SUPPORTED = ('quant_method "gptq" (bits 4, checkpoint_format "gptq") or "awq" '
@@ -270,7 +271,7 @@ def _plan(model: nn.Module, entries: Dict[str, _Entry], spec: _Spec) -> _Plan:
 
 
 # -- public API ---------------------------------------------------------------------------
-def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cpu") -> nn.Module:
+def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cpu", fuse: bool = True) -> nn.Module:
     """Load a GPTQ or AWQ checkpoint directory (Hugging Face layout) as a model whose
     quantized linear layers are Sailfish QuantLinear modules.
 
@@ -284,9 +285,11 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
     Supported: quant_method "gptq" (bits 4, group sizes 32/64/128/256/-1, desc_act true or
     false, sym true or false, checkpoint_format "gptq") and "awq" (bits 4, version "gemm",
     zero_point true). Layers with a `qweight` tensor become QuantLinear; every other weight
-    loads into the transformers model unchanged.
+    loads into the transformers model unchanged. fuse (default True): q/k/v and gate/up then
+    run as one layer each where exact (sailfish.fuse; model.sailfish_report says which).
     """
     _require_hf()
+    check_fuse_flag(fuse)
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -344,7 +347,8 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:  # _plan accounts for every parameter; this guards against a model that re-creates some
         raise RuntimeError(f"parameters left unloaded: {left[:5]}")
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    return fuse_projections(model) if fuse else model
 
 
 def save_quantized(model: nn.Module, path: str, *, max_shard_size: int = 4 << 30) -> None:
@@ -374,7 +378,7 @@ def save_quantized(model: nn.Module, path: str, *, max_shard_size: int = 4 << 30
     if w4a8:
         raise TypeError(f"{w4a8[0]} is a QuantLinearW4A8: W4A8 (QQQ) layers have no standard checkpoint "
                         f"format, so save_quantized cannot write them ({len(w4a8)} such layers)")
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    layers = {n: m for n, m in unfused_layers(model).items() if isinstance(m, QuantLinear)}  # fused: per projection
     if not layers:
         raise ValueError("model has no QuantLinear layer to save (quantize it with sailfish.quantize_model)")
     for what, values in (("group sizes", {n: m.group_size for n, m in layers.items()}),
