@@ -8,12 +8,21 @@ an fp32-accumulating kernel (helpers.elementwise_bound), since the fused GEMM ha
 shape than the parts' and may sum in another order. Whole models: with the fused layer's
 GEMM computed per segment (the parts' shapes), the fused model must equal the unfused one
 bit for bit, which checks everything fusion changes except that summation order."""
+import copy
+import io
+import re
+
 import pytest
 import torch
 
 from helpers import assert_close_per_element, make_g_idx, random_quantized
-from sailfish.formats.qqq import quantize_qqq
+import sailfish
+from sailfish import QuantLinear, QuantLinearW4A8
+from sailfish.formats.qqq import quantize_activations, quantize_qqq
 from sailfish.formats.shard import concat_qqq, concat_quantized, concat_weight, slice_weight
+from sailfish.fuse import FusedOutput, FusedQuantLinear, FusedQuantLinearW4A8, _input_only_through
+
+transformers = pytest.importorskip("transformers")  # the hf extra (part of the test extra)
 
 F16, BF16 = torch.float16, torch.bfloat16
 WIDTHS = (64, 32, 32)  # q, k, v of a GQA layer (or gate, up with two)
@@ -106,9 +115,6 @@ def test_concat_errors():
 # ----------------------------------------------------------------------------------
 # 2. Fused layers: output, per-projection state dicts, tensor-parallel shards
 # ----------------------------------------------------------------------------------
-from sailfish import QuantLinear, QuantLinearW4A8  # noqa: E402
-from sailfish.formats.qqq import quantize_activations  # noqa: E402
-from sailfish.fuse import FusedQuantLinear, FusedQuantLinearW4A8  # noqa: E402
 
 NAMES = ("q_proj", "k_proj", "v_proj")
 LAYER_CASES = [(128, True, "none", F16, True), (64, False, "descact", BF16, False), (-1, False, "none", F16, False),
@@ -260,12 +266,6 @@ def test_fused_layer_colwise_style_in_place():
 # ----------------------------------------------------------------------------------
 # 3. transformers models run through the fused layers
 # ----------------------------------------------------------------------------------
-import copy  # noqa: E402
-
-import sailfish  # noqa: E402
-from sailfish.fuse import FusedOutput, _input_only_through  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
 VOCAB = 300
 
 
@@ -417,6 +417,11 @@ def test_save_load_round_trip(tmp_path, reference_ops):
     ids = torch.randint(1, VOCAB, (2, 6))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, fused(ids).logits)
+    buf = io.BytesIO()  # whole-module pickles keep the fusion (hooks included)
+    torch.save(fused, buf)
+    buf.seek(0)
+    with torch.no_grad():
+        assert torch.equal(torch.load(buf, weights_only=False)(ids).logits, fused(ids).logits)
     # torch state dicts cross over too
     again = sailfish.quantize_model(tiny_model("qwen2"), sym=False)
     again.load_state_dict(unfused.state_dict())
@@ -465,7 +470,7 @@ def test_source_check():
                        (_Uses.Escapes, r"uses self.up_proj other than as self.up_proj\(x\)"),
                        (_Uses.Misses, r"does not call up_proj")):
         reason = _input_only_through(cls, names)
-        assert reason is not None and __import__("re").search(match, reason), reason
+        assert reason is not None and re.search(match, reason), reason
 
 
 def test_unsupported_modules_stay_unfused_and_are_reported(reference_ops):
