@@ -320,6 +320,10 @@ def test_gpu_code_paths_with_fake_graphs(monkeypatch):
         runner.run()
     res = runner.res
     assert not res.errors and not res.skipped
+    vs = {c["variant"]: c.get("vs_unfused") for c in res.correctness}  # fused variants only
+    assert vs["fp16"] is None and vs["w4a16-unfused"] is None
+    assert all(0.0 <= vs[v]["agreement"] <= 1.0 and vs[v]["logits_rel_err"] < 1e-2 for v in ("w4a16", "w4a8"))
+    assert "with the unfused model" in E.correctness_line(next(c for c in res.correctness if c["variant"] == "w4a16"))
     assert runner.prog.done == runner.prog.total == 4 * 2 + 4 * 4 + 4 * 2  # builds, measure and compile units
     assert {(r["variant"], r["mode"]) for r in res.decode} == {(v, m) for v in variants for m in E.MODES}
     assert all(r["fullgraph"] for r in res.decode if r["mode"] == "compile")
