@@ -86,6 +86,9 @@ def to_gptq(qw: QuantizedWeight) -> dict:
     Zero points must lie in [1, 16] to be representable (GPTQ stores zero - 1 in a
     nibble); a zero point of 0 raises ValueError.
     """
+    if not isinstance(qw, QuantizedWeight):  # a layer, or a W4A8 QQQWeight (no GPTQ form)
+        raise TypeError(f"to_gptq takes a W4A16 QuantizedWeight (e.g. QuantLinear.quantized_weight()), "
+                        f"got {type(qw).__name__}")
     n, k = qw.qweight.shape
     if k % 8 or n % 8:
         raise ValueError(f"GPTQ needs K and N multiples of 8, got K={k}, N={n}")
