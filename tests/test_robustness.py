@@ -228,6 +228,35 @@ def test_quantize_model_argument_types():
         quantize(torch.randn(N))
 
 
+def test_from_quantized_of_the_other_format():
+    q, q8 = layers()
+    with pytest.raises(TypeError, match=r"QuantLinear.from_quantized takes a QuantizedWeight, got QQQWeight "
+                                        r"\(QuantLinearW4A8.from_quantized takes a QQQWeight\)"):
+        QuantLinear.from_quantized(q8.quantized_weight())
+    with pytest.raises(TypeError, match=r"QuantLinearW4A8.from_quantized takes a QQQWeight, got QuantizedWeight"):
+        QuantLinearW4A8.from_quantized(q.quantized_weight())
+    with pytest.raises(TypeError, match=r"takes a QuantizedWeight, got Tensor$"):
+        QuantLinear.from_quantized(torch.zeros(N, K))
+
+
+def test_more_argument_types():
+    q = layers()[0]
+    with pytest.raises(TypeError, match=r"dtype='bfloat16' is not supported; allowed: torch.float16, torch.bfloat16"):
+        q.to_dtype("bfloat16")
+    with pytest.raises(ValueError, match=r"groups=5.0 is only for act_order layers and must be an int"):
+        QuantLinear(K, N, act_order=True, groups=5.0)
+    with pytest.raises(TypeError, match=r"sym='no' must be a bool"):
+        quantize(torch.randn(N, K), sym="no")  # was read as True
+
+
+@pytest.mark.parametrize("model, got", [(nn.Linear(K, N), "an nn.Linear itself"), ("model", "a str")])
+def test_quantize_model_of_a_linear_or_a_non_module(model, got):
+    # a root Linear came back unchanged (it cannot replace itself in place)
+    with pytest.raises(TypeError, match=rf"model must be an nn.Module holding nn.Linear layers, got {got}; for one "
+                                        r"Linear use QuantLinear.from_linear\(linear\)"):
+        quantize_model(model)
+
+
 def test_to_gptq_of_a_layer_or_a_w4a8_weight():
     q, q8 = layers()
     with pytest.raises(TypeError, match=r"to_gptq takes a W4A16 QuantizedWeight .*got QuantLinear"):
@@ -257,6 +286,36 @@ def test_load_state_dict_wrong_dtype(which, name, dtype, msg):
     with pytest.raises(RuntimeError, match=msg):
         dst.load_state_dict(sd)
     assert all(torch.equal(v, dst.state_dict()[k]) for k, v in before.items())
+
+
+def test_load_state_dict_bad_act_order_indices():
+    # the kernels index x by perm and the scales by sorted_g_idx without bounds checks
+    g_idx = torch.arange(K, dtype=torch.int32).flip(0) // 64  # a general g_idx: sorted_g_idx is kept
+    g_idx[:8] = 3 - g_idx[:8]
+    qw = quantize(torch.randn(N, K), group_size=64)
+    layer = QuantLinear.from_quantized(type(qw)(qw.qweight, qw.scales, None, g_idx, 64))
+    assert layer._general_g_idx
+    fresh = lambda: QuantLinear(K, N, False, group_size=64, act_order=True, groups=layer.scales.shape[1])  # noqa: E731
+    sd = layer.state_dict()
+    sd["perm"] = sd["perm"].clone()
+    sd["perm"][0] = sd["perm"][1]
+    with pytest.raises(RuntimeError, match=r"perm: the checkpoint's perm is not a permutation of 0 .. "
+                                           r"in_features - 1 = 255; allowed: each input channel once"):
+        fresh().load_state_dict(sd)
+    sd = layer.state_dict()
+    sd["sorted_g_idx"] = sd["sorted_g_idx"].clone()
+    sd["sorted_g_idx"][5] = layer.scales.shape[1]
+    with pytest.raises(RuntimeError, match=r"sorted_g_idx: the checkpoint's group indices span \[0, 4\]; "
+                                           r"allowed: \[0, 4\), the columns of its scales"):
+        fresh().load_state_dict(sd)
+    fresh().load_state_dict(layer.state_dict())  # the valid one loads
+
+
+def test_load_state_dict_layout_version_dtype():
+    sd = layers()[0].state_dict()
+    sd["qweight_layout"] = torch.tensor(2.5)  # int(2.5) == 2 was accepted
+    with pytest.raises(RuntimeError, match=r"qweight_layout: .* dtype torch.float32 .* allowed: torch.int32"):
+        layers()[0].load_state_dict(sd)
 
 
 @pytest.mark.parametrize("which, name", [(0, "scales"), (1, "s_ch"), (1, "s_g")])

@@ -11,7 +11,7 @@ from . import ops  # noqa: F401  (registers torch.ops.sailfish.*)
 from .formats.awq import from_awq as _read_awq
 from .formats.gptq import from_gptq as _read_gptq
 from .formats.int4 import (HALF_DTYPES, LAYOUT_VERSION, PackedW4, QuantizedWeight, _check_bits,
-                           _check_group_size, check_half_dtype, check_int_choice, default_g_idx, natural_to_fragment_order, pack, padded_k,
+                           _check_group_size, check_flag, check_half_dtype, check_int_choice, default_g_idx, natural_to_fragment_order, pack, padded_k,
                            quantize, unpack)
 from .formats.qqq import (LAYOUT_VERSION_W4A8, PackedQQQ, QQQWeight, check_act_dtype, check_group_size_w4a8,
                           fp8_weight, natural_to_fragment_order_w4a8, pack_qqq, quantize_qqq, unpack_qqq)
@@ -49,7 +49,7 @@ def _check_loaded(module: nn.Module, state_dict, prefix: str, error_msgs: list) 
     output that reads them NaN."""
     for name, b in module._buffers.items():
         t = state_dict.get(prefix + name)
-        if not isinstance(t, torch.Tensor) or b is None or name == "qweight_layout":
+        if not isinstance(t, torch.Tensor) or b is None:
             continue
         if t.dtype != b.dtype:
             hint = (f"construct the layer with dtype={t.dtype}" if name in ("scales", "zeros", "bias")
@@ -60,6 +60,19 @@ def _check_loaded(module: nn.Module, state_dict, prefix: str, error_msgs: list) 
         if name in _SCALE_BUFFERS and t.device.type != "meta" and not bool(torch.isfinite(t).all()):
             error_msgs.append(f"{prefix}{name}: the checkpoint's values include NaN or Inf; allowed: finite values")
             return True
+    # act-order indices: the kernels read x and the scales at them, without bounds checks
+    perm, g, scales = (state_dict.get(prefix + n) for n in ("perm", "sorted_g_idx", "scales"))
+    k = getattr(module, "in_features", 0)
+    if isinstance(perm, torch.Tensor) and perm.device.type != "meta" and not torch.equal(
+            perm.long().sort().values, torch.arange(k, device=perm.device)):
+        error_msgs.append(f"{prefix}perm: the checkpoint's perm is not a permutation of 0 .. in_features - 1 = "
+                          f"{k - 1}; allowed: each input channel once")
+        return True
+    if (isinstance(g, torch.Tensor) and isinstance(scales, torch.Tensor) and g.device.type != "meta" and g.numel()
+            and (int(g.min()) < 0 or int(g.max()) >= scales.shape[-1])):
+        error_msgs.append(f"{prefix}sorted_g_idx: the checkpoint's group indices span [{int(g.min())}, "
+                          f"{int(g.max())}]; allowed: [0, {scales.shape[-1]}), the columns of its scales")
+        return True
     return False
 
 
@@ -80,6 +93,13 @@ def _check_layer_dtype(dtype: Optional[torch.dtype], act_bits: int) -> None:
                          "float16 and bfloat16 inputs and outputs the input dtype")
     if dtype is not None:
         check_half_dtype(dtype)
+
+
+def _check_weight_type(qw, want: type, cls_name: str, other: str) -> None:
+    if not isinstance(qw, want):
+        hint = f" ({other}.from_quantized takes a {type(qw).__name__})" if isinstance(
+            qw, (QuantizedWeight, QQQWeight)) else ""
+        raise TypeError(f"{cls_name}.from_quantized takes a {want.__name__}, got {type(qw).__name__}{hint}")
 
 
 def _check_bias(bias: Optional[torch.Tensor], out_features: int) -> None:
@@ -111,11 +131,6 @@ def _check_linear(linear) -> None:
         raise ValueError(f"linear.weight is on the {dev} device, which holds no values to quantize; allowed: "
                          "a CUDA or CPU weight (load the weights first, or build QuantLinear / QuantLinearW4A8 "
                          "layers and load a quantized state_dict into them)")
-
-
-def _check_flag(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be a bool (True or False)")
 
 
 def module_names(names, arg: str) -> tuple:
@@ -182,8 +197,8 @@ class QuantLinear(nn.Module):
         if err:
             raise ValueError(err)
         check_half_dtype(dtype)
-        _check_flag("sym", sym)
-        _check_flag("act_order", act_order)
+        check_flag("sym", sym)
+        check_flag("act_order", act_order)
         if act_order and group_size == -1:
             raise ValueError("act_order=True needs a group size (group_size=-1 has one group)")
         self.in_features, self.out_features = in_features, out_features
@@ -191,8 +206,8 @@ class QuantLinear(nn.Module):
         kp = padded_k(in_features)
         gp = 1 if group_size == -1 else kp // group_size
         if groups is not None:  # scale rows of an act-order layer (formats.int4.QuantizedWeight)
-            if not act_order or groups < gp:
-                raise ValueError(f"groups={groups!r} is only for act_order layers and must be at least "
+            if type(groups) is not int or not act_order or groups < gp:
+                raise ValueError(f"groups={groups!r} is only for act_order layers and must be an int, at least "
                                  f"padded in_features / group_size = {gp}")
             gp = groups
         self.register_buffer("qweight", torch.zeros((out_features, kp // 8), dtype=torch.int32, device=device))
@@ -213,6 +228,7 @@ class QuantLinear(nn.Module):
     # -- construction ---------------------------------------------------------------
     @classmethod
     def from_quantized(cls, qw: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> "QuantLinear":
+        _check_weight_type(qw, QuantizedWeight, "QuantLinear", "QuantLinearW4A8")
         _check_bias(bias, qw.out_features)
         p = pack(qw)  # a g_idx equal to k // group_size packs without permutation
         act_order = p.perm is not None
@@ -252,7 +268,7 @@ class QuantLinear(nn.Module):
                 raise ValueError("W4A8 (act_bits=8) weights are symmetric; sym=False is not supported")
             return QuantLinearW4A8.from_linear(linear, group_size=group_size)
         _check_linear(linear)
-        _check_flag("sym", sym)
+        check_flag("sym", sym)
         qw = quantize(linear.weight, bits=bits, group_size=group_size, sym=sym, dtype=dtype)
         return cls.from_quantized(qw, linear.bias)
 
@@ -321,8 +337,7 @@ class QuantLinear(nn.Module):
         point and bias value must be representable in `dtype` (else ValueError, layer
         unchanged). The effective weight s * (q - z) is then rounded to `dtype`, as for any
         layer of that dtype. Returns self."""
-        if dtype not in HALF_DTYPES:
-            raise TypeError(f"dtype={dtype} is not supported; allowed: torch.float16, torch.bfloat16")
+        check_half_dtype(dtype)
         converted = {}
         for name in ("scales", "zeros", "bias"):
             t = self._buffers[name]
@@ -455,6 +470,7 @@ class QuantLinearW4A8(nn.Module):
     @classmethod
     def from_quantized(cls, qw: QQQWeight, bias: Optional[torch.Tensor] = None, *,
                        act_dtype: str = "int8") -> "QuantLinearW4A8":
+        _check_weight_type(qw, QQQWeight, "QuantLinearW4A8", "QuantLinear")
         _check_bias(bias, qw.out_features)
         p = pack_qqq(qw)
         layer = cls(qw.in_features, qw.out_features, bias is not None, group_size=qw.group_size,
@@ -607,9 +623,14 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
     that cannot be quantized (NaN / Inf, or its scales under- or overflow the layer dtype)
     raises ValueError naming the module.
     """
+    if not isinstance(model, nn.Module) or isinstance(model, nn.Linear):
+        # (a Linear cannot replace itself in place: it would be returned unchanged)
+        what = "an nn.Linear itself" if isinstance(model, nn.Module) else f"a {type(model).__name__}"
+        raise TypeError(f"model must be an nn.Module holding nn.Linear layers, got {what}; for one Linear "
+                        f"use QuantLinear.from_linear(linear)")
     _check_bits(bits)
     _check_act_bits(act_bits)
-    _check_flag("sym", sym)
+    check_flag("sym", sym)
     if act_bits == 8:
         check_group_size_w4a8(group_size)
         if not sym:

@@ -49,6 +49,11 @@ def _check_bits(bits: int) -> None:
     check_int_choice("bits", bits, (4,), " (Sailfish stores 4-bit weights)")
 
 
+def check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be a bool (True or False)")
+
+
 def check_half_dtype(dtype, name: str = "dtype") -> None:
     if dtype not in HALF_DTYPES:
         raise TypeError(f"{name}={dtype!r} is not supported; allowed: torch.float16, torch.bfloat16")
@@ -206,6 +211,7 @@ def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bo
     _check_bits(bits)
     _check_group_size(group_size)
     check_weight_arg(weight)
+    check_flag("sym", sym)
     if dtype is None:
         dtype = weight.dtype if weight.dtype in HALF_DTYPES else torch.float16
     check_half_dtype(dtype)
