@@ -93,7 +93,7 @@ class Tied(nn.Module):
 def test_skip_as_one_string():
     model = quantize_model(Tied(), skip="lm_head")  # not the letters l, m, _, h, e, a, d
     assert type(model.lm_head) is nn.Linear and isinstance(model.a, QuantLinear)
-    with pytest.raises(TypeError, match=r"skip must be a module name \(str\) or an iterable of them, got 3"):
+    with pytest.raises(TypeError, match=r"skip must be a module name \(str\) or an iterable of them, got 3$"):
         quantize_model(Tied(), skip=3)
     with pytest.raises(TypeError, match=r"skip must be .* got None in it"):
         quantize_model(Tied(), skip=["lm_head", None])
@@ -118,6 +118,30 @@ def test_tied_linear_converted_once_and_shared(act_bits):
     assert model.a is lin and model.b is lin
     assert model.sailfish_report == {"quantized": ["lm_head"], "skipped": {"a": "in skip list"},
                                      "shared": {"b": "a"}}
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(K, 4, batch_first=True)
+        self.fc = nn.Linear(K, N)
+
+    def forward(self, x):
+        return self.fc(self.attn(x, x, x, need_weights=False)[0])
+
+
+def test_multihead_attention_out_proj_left_alone():
+    # nn.MultiheadAttention reads out_proj.weight itself: converting it broke the forward
+    # ("'QuantLinear' object has no attribute 'weight'")
+    model = Attention().half().eval()
+    x = torch.randn(2, 3, K, dtype=F16)
+    with torch.no_grad():
+        ref = model(x).float()
+        quantize_model(model)
+        y = model(x).float()
+    assert model.sailfish_report["quantized"] == ["fc"] and isinstance(model.fc, QuantLinear)
+    assert "nn.MultiheadAttention" in model.sailfish_report["skipped"]["attn.out_proj"]
+    assert (y - ref).norm() / ref.norm() < 0.1  # 4-bit weights: a few % off, not garbage
 
 
 # ----------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ from . import ops  # noqa: F401  (registers torch.ops.sailfish.*)
 from .formats.awq import from_awq as _read_awq
 from .formats.gptq import from_gptq as _read_gptq
 from .formats.int4 import (HALF_DTYPES, LAYOUT_VERSION, PackedW4, QuantizedWeight, _check_bits,
-                           _check_group_size, check_flag, check_half_dtype, check_int_choice, default_g_idx, natural_to_fragment_order, pack, padded_k,
-                           quantize, unpack)
+                           _check_group_size, check_flag, check_half_dtype, check_int_choice, default_g_idx,
+                           natural_to_fragment_order, pack, padded_k, quantize, unpack)
 from .formats.qqq import (LAYOUT_VERSION_W4A8, PackedQQQ, QQQWeight, check_act_dtype, check_group_size_w4a8,
                           fp8_weight, natural_to_fragment_order_w4a8, pack_qqq, quantize_qqq, unpack_qqq)
 from .ops import direct_call_ok
@@ -140,13 +140,14 @@ def module_names(names, arg: str) -> tuple:
         return ()
     if isinstance(names, str):
         return (names,)
+    what = f"{arg} must be a module name (str) or an iterable of them, got"
     try:
         names = tuple(names)
     except TypeError:
-        names = (names,)
+        raise TypeError(f"{what} {names!r}") from None
     bad = [n for n in names if not isinstance(n, str)]
     if bad:
-        raise TypeError(f"{arg} must be a module name (str) or an iterable of them, got {bad[0]!r} in it")
+        raise TypeError(f"{what} {bad[0]!r} in it")
     return names
 
 
@@ -621,7 +622,7 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
     with the reason, is logged and stored as model.sailfish_report = {"quantized": [names],
     "skipped": {name: reason}, "shared": {other name: the name listed above}}. A weight
     that cannot be quantized (NaN / Inf, or its scales under- or overflow the layer dtype)
-    raises ValueError naming the module.
+    raises ValueError naming the module (the modules before it stay converted).
     """
     if not isinstance(model, nn.Module) or isinstance(model, nn.Linear):
         # (a Linear cannot replace itself in place: it would be returned unchanged)
@@ -648,6 +649,10 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
         shared.update((other, name) for other in others)
         if any(_skip_match(n, skip) for n in (name, *others)):
             reason = "in skip list"
+        elif isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
+            # torch's mark for a Linear whose parent reads .weight instead of calling it
+            # (nn.MultiheadAttention's out_proj): a QuantLinear there breaks the parent
+            reason = "its parent reads its weight directly (nn.MultiheadAttention out_proj)"
         else:
             reason = check_shape(module.in_features, module.out_features)
         if reason:
