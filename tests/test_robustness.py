@@ -384,6 +384,7 @@ def test_demo_help_as_a_newcomer_runs_it():
     ("bench.overhead", ["--m", "0"], "--m must be >= 1, got 0"),
     ("bench.merge", ["out.json", "no/such/file.json"], "cannot read no/such/file.json"),
     ("bench.tp", ["--nproc", "0"], "--nproc=0 must be >= 1"),
+    ("bench.tp", ["--nproc", "3"], "--nproc 3: kv_heads=8 is not divisible by world_size=3 of --preset 8b"),
     ("demo", ["--m", "4"], "unrecognized arguments: --m 4"),
 ])
 def test_cli_bad_arguments_one_line(name, argv, msg, capsys):
@@ -406,6 +407,6 @@ def test_tp_worker_error_is_one_line(monkeypatch, capsys):
                                         "recent call last):\n  File \"x.py\", line 1\nValueError: kv_heads=2 is not "
                                         "divisible by world_size=3\n", 0, 1234)
     monkeypatch.setattr(mp, "spawn", spawn)
-    assert tp.main(["--nproc", "3", "--preset", "tiny", "--cpu"]) == 1
+    assert tp.main(["--nproc", "2", "--preset", "tiny", "--cpu"]) == 1
     assert capsys.readouterr().err == ("python -m sailfish.bench.tp: error: ValueError: kv_heads=2 is not "
                                        "divisible by world_size=3\n")

@@ -188,6 +188,10 @@ def float_reference(model: BlockStack) -> BlockStack:
 # ----------------------------------------------------------------------------------
 # Tensor-parallel plan
 # ----------------------------------------------------------------------------------
+def heads_error(kv_heads: int, world: int) -> str:
+    return f"kv_heads={kv_heads} is not divisible by world_size={world}"
+
+
 def _styles():
     from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -199,7 +203,7 @@ def _styles():
             rank, world = device_mesh.get_local_rank(), device_mesh.size()
             kv = module.k_cache.shape[1]
             if kv % world:
-                raise ValueError(f"kv_heads={kv} is not divisible by world_size={world}")
+                raise ValueError(heads_error(kv, world))
             part = kv // world
             for name in ("k_cache", "v_cache"):
                 cache = getattr(module, name)
@@ -384,6 +388,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name, low in (("nproc", 1), ("batch", 1), ("layers", 0), ("ctx", 0), ("replays", 0)):
         if getattr(args, name) < low:
             parser.error(f"--{name}={getattr(args, name)} must be >= {low}")
+    kv = PRESETS[args.preset][2]
+    if "RANK" not in os.environ and kv % args.nproc:  # before building the model (minutes for 8b)
+        parser.error(f"--nproc {args.nproc}: {heads_error(kv, args.nproc)} of --preset {args.preset}")
     # Never NVLink multicast (NVLS / symmetric-memory multicast) on the shared machines.
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
