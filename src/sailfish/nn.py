@@ -624,11 +624,6 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
     that cannot be quantized (NaN / Inf, or its scales under- or overflow the layer dtype)
     raises ValueError naming the module (the modules before it stay converted).
     """
-    if not isinstance(model, nn.Module) or isinstance(model, nn.Linear):
-        # (a Linear cannot replace itself in place: it would be returned unchanged)
-        what = "an nn.Linear itself" if isinstance(model, nn.Module) else f"a {type(model).__name__}"
-        raise TypeError(f"model must be an nn.Module holding nn.Linear layers, got {what}; for one Linear "
-                        f"use QuantLinear.from_linear(linear)")
     _check_bits(bits)
     _check_act_bits(act_bits)
     check_flag("sym", sym)
@@ -640,6 +635,11 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
         _check_group_size(group_size)
     _check_layer_dtype(dtype, act_bits)
     skip = module_names(skip, "skip")
+    if not isinstance(model, nn.Module) or isinstance(model, nn.Linear):
+        # (a Linear cannot replace itself in place: it would be returned unchanged)
+        what = "an nn.Linear itself" if isinstance(model, nn.Module) else f"a {type(model).__name__}"
+        raise TypeError(f"model must be an nn.Module holding nn.Linear layers, got {what}; for one Linear "
+                        f"use QuantLinear.from_linear(linear)")
     names = {}  # Linear -> every name it has (named_modules would give a shared one once)
     for name, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, nn.Linear):
