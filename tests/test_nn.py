@@ -204,7 +204,7 @@ def test_quantize_model(device):
 def test_quantize_model_skip_and_errors():
     model = nn.Sequential(nn.Linear(128, 64), nn.Linear(64, 64)).half()
     quantize_model(model, skip=("1",))
-    assert model.sailfish_report == {"quantized": ["0"], "skipped": {"1": "in skip list"}}
+    assert model.sailfish_report == {"quantized": ["0"], "skipped": {"1": "in skip list"}, "shared": {}}
     with pytest.raises(ValueError, match="group_size=100"):
         quantize_model(nn.Sequential(nn.Linear(128, 64)).half(), group_size=100)
 

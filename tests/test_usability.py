@@ -216,7 +216,7 @@ def test_float32_linear_policy(device):
     assert a.dtype == F16
     model = nn.Sequential(copy.deepcopy(lin))
     quantize_model(model)
-    assert model.sailfish_report == {"quantized": ["0"], "skipped": {}}
+    assert model.sailfish_report == {"quantized": ["0"], "skipped": {}, "shared": {}}
     assert model[0].dtype == F16 and torch.equal(model[0].dequantize(), a.dequantize())
     assert torch.equal(model[0].bias, a.bias)
     model.half()  # the rest of a float32 model follows; the layer is already float16

@@ -23,6 +23,7 @@ if not CUDA:
     # @triton.jit functions are defined); `import sailfish` itself does not import them.
     os.environ["TRITON_INTERPRET"] = "1"
 
+import argparse  # noqa: E402
 import copy  # noqa: E402
 import math  # noqa: E402
 import functools  # noqa: E402
@@ -97,7 +98,10 @@ def print_row(r: dict, timed: bool) -> None:
     print(line, flush=True)
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    # no options: the parser gives --help (and refuses stray arguments) before anything runs
+    argparse.ArgumentParser(prog="python -m sailfish.demo", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     torch.manual_seed(0)
     if CUDA:
         device, shrink, ms = "cuda", 1, (1, 16, 256)

@@ -11,9 +11,9 @@ from . import ops  # noqa: F401  (registers torch.ops.sailfish.*)
 from .formats.awq import from_awq as _read_awq
 from .formats.gptq import from_gptq as _read_gptq
 from .formats.int4 import (HALF_DTYPES, LAYOUT_VERSION, PackedW4, QuantizedWeight, _check_bits,
-                           _check_group_size, cast_scales, checked_cast, default_g_idx,
-                           natural_to_fragment_order, pack, padded_k, quantize, relative_change, unpack,
-                           warn_lossy_cast)
+                           _check_group_size, cast_scales, check_flag, check_half_dtype, check_int_choice,
+                           checked_cast, default_g_idx, natural_to_fragment_order, pack, padded_k, quantize,
+                           relative_change, unpack, warn_lossy_cast)
 from .formats.qqq import (LAYOUT_VERSION_W4A8, PackedQQQ, QQQWeight, check_act_dtype, check_group_size_w4a8,
                           fp8_weight, natural_to_fragment_order_w4a8, pack_qqq, quantize_qqq, unpack_qqq)
 from .ops import direct_call_ok
@@ -40,6 +40,51 @@ def _upgrade_qweight_layout(state_dict, prefix: str, current: int, from_v1, what
         state_dict[key] = torch.tensor(current, dtype=torch.int32)
 
 
+_SCALE_BUFFERS = ("scales", "zeros", "s_ch", "s_g")
+
+
+def _check_loaded(module: nn.Module, state_dict, prefix: str, error_msgs: list) -> bool:
+    """A load error (True: appended to error_msgs) for a tensor of the wrong dtype or non-finite
+    scales. load_state_dict would copy_ a float16 checkpoint into a bfloat16 layer (or float
+    codes into int32 ones), converting the values without a word, and NaN scales make every
+    output that reads them NaN."""
+    for name, b in module._buffers.items():
+        t = state_dict.get(prefix + name)
+        if not isinstance(t, torch.Tensor) or b is None:
+            continue
+        if t.dtype != b.dtype and name in ("scales", "zeros", "bias") and {t.dtype, b.dtype} <= set(HALF_DTYPES):
+            # fp16 <-> bf16: exact values load, re-rounding them without a word does not
+            # (formats.int4 cast_scales); the error names the way to opt in
+            try:
+                checked_cast(t, b.dtype, prefix + name, allow_lossy_scales=False,
+                             how=f"loading into a {t.dtype} layer, then layer.to_dtype({b.dtype}, "
+                                 f"allow_lossy_scales=True)")
+            except ValueError as e:
+                error_msgs.append(str(e))
+                return True
+        elif t.dtype != b.dtype:
+            error_msgs.append(f"{prefix}{name}: the checkpoint has dtype {t.dtype} but the layer has dtype "
+                              f"{b.dtype}; allowed: {b.dtype}")
+            return True
+        if name in _SCALE_BUFFERS and t.device.type != "meta" and not bool(torch.isfinite(t).all()):
+            error_msgs.append(f"{prefix}{name}: the checkpoint's values include NaN or Inf; allowed: finite values")
+            return True
+    # act-order indices: the kernels read x and the scales at them, without bounds checks
+    perm, g, scales = (state_dict.get(prefix + n) for n in ("perm", "sorted_g_idx", "scales"))
+    k = getattr(module, "in_features", 0)
+    if isinstance(perm, torch.Tensor) and perm.device.type != "meta" and not torch.equal(
+            perm.long().sort().values, torch.arange(k, device=perm.device)):
+        error_msgs.append(f"{prefix}perm: the checkpoint's perm is not a permutation of 0 .. in_features - 1 = "
+                          f"{k - 1}; allowed: each input channel once")
+        return True
+    if (isinstance(g, torch.Tensor) and isinstance(scales, torch.Tensor) and g.device.type != "meta" and g.numel()
+            and (int(g.min()) < 0 or int(g.max()) >= scales.shape[-1])):
+        error_msgs.append(f"{prefix}sorted_g_idx: the checkpoint's group indices span [{int(g.min())}, "
+                          f"{int(g.max())}]; allowed: [0, {scales.shape[-1]}), the columns of its scales")
+        return True
+    return False
+
+
 def _sync_flags_after_load(module: "QuantLinear", incompatible_keys) -> None:
     module._sync_flags()
 
@@ -55,8 +100,15 @@ def _check_layer_dtype(dtype: Optional[torch.dtype], act_bits: int) -> None:
     if act_bits == 8 and dtype is not None:
         raise ValueError("dtype does not apply to W4A8 (act_bits=8): the layer takes "
                          "float16 and bfloat16 inputs and outputs the input dtype")
-    if dtype is not None and dtype not in HALF_DTYPES:
-        raise TypeError(f"dtype={dtype} is not supported; allowed: torch.float16, torch.bfloat16")
+    if dtype is not None:
+        check_half_dtype(dtype)
+
+
+def _check_weight_type(qw, want: type, cls_name: str, other: str) -> None:
+    if not isinstance(qw, want):
+        hint = f" ({other}.from_quantized takes a {type(qw).__name__})" if isinstance(
+            qw, (QuantizedWeight, QQQWeight)) else ""
+        raise TypeError(f"{cls_name}.from_quantized takes a {want.__name__}, got {type(qw).__name__}{hint}")
 
 
 def _check_bias(bias: Optional[torch.Tensor], out_features: int) -> None:
@@ -71,12 +123,49 @@ def _check_bias(bias: Optional[torch.Tensor], out_features: int) -> None:
                          f"got {tuple(bias.shape)}")
 
 
+def _input_shape_error(x: torch.Tensor, k: int) -> ValueError:
+    got = f"input last dim {x.shape[-1]} != in_features={k}" if x.dim() else "the input is 0-D"
+    return ValueError(f"{got}; allowed: an input of shape (..., {k}), got {tuple(x.shape)}")
+
+
+def _check_linear(linear) -> None:
+    """from_linear's argument: an nn.Linear of a supported shape, with values to quantize."""
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+    err = check_shape(linear.in_features, linear.out_features)
+    if err:
+        raise ValueError(err)
+    dev = linear.weight.device
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"linear.weight is on the {dev} device, which holds no values to quantize; allowed: "
+                         "a CUDA or CPU weight (load the weights first, or build QuantLinear / QuantLinearW4A8 "
+                         "layers and load a quantized state_dict into them)")
+
+
+def module_names(names, arg: str) -> tuple:
+    """A names argument (quantize_model's skip, SailfishConfig's modules_to_not_convert): one
+    name as a str, or an iterable of str; a bare str would otherwise be read letter by letter."""
+    if names is None:
+        return ()
+    if isinstance(names, str):
+        return (names,)
+    what = f"{arg} must be a module name (str) or an iterable of them, got"
+    try:
+        names = tuple(names)
+    except TypeError:
+        raise TypeError(f"{what} {names!r}") from None
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise TypeError(f"{what} {bad[0]!r} in it")
+    return names
+
+
 def check_shape(in_features: int, out_features: int) -> Optional[str]:
     """None if the kernels support this (K, N), else the rule it breaks."""
-    if in_features <= 0 or in_features % 16:
-        return f"in_features={in_features} must be a positive multiple of 16"
-    if out_features <= 0 or out_features % 8:
-        return f"out_features={out_features} must be a positive multiple of 8"
+    for name, v, multiple in (("in_features", in_features, 16), ("out_features", out_features, 8)):
+        if type(v) is not int or v <= 0 or v % multiple:
+            kind = "" if type(v) is int else f" (a {type(v).__name__}; an int is needed)"
+            return f"{name}={v!r}{kind} must be a positive multiple of {multiple}"
     return None
 
 
@@ -119,8 +208,9 @@ class QuantLinear(nn.Module):
         err = check_shape(in_features, out_features)
         if err:
             raise ValueError(err)
-        if dtype not in HALF_DTYPES:
-            raise TypeError(f"dtype={dtype} is not supported; allowed: torch.float16, torch.bfloat16")
+        check_half_dtype(dtype)
+        check_flag("sym", sym)
+        check_flag("act_order", act_order)
         if act_order and group_size == -1:
             raise ValueError("act_order=True needs a group size (group_size=-1 has one group)")
         self.in_features, self.out_features = in_features, out_features
@@ -128,8 +218,8 @@ class QuantLinear(nn.Module):
         kp = padded_k(in_features)
         gp = 1 if group_size == -1 else kp // group_size
         if groups is not None:  # scale rows of an act-order layer (formats.int4.QuantizedWeight)
-            if not act_order or groups < gp:
-                raise ValueError(f"groups={groups!r} is only for act_order layers and must be at least "
+            if type(groups) is not int or not act_order or groups < gp:
+                raise ValueError(f"groups={groups!r} is only for act_order layers and must be an int, at least "
                                  f"padded in_features / group_size = {gp}")
             gp = groups
         self.register_buffer("qweight", torch.zeros((out_features, kp // 8), dtype=torch.int32, device=device))
@@ -150,6 +240,7 @@ class QuantLinear(nn.Module):
     # -- construction ---------------------------------------------------------------
     @classmethod
     def from_quantized(cls, qw: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> "QuantLinear":
+        _check_weight_type(qw, QuantizedWeight, "QuantLinear", "QuantLinearW4A8")
         _check_bias(bias, qw.out_features)
         p = pack(qw)  # a g_idx equal to k // group_size packs without permutation
         act_order = p.perm is not None
@@ -188,11 +279,8 @@ class QuantLinear(nn.Module):
             if not sym:
                 raise ValueError("W4A8 (act_bits=8) weights are symmetric; sym=False is not supported")
             return QuantLinearW4A8.from_linear(linear, group_size=group_size)
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
-        err = check_shape(linear.in_features, linear.out_features)
-        if err:
-            raise ValueError(err)
+        _check_linear(linear)
+        check_flag("sym", sym)
         qw = quantize(linear.weight, bits=bits, group_size=group_size, sym=sym, dtype=dtype)
         return cls.from_quantized(qw, linear.bias)
 
@@ -226,8 +314,8 @@ class QuantLinear(nn.Module):
         err = check_shape(*shape) if shape else None
         if err:
             raise ValueError(err)
-        if dtype is not None and dtype not in HALF_DTYPES:
-            raise TypeError(f"dtype={dtype} is not supported; allowed: torch.float16, torch.bfloat16")
+        if dtype is not None:
+            check_half_dtype(dtype)
         qw = read()
         if dtype is not None and dtype != qw.dtype:
             src = qw.dtype
@@ -270,8 +358,7 @@ class QuantLinear(nn.Module):
         warns with the largest relative change of a dequantized weight (and of the bias).
         The effective weight s * (q - z) is then rounded to `dtype`, as for any layer of that
         dtype. Returns self."""
-        if dtype not in HALF_DTYPES:
-            raise TypeError(f"dtype={dtype} is not supported; allowed: torch.float16, torch.bfloat16")
+        check_half_dtype(dtype)
         if dtype == self.dtype:
             return self
         src, bias = self.dtype, self.bias
@@ -290,19 +377,8 @@ class QuantLinear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        # load_state_dict copy_s a float16 checkpoint into a bfloat16 layer (or back): exact
-        # values are fine, but re-rounding scales without a word is not (formats.int4
-        # cast_scales): report that as a load error naming the way to opt in.
-        for name in ("scales", "zeros", "bias"):
-            t, b = state_dict.get(prefix + name), self._buffers.get(name)
-            if isinstance(t, torch.Tensor) and b is not None and t.dtype != b.dtype and t.is_floating_point():
-                try:
-                    checked_cast(t, b.dtype, prefix + name, allow_lossy_scales=False,
-                                 how=f"loading into a {t.dtype} layer, then layer.to_dtype({b.dtype}, "
-                                     f"allow_lossy_scales=True)")
-                except ValueError as e:
-                    error_msgs.append(str(e))
-                    return
+        if _check_loaded(self, state_dict, prefix, error_msgs):
+            return
         _upgrade_qweight_layout(state_dict, prefix, LAYOUT_VERSION, natural_to_fragment_order, "")
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
@@ -341,8 +417,8 @@ class QuantLinear(nn.Module):
         if x.dtype is not scales.dtype:
             raise TypeError(f"input dtype {x.dtype} does not match the layer dtype {scales.dtype}")
         k = self.in_features
-        if x.shape[-1] != k:
-            raise ValueError(f"input last dim {x.shape[-1]} != in_features={k}")
+        if x.dim() == 0 or x.shape[-1] != k:
+            raise _input_shape_error(x, k)
         if x.requires_grad and torch.is_grad_enabled():
             op = w4a16_gemm
         else:
@@ -362,8 +438,7 @@ ACT_BITS = (16, 8)
 
 
 def _check_act_bits(act_bits: int) -> None:
-    if act_bits not in ACT_BITS:
-        raise ValueError(f"act_bits={act_bits!r} is not supported; allowed: 16 (W4A16), 8 (W4A8)")
+    check_int_choice("act_bits", act_bits, ACT_BITS, " (16: W4A16, 8: W4A8)")
 
 
 class QuantLinearW4A8(nn.Module):
@@ -417,6 +492,7 @@ class QuantLinearW4A8(nn.Module):
     @classmethod
     def from_quantized(cls, qw: QQQWeight, bias: Optional[torch.Tensor] = None, *,
                        act_dtype: str = "int8") -> "QuantLinearW4A8":
+        _check_weight_type(qw, QQQWeight, "QuantLinearW4A8", "QuantLinear")
         _check_bias(bias, qw.out_features)
         p = pack_qqq(qw)
         layer = cls(qw.in_features, qw.out_features, bias is not None, group_size=qw.group_size,
@@ -432,13 +508,9 @@ class QuantLinearW4A8(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, group_size: int = -1, act_dtype: str = "int8") -> "QuantLinearW4A8":
         """Quantize an nn.Linear with formats.qqq.quantize_qqq (round to nearest)."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
         check_group_size_w4a8(group_size)
         check_act_dtype(act_dtype)
-        err = check_shape(linear.in_features, linear.out_features)
-        if err:
-            raise ValueError(err)
+        _check_linear(linear)
         return cls.from_quantized(quantize_qqq(linear.weight, group_size), linear.bias, act_dtype=act_dtype)
 
     def _apply(self, fn, recurse=True):
@@ -454,6 +526,8 @@ class QuantLinearW4A8(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        if _check_loaded(self, state_dict, prefix, error_msgs):
+            return
         _upgrade_qweight_layout(state_dict, prefix, LAYOUT_VERSION_W4A8, natural_to_fragment_order_w4a8,
                                 "W4A8 ")
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
@@ -490,8 +564,8 @@ class QuantLinearW4A8(nn.Module):
     def _check_input(self, x: torch.Tensor) -> None:
         if x.dtype not in HALF_DTYPES:
             raise TypeError(f"input dtype {x.dtype} is not supported; allowed: float16, bfloat16")
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"input last dim {x.shape[-1]} != in_features={self.in_features}")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise _input_shape_error(x, self.in_features)
 
     def quantize_input(self, x: torch.Tensor):
         """x (..., K) float16/bfloat16 -> (x_q (M, K) int8, or float8_e4m3fn for act_dtype "fp8";
@@ -562,9 +636,14 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
     Float32 Linears are quantized too: run the model in the layers' dtype afterwards
     (model.half(), a no-op for float16 QuantLinears), since the layers take only it.
 
-    skip: module names (or name components) left alone. Returns the model; what was
-    quantized and what was skipped, with the reason, is logged and stored as
-    model.sailfish_report = {"quantized": [names], "skipped": {name: reason}}.
+    skip: module names (or name components) left alone; one name may be given as a str.
+    A Linear reachable under several names (tied, e.g. shared by two attributes) is
+    converted once and the one layer is set under every name (skipped under every name if
+    any of them is in skip). Returns the model; what was quantized and what was skipped,
+    with the reason, is logged and stored as model.sailfish_report = {"quantized": [names],
+    "skipped": {name: reason}, "shared": {other name: the name listed above}}. A weight
+    that cannot be quantized (NaN / Inf, or its scales under- or overflow the layer dtype)
+    raises ValueError naming the module (the modules before it stay converted).
 
     fuse (default True): then run q/k/v and gate/up of supported transformers models as one
     layer each (sailfish.fuse.fuse_projections; report keys "fused" and "not_fused").
@@ -573,6 +652,7 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
     check_fuse_flag(fuse)
     _check_bits(bits)
     _check_act_bits(act_bits)
+    check_flag("sym", sym)
     if act_bits == 8:
         check_group_size_w4a8(group_size)
         if not sym:
@@ -580,25 +660,42 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
     else:
         _check_group_size(group_size)
     _check_layer_dtype(dtype, act_bits)
-    skip = tuple(skip)
-    quantized, skipped = [], {}
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or isinstance(module, QuantLinear):
-            continue
-        reason = None
-        if _skip_match(name, skip):
+    skip = module_names(skip, "skip")
+    if not isinstance(model, nn.Module) or isinstance(model, nn.Linear):
+        # (a Linear cannot replace itself in place: it would be returned unchanged)
+        what = "an nn.Linear itself" if isinstance(model, nn.Module) else f"a {type(model).__name__}"
+        raise TypeError(f"model must be an nn.Module holding nn.Linear layers, got {what}; for one Linear "
+                        f"use QuantLinear.from_linear(linear)")
+    names = {}  # Linear -> every name it has (named_modules would give a shared one once)
+    for name, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, nn.Linear):
+            names.setdefault(module, []).append(name)
+    quantized, skipped, shared = [], {}, {}
+    for module, (name, *others) in names.items():
+        shared.update((other, name) for other in others)
+        if any(_skip_match(n, skip) for n in (name, *others)):
             reason = "in skip list"
+        elif isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
+            # torch's mark for a Linear whose parent reads .weight instead of calling it
+            # (nn.MultiheadAttention's out_proj): a QuantLinear there breaks the parent
+            reason = "its parent reads its weight directly (nn.MultiheadAttention out_proj)"
         else:
             reason = check_shape(module.in_features, module.out_features)
         if reason:
             skipped[name] = reason
             log.info("sailfish: skipped %s (%s)", name, reason)
             continue
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, QuantLinear.from_linear(module, bits=bits, group_size=group_size, sym=sym,
-                                                       dtype=dtype, act_bits=act_bits))
+        try:
+            layer = QuantLinear.from_linear(module, bits=bits, group_size=group_size, sym=sym, dtype=dtype,
+                                            act_bits=act_bits)
+        except ValueError as e:
+            raise ValueError(f"module {name!r}: {e}") from e
+        for n in (name, *others):
+            parent_name, _, child = n.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, layer)
         quantized.append(name)
-    log.info("sailfish: quantized %d linear layers, skipped %d", len(quantized), len(skipped))
-    model.sailfish_report = {"quantized": quantized, "skipped": skipped}
+    log.info("sailfish: quantized %d linear layers, skipped %d%s", len(quantized), len(skipped),
+             f", {len(shared)} more names shared with them" if shared else "")
+    model.sailfish_report = {"quantized": quantized, "skipped": skipped, "shared": shared}
     return fuse_projections(model) if fuse else model

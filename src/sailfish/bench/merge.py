@@ -49,15 +49,19 @@ def merge(docs: list) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m sailfish.bench.merge", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="merged JSON to write (plots go beside it)")
     ap.add_argument("inputs", nargs="+", help="bench JSON files of one GPU")
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
     docs = []
     for path in args.inputs:
-        with open(path) as f:
-            docs.append(json.load(f))
+        try:
+            with open(path) as f:
+                docs.append(json.load(f))
+        except (OSError, ValueError) as e:  # a missing file, or not JSON
+            ap.error(f"cannot read {path}: {e}")
     doc = merge(docs)
     write_json(args.out, doc)
     print(f"wrote {args.out} ({len(doc['rows'])} rows)")

@@ -29,6 +29,8 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
+from ..formats.int4 import GROUP_SIZES
+
 TARGET_US = 20.0
 
 
@@ -109,20 +111,33 @@ def measure(k: int, n: int, m: int, dtype: torch.dtype, group_size: int, calls: 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m sailfish.bench.overhead", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="4096x4096", help="KxN (default 4096x4096)")
     ap.add_argument("--m", type=int, default=1, help="rows per call (default 1)")
     ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
-    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=128)
     ap.add_argument("--calls", type=int, default=2000, help="timed calls per row")
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
+    from .__main__ import parse_shapes
+    try:
+        shapes = parse_shapes(args.shape)
+    except ValueError as e:
+        ap.error(str(e))
+    if len(shapes) != 1:
+        ap.error(f"--shape {args.shape!r}: one KxN shape")
+    for name in ("m", "calls"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        ap.error(f"--warmup must be >= 0, got {args.warmup}")
     if not torch.cuda.is_available():
         print("sailfish.bench.overhead measures the host cost of eager calls on a CUDA GPU; no GPU "
               "is available here (the CPU interpreter's cost says nothing about it).", file=sys.stderr)
         return 2
-    k, n = (int(v) for v in args.shape.lower().split("x"))
+    (k, n), = shapes
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
     rows = measure(k, n, args.m, dtype, args.group_size, args.calls, args.warmup)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "

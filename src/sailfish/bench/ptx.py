@@ -23,6 +23,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from ..formats.int4 import GROUP_SIZES
+
 DTYPES = {"fp16": "*fp16", "bf16": "*bf16"}
 _PTRS = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "gidx_ptr", "bias_ptr", "y_ptr", "ws_ptr")
 
@@ -476,7 +478,8 @@ def _main_gemv(cfgs, args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m sailfish.bench.ptx", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", action="append", default=[],
                     help="BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,num_warps,num_stages (repeatable); "
                          "default: every shipped W4A16 mma config (w4a8: W4A8_TILES)")
@@ -484,7 +487,7 @@ def main(argv=None) -> int:
                     help="w4a8: the int8 kernel, w4a8-fp8 its e4m3-activation variant (--group-size -1 "
                          "or 128; --dtype, --zeros, --no-asm ignored)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
-    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=128)
     ap.add_argument("--zeros", action="store_true", help="asymmetric (zero points)")
     ap.add_argument("--no-asm", action="store_true", help="the pure-Triton dequantization")
     ap.add_argument("--capability", type=int, default=90, help="compute capability, e.g. 90 (sm_90a), 80")
@@ -512,8 +515,8 @@ def main(argv=None) -> int:
     if args.config:
         cfgs = []
         for c in args.config:
-            v = [int(t) for t in c.split(",")]
-            if len(v) != 6:
+            v = [int(t) for t in c.split(",") if t.strip().lstrip("-").isdigit()]
+            if len(v) != 6 or len(c.split(",")) != 6:
                 ap.error(f"--config {c!r}: want BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,num_warps,num_stages")
             cfgs.append(("cli", Config(v[0], v[1], v[2], SPLIT_K=v[3], num_warps=v[4], num_stages=v[5])))
     elif args.family.startswith("w4a8"):

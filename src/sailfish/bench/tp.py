@@ -40,6 +40,7 @@ import argparse
 import copy
 import datetime as _dt
 import json
+import logging
 import math
 import os
 import socket
@@ -51,6 +52,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..formats.int4 import GROUP_SIZES
 
 PRESETS = {
     # hidden, heads, kv_heads, head_dim, ffn, layers, ctx
@@ -185,6 +188,10 @@ def float_reference(model: BlockStack) -> BlockStack:
 # ----------------------------------------------------------------------------------
 # Tensor-parallel plan
 # ----------------------------------------------------------------------------------
+def heads_error(kv_heads: int, world: int) -> str:
+    return f"kv_heads={kv_heads} is not divisible by world_size={world}"
+
+
 def _styles():
     from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -196,7 +203,7 @@ def _styles():
             rank, world = device_mesh.get_local_rank(), device_mesh.size()
             kv = module.k_cache.shape[1]
             if kv % world:
-                raise ValueError(f"kv_heads={kv} is not divisible by world_size={world}")
+                raise ValueError(heads_error(kv, world))
             part = kv // world
             for name in ("k_cache", "v_cache"):
                 cache = getattr(module, name)
@@ -363,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=0, help="KV cache length (default: the preset's)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded per step (M)")
     p.add_argument("--format", choices=FORMATS, default="w4a16")
-    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=128)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
     p.add_argument("--reduce", choices=("dtensor", "c10d"), default="dtensor",
                    help="row-parallel sum: DTensor Partial->Replicate or torch.distributed.all_reduce")
@@ -381,6 +388,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name, low in (("nproc", 1), ("batch", 1), ("layers", 0), ("ctx", 0), ("replays", 0)):
         if getattr(args, name) < low:
             parser.error(f"--{name}={getattr(args, name)} must be >= {low}")
+    kv = PRESETS[args.preset][2]
+    if "RANK" not in os.environ and kv % args.nproc:  # before building the model (minutes for 8b)
+        parser.error(f"--nproc {args.nproc}: {heads_error(kv, args.nproc)} of --preset {args.preset}")
     # Never NVLink multicast (NVLS / symmetric-memory multicast) on the shared machines.
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -390,10 +400,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     import torch.multiprocessing as mp
+    # (spawn logs a warning per process it terminates after one failed: noise next to the error)
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
         mp.spawn(_worker, args=(args.nproc, args), nprocs=args.nproc)
     except mp.ProcessExitedException as e:
         print(f"a worker failed: {e}", file=sys.stderr)
+        return 1
+    except mp.ProcessRaisedException as e:
+        # the message holds the worker's whole traceback; its last line is the error itself,
+        # e.g. a --nproc that does not divide the model's heads
+        print(f"{parser.prog}: error: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
         return 1
     return 0
 

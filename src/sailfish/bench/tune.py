@@ -27,16 +27,14 @@ import time
 
 import torch
 
+from ..formats.int4 import GROUP_SIZES
+from ..formats.qqq import GROUP_SIZES_W4A8
 from ..tuning import m_bucket
 from .timing import copies_needed, graph_time_us
 
 LLAMA_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096),
                 (8192, 10240), (8192, 8192), (8192, 57344), (28672, 8192)]
 M_LIST = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
-
-
-def _parse_shapes(s: str):
-    return [tuple(int(v) for v in item.lower().split("x")) for item in s.split(",") if item]
 
 
 def _w4a16_family(k, n, group_size, sym, dtype, experimental=False):
@@ -191,12 +189,13 @@ def tune_shape(family, k, n, ms, group_size, sym, dtype, log=print, experimental
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m sailfish.bench.tune", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in LLAMA_SHAPES),
                     help="comma-separated KxN list")
     ap.add_argument("--m", default=",".join(map(str, M_LIST)), help="comma-separated M list")
     ap.add_argument("--family", choices=sorted(FAMILIES), default="w4a16")
-    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=128)
     ap.add_argument("--asym", action="store_true")
     ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
     ap.add_argument("--out", default=None, help="config JSON to update")
@@ -208,6 +207,13 @@ def main(argv=None) -> int:
                     help="comma-separated Config.kernel names: time only their tiles and the shipped config")
     ap.add_argument("--show", type=int, default=0, metavar="N", help="log the N fastest candidates per problem")
     args = ap.parse_args(argv)
+    from .__main__ import parse_ints, parse_shapes  # (that module imports this one)
+    try:
+        shapes, ms = parse_shapes(args.shapes), parse_ints(args.m, "M")
+    except ValueError as e:
+        ap.error(str(e))
+    if args.family != "w4a16" and args.group_size not in GROUP_SIZES_W4A8:
+        ap.error(f"--group-size {args.group_size}: --family {args.family} takes {GROUP_SIZES_W4A8}")
     kernels = None if args.kernels is None else set(args.kernels.split(","))
     from ..ops.w4a16 import W4A16_KERNELS
     known = set(W4A16_KERNELS)
@@ -223,13 +229,12 @@ def main(argv=None) -> int:
     os.environ["SAILFISH_AUTOTUNE"] = "0"
     from ..tuning import Config, gpu_key, save_table
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
-    ms = [int(v) for v in args.m.split(",")]
     entries = {}
     if args.out and os.path.exists(args.out):
         with open(args.out) as f:
             entries = {k: Config(**v) for k, v in json.load(f).get("configs", {}).items()}
     t0 = time.time()
-    for k, n in _parse_shapes(args.shapes):
+    for k, n in shapes:
         entries.update(tune_shape(args.family, k, n, ms, args.group_size, not args.asym, dtype,
                                   experimental=args.experimental, kernels=kernels,
                                   show=args.show))

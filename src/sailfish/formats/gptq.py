@@ -116,6 +116,9 @@ def to_gptq(qw: QuantizedWeight, checkpoint_format: str = "gptq") -> dict:
     Zero points must lie in [0, 15] (one nibble); "gptq" (v1) also needs them >= 1, so that
     every reader of v1 (whole-word or per-nibble) gets them back: use "gptq_v2" otherwise.
     """
+    if not isinstance(qw, QuantizedWeight):  # a layer, or a W4A8 QQQWeight (no GPTQ form)
+        raise TypeError(f"to_gptq takes a W4A16 QuantizedWeight (e.g. QuantLinear.quantized_weight()), "
+                        f"got {type(qw).__name__}")
     _check_format(checkpoint_format)
     n, k = qw.qweight.shape
     if k % 8 or n % 8:

@@ -34,14 +34,70 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 K_PAD = 256
 
 
+def check_int_choice(name: str, value, allowed: tuple, what: str = "") -> None:
+    """ValueError unless value is a Python int in `allowed` (128.0 == 128, but a float group
+    size would reach torch as a float and fail far from here; True == 1)."""
+    if type(value) is not int or value not in allowed:
+        kind = "" if type(value) is int else f" (a {type(value).__name__}; an int is needed)"
+        raise ValueError(f"{name}={value!r}{kind} is not supported{what}; allowed: {allowed}")
+
+
 def _check_group_size(group_size: int) -> None:
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size={group_size!r} is not supported; allowed: {GROUP_SIZES}")
+    check_int_choice("group_size", group_size, GROUP_SIZES)
 
 
 def _check_bits(bits: int) -> None:
-    if bits != 4:
-        raise ValueError(f"bits={bits!r} is not supported; Sailfish stores 4-bit weights (bits=4)")
+    check_int_choice("bits", bits, (4,), " (Sailfish stores 4-bit weights)")
+
+
+def check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be a bool (True or False)")
+
+
+def check_half_dtype(dtype, name: str = "dtype") -> None:
+    if dtype not in HALF_DTYPES:
+        raise TypeError(f"{name}={dtype!r} is not supported; allowed: torch.float16, torch.bfloat16")
+
+
+def check_weight_values(weight: torch.Tensor) -> None:
+    """ValueError if the weight to quantize holds NaN or +-Inf: its group would get a NaN
+    (or infinite) scale and every output reading it would be NaN."""
+    bad = ~torch.isfinite(weight)
+    if bool(bad.any()):
+        n, k = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"the weight holds {int(bad.sum())} non-finite value(s), first weight[{n}, {k}] = "
+                         f"{float(weight[n, k])}; allowed: finite weights only")
+
+
+# A scale rounded to its storage dtype may be off by at most 1/16 of itself: then the error
+# it adds to a weight (at most 8 codes times it) stays within the 4-bit rounding's own
+# (half a step). Only subnormal scales come near this (float16: below ~5e-7).
+SCALE_ROUNDING = 1 / 16
+
+
+def check_scales(exact: torch.Tensor, stored: torch.Tensor, effective: torch.Tensor) -> None:
+    """Quantization must not over- or underflow: `exact` the scales before rounding (0 for an
+    all-zero group, which is stored as 1), `stored` the same rounded to their dtype,
+    `effective` the dequantized weight (float32, rounded as the kernels round it).
+    ValueError naming the problem."""
+    exact = exact.double()
+    lost = ((stored.double() - exact).abs() > exact * SCALE_ROUNDING) & (exact > 0)
+    dtype = stored.dtype
+    or_bf16 = ", or use dtype=torch.bfloat16" if dtype == torch.float16 else ""
+    if bool(lost.any()):
+        i = int(torch.nonzero(lost.flatten())[0])
+        raise ValueError(f"the weight's scales underflow {dtype}: a group needs a scale of "
+                         f"{float(exact.flatten()[i]):.3g}, which {dtype} stores as "
+                         f"{float(stored.flatten()[i]):.3g}; allowed: scales that {dtype} represents to within "
+                         f"1/16 (scale the weight up{or_bf16})")
+    bad = ~torch.isfinite(effective)
+    if bool(bad.any()):
+        n, k = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"the quantized weight overflows {dtype}: weight[{n}, {k}] dequantizes to "
+                         f"{float(effective[n, k])} (a 4-bit code times its group's scale exceeds the largest "
+                         f"{dtype} value); allowed: |weight| up to about 15/16 of that value (scale the weight "
+                         f"down{or_bf16})")
 
 
 def num_groups(in_features: int, group_size: int) -> int:
@@ -156,16 +212,14 @@ def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bo
     """
     _check_bits(bits)
     _check_group_size(group_size)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError("weight must be a 2-D (out_features, in_features) tensor")
-    if not weight.is_floating_point():
-        raise TypeError(f"weight must be floating point, got {weight.dtype}")
+    check_weight_arg(weight)
+    check_flag("sym", sym)
     if dtype is None:
         dtype = weight.dtype if weight.dtype in HALF_DTYPES else torch.float16
-    if dtype not in HALF_DTYPES:
-        raise TypeError(f"dtype={dtype} is not supported; allowed: torch.float16, torch.bfloat16")
+    check_half_dtype(dtype)
     n, k = weight.shape
     w = weight.detach().float()
+    check_weight_values(w)
     gs = k if group_size == -1 else group_size
     g = -(-k // gs)
     pad = g * gs - k
@@ -173,20 +227,32 @@ def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bo
     # [min(w, 0), max(w, 0)] range the quantizer uses.
     wg = torch.nn.functional.pad(w, (0, pad)).reshape(n, g, gs)
     if sym:
-        s = wg.abs().amax(dim=2) / 7.5
-        s = torch.where(s == 0, torch.ones_like(s), s).to(dtype)
-        q = torch.round(wg / s.float()[..., None]) + 8
-        z = None
+        exact = wg.abs().amax(dim=2) / 7.5
     else:
         lo = wg.amin(dim=2).clamp(max=0)
         hi = wg.amax(dim=2).clamp(min=0)
-        s = (hi - lo) / 15
-        s = torch.where(s == 0, torch.ones_like(s), s).to(dtype)
+        exact = (hi - lo) / 15
+    s = torch.where(exact == 0, torch.ones_like(exact), exact).to(dtype)
+    if sym:
+        q = torch.round(wg / s.float()[..., None]) + 8
+        z = None
+    else:
         z = torch.round(-lo / s.float()).clamp(0, 15)
         q = torch.round(wg / s.float()[..., None]) + z[..., None]
     q = q.clamp(0, 15).to(torch.uint8).reshape(n, g * gs)[:, :k].contiguous()
     zeros = None if z is None else z.to(torch.uint8).T.contiguous()
-    return QuantizedWeight(q, s.T.contiguous(), zeros, None, group_size)
+    qw = QuantizedWeight(q, s.T.contiguous(), zeros, None, group_size)
+    check_scales(exact, s, qw.dequantize())
+    return qw
+
+
+def check_weight_arg(weight) -> None:
+    """The weight argument of quantize / quantize_qqq: a 2-D floating-point tensor."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"weight must be a 2-D (out_features, in_features) tensor, got {got}")
+    if not weight.is_floating_point():
+        raise TypeError(f"weight must be floating point, got {weight.dtype}")
 
 
 # ----------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .int4 import K_PAD, padded_k
+from .int4 import K_PAD, check_int_choice, check_scales, check_weight_arg, check_weight_values, padded_k
 from .nibbles import pack_nibbles, unpack_nibbles
 
 GROUP_SIZES_W4A8 = (-1, 128)
@@ -54,8 +54,7 @@ def group_scales_fit_int8(s_g: torch.Tensor) -> bool:
 
 
 def check_group_size_w4a8(group_size: int) -> None:
-    if group_size not in GROUP_SIZES_W4A8:
-        raise ValueError(f"group_size={group_size!r} is not supported for W4A8; allowed: {GROUP_SIZES_W4A8}")
+    check_int_choice("group_size", group_size, GROUP_SIZES_W4A8, " for W4A8")
 
 
 def num_groups_w4a8(in_features: int, group_size: int) -> int:
@@ -198,18 +197,18 @@ def quantize_qqq(weight: torch.Tensor, group_size: int = -1) -> QQQWeight:
     All-zero rows / groups get scale 1 (and codes 8).
     """
     check_group_size_w4a8(group_size)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError("weight must be a 2-D (out_features, in_features) tensor")
-    if not weight.is_floating_point():
-        raise TypeError(f"weight must be floating point, got {weight.dtype}")
+    check_weight_arg(weight)
     n, k = weight.shape
     w = weight.detach().float()
+    check_weight_values(w)
     amax = w.abs().amax(dim=1)
     if group_size == -1:
         s_ch = amax / 7.5
         s_ch = torch.where(s_ch == 0, torch.ones_like(s_ch), s_ch)
         q = (torch.round(w / s_ch[:, None]) + 8).clamp(0, 15).to(torch.uint8)
-        return QQQWeight(q.contiguous(), s_ch.contiguous(), None, group_size)
+        qw = QQQWeight(q.contiguous(), s_ch.contiguous(), None, group_size)
+        check_scales(amax.double() / 7.5, s_ch, qw.dequantize())
+        return qw
     s_ch = amax / INT8_LEVEL
     s_ch = torch.where(s_ch == 0, torch.ones_like(s_ch), s_ch)
     w_i8 = torch.round(w / s_ch[:, None]).clamp(-INT8_LEVEL, INT8_LEVEL)
@@ -220,7 +219,9 @@ def quantize_qqq(weight: torch.Tensor, group_size: int = -1) -> QQQWeight:
     s_g = torch.where(a == 0, torch.ones_like(s_g), s_g)
     q = (torch.round(wg / s_g.float()[..., None]) + 8).clamp(0, 15)
     q = q.reshape(n, g * group_size)[:, :k].to(torch.uint8).contiguous()
-    return QQQWeight(q, s_ch.contiguous(), s_g.T.contiguous(), group_size)
+    qw = QQQWeight(q, s_ch.contiguous(), s_g.T.contiguous(), group_size)
+    check_scales(amax.double() / INT8_LEVEL, s_ch, qw.dequantize())
+    return qw
 
 
 # ----------------------------------------------------------------------------------

@@ -27,6 +27,21 @@ def device_of(x: torch.Tensor):
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
+def check_devices(fake: bool = False, **tensors) -> None:
+    """Raise ValueError unless the named tensors (None skipped) share one device, CUDA or CPU
+    (fake=True, for the fake kernels: any one device, e.g. meta while tracing). The ops call
+    it after a cheap get_device() comparison fails or gives -1, which is the index of the CPU
+    and of meta alike: comparing indices alone let a meta layer "run" on a CPU input."""
+    named = {k: t.device for k, t in tensors.items() if t is not None}
+    devices = set(named.values())
+    if len(devices) == 1 and (fake or next(iter(devices)).type in ("cuda", "cpu")):
+        return
+    got = ", ".join(f"{k} on {d}" for k, d in named.items())
+    where = "one device" if fake else "one CUDA device or all on the CPU"
+    raise ValueError(f"the tensors must be on {where}, got {got}; move the layer to the "
+                     "input's device (layer.to(x.device))")
+
+
 def _probes():
     """The checks of direct_call_ok, or None if this torch lacks one (then never direct)."""
     C = torch._C

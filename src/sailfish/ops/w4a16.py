@@ -20,7 +20,7 @@ import torch
 from ..formats.int4 import K_CHUNK, K_PAD
 from ..tuning import (KERNELS, Config, Tuner, m_bucket, next_pow2, problem_key, scratch_runner, sm_count,
                       split_k_for)
-from . import batch_invariant, define_op, device_of, use_triton
+from . import batch_invariant, check_devices, define_op, device_of, use_triton
 from .launch import Launch, aligned, current_device, hooks_idle, pdl, pointers
 
 
@@ -938,6 +938,7 @@ def w4a16_gemm_impl(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 
 
 def _w4a16_fake(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_features, group_size):
+    check_devices(True, x=x, qweight=qweight, scales=scales, zeros=zeros, bias=bias)
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
@@ -964,7 +965,6 @@ def _validate(x, qweight, scales, zeros, bias, in_features) -> None:
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != qweight.shape[0]):
         raise ValueError(f"bias must have shape ({qweight.shape[0]},), got {tuple(bias.shape)}")
     dev = x.get_device()  # (ints: comparing torch.device objects costs ~0.3 us each)
-    if (qweight.get_device() != dev or scales.get_device() != dev
+    if (dev < 0 or qweight.get_device() != dev or scales.get_device() != dev
             or (zeros is not None and zeros.get_device() != dev) or (bias is not None and bias.get_device() != dev)):
-        devs = {t.device for t in (x, qweight, scales, zeros, bias) if t is not None}
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devs))}")
+        check_devices(x=x, qweight=qweight, scales=scales, zeros=zeros, bias=bias)

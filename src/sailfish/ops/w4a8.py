@@ -40,7 +40,7 @@ from ..formats.qqq import (GROUP_SIZES_W4A8, PackedQQQ, check_act_dtype, fp8_wei
 from ..tuning import (KERNELS, Config, Tuner, check_config, gemv_candidates, m_bucket,
                       mma_candidates, mma_heuristic, next_pow2, problem_key, scratch_runner, sms_for,
                       split_k_for)
-from . import batch_invariant, define_op, device_of, use_triton
+from . import batch_invariant, check_devices, define_op, device_of, use_triton
 from .launch import Launch, aligned, current_device, hooks_idle, pointers, stream_getter
 from .w4a16 import GLUON_STEP, _gluon_compile_failed, gluon_device, gluon_split_ok, invariant_config
 
@@ -181,6 +181,8 @@ def _check_activations(x: torch.Tensor, dtypes: Tuple[torch.dtype, ...]) -> None
         raise TypeError(f"x dtype {x.dtype} is not supported; allowed: {', '.join(str(d)[6:] for d in dtypes)}")
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D (M, K), got shape {tuple(x.shape)}")
+    if not x.is_cuda and x.device.type != "cpu":
+        check_devices(x=x)
 
 
 def _quantize_fake(x):
@@ -678,6 +680,7 @@ def w4a8_gemm_impl(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Ten
 
 
 def _w4a8_gemm_fake(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_size, out_dtype):
+    check_devices(True, x_q=x_q, x_scales=x_scales, qweight=qweight, s_ch=s_ch, s_g=s_g, bias=bias)
     return x_q.new_empty((x_q.shape[0], qweight.shape[0]), dtype=out_dtype)
 
 
@@ -711,6 +714,7 @@ def w4a8_linear_fp8_impl(x, qweight, s_ch, s_g, bias, in_features: int, group_si
 
 
 def _w4a8_linear_fake(x, qweight, s_ch, s_g, bias, in_features, group_size):
+    check_devices(True, x=x, qweight=qweight, s_ch=s_ch, s_g=s_g, bias=bias)
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
@@ -757,8 +761,7 @@ def _validate_weight(qweight, s_ch, s_g, bias, in_features, group_size, device, 
     if bias is not None and (not bias.is_floating_point() or bias.dim() != 1 or bias.shape[0] != n):
         raise ValueError(f"bias must be a float tensor of shape ({n},), got {bias.dtype} {tuple(bias.shape)}")
     dev = device.get_device()  # ints: comparing torch.device objects costs ~0.3 us each
-    if (qweight.get_device() != dev or s_ch.get_device() != dev or (s_g is not None and s_g.get_device() != dev)
-            or (bias is not None and bias.get_device() != dev)
+    if (dev < 0 or qweight.get_device() != dev or s_ch.get_device() != dev
+            or (s_g is not None and s_g.get_device() != dev) or (bias is not None and bias.get_device() != dev)
             or (x_scales is not None and x_scales.get_device() != dev)):
-        devs = {t.device for t in (device, qweight, s_ch, s_g, bias, x_scales) if t is not None}
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devs))}")
+        check_devices(x=device, x_scales=x_scales, qweight=qweight, s_ch=s_ch, s_g=s_g, bias=bias)
