@@ -1,5 +1,7 @@
 # Set-up and entry points. Each target creates the virtualenv on first use.
-#   make test    run the test suite (CPU: Triton interpreter; CUDA: the GPU)
+#   make test    run the test suite (CPU: Triton interpreter; CUDA: the GPU), without the
+#                slow sm_90 compile-and-inspect checks
+#   make test-all the whole suite, slow checks included (what CI runs)
 #   make demo    python -m sailfish.demo
 #   make bench   python -m sailfish.bench $(BENCH_ARGS)
 #   make e2e     python -m sailfish.bench.e2e $(E2E_ARGS)   (end to end, Llama-3 shapes)
@@ -18,9 +20,12 @@ E2E_ARGS ?=
 PY := $(VENV)/bin/python
 HAS_CUDA := $(shell nvidia-smi >/dev/null 2>&1 && echo 1)
 
-.PHONY: test demo bench e2e
+.PHONY: test test-all demo bench e2e
 
 test: $(VENV)/.installed
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: $(VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: $(VENV)/.installed

@@ -434,6 +434,7 @@ sys.exit(f"dequantized tile through shared memory: {bad}; wgmma register hazard:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
 def test_mma_tile_stays_in_registers(tmp_path):
     """The point of the fragment-order layout: compiled for sm_90a, the K loop of every shipped
@@ -463,6 +464,7 @@ print("checked")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
 def test_split_k_chain_compiles_with_pdl(tmp_path):
     """Programmatic dependent launch of the split-K chain (ops/launch.py pdl, sm_90+): the GEMM

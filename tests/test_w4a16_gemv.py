@@ -180,6 +180,7 @@ sys.exit(f"GEMV configs off target: {bad}" if bad else 0)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
 def test_gemv_mma_compiles_to_the_lane_order_it_needs(tmp_path):
     """Compiled for sm_90a (bench/ptx.py): for every shipped 'gemv' config and a few more, the

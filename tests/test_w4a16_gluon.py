@@ -406,6 +406,7 @@ print("checked", triton.__version__, len(cases))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
 def test_gluon_kernel_compiles_for_sm90(tmp_path):
     """The kernel's point, checked on the compiler's output for sm_90a, for a format matrix
@@ -468,6 +469,7 @@ print("checked", triton.__version__, len(cases))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
 def test_gluon_overlap_kernel_compiles_for_sm90(tmp_path):
     """What 'gluon_overlap' exists for, on the compiler's output for sm_90a (a format matrix):
@@ -615,6 +617,7 @@ print("checked", triton.__version__, len(cases))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
 def test_gluon_pipe_kernel_compiles_for_sm90(tmp_path):
     """'gluon_pipe' on the compiler's output for sm_90a (a format matrix and the shipped tiles):

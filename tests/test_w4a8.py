@@ -912,6 +912,7 @@ print("compiled")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the kernels themselves")
 @pytest.mark.parametrize("arch", [80, 89, 90], ids=lambda a: f"sm{a}")
 def test_kernels_compile(arch, tmp_path):
@@ -976,6 +977,7 @@ sys.exit(f"int8 weight tile through shared memory, or FIXUP registers: {bad}" if
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
 def test_mma_tile_stays_in_registers(tmp_path):
     """The point of the fragment-order layout (formats.qqq.PackedQQQ): compiled for sm_90a, the
@@ -1036,6 +1038,7 @@ print("checked", triton.__version__, len(cases))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
 def test_gluon_pipe_kernel_compiles_for_sm90(tmp_path):
     """kernels/w4a8_gluon.py on the compiler's output for sm_90a (a format matrix and every
