@@ -10,8 +10,8 @@
 
 Models: transformers' LlamaForCausalLM from a LlamaConfig with random weights (nothing is
 downloaded), sdpa attention, transformers' StaticCache. Variants, converted with
-sailfish.quantize_model (lm_head stays in the model dtype): fp16, bf16, w4a16 (sym, group 128,
-fp16), w4a16-asym-bf16 (asym, group 128, bf16: the GPTQ format), w4a8 (int8 per-token
+sailfish.quantize_model (lm_head stays in the model dtype, except in w4a16-lmhead): fp16, bf16,
+w4a16 (sym, group 128, fp16), w4a16-asym-bf16 (asym, group 128, bf16: the GPTQ format), w4a8 (int8 per-token
 activations, group 128, fp16). The quantized variants run q/k/v and gate/up fused (one layer
 each, quantize_model's default); w4a16-unfused and w4a8-unfused (fuse=False, not run unless
 named in --variants or "all") run the seven projections separately.
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--layers", type=int, default=None,
                     help=f"decoder layers to build (default all; 70b: {DEFAULT_70B_LAYERS}); fewer than the "
                          "model's: whole-model numbers are extrapolated")
-    ap.add_argument("--variants", default=None, help="comma list or all (default: all but the -unfused ones): "
+    ap.add_argument("--variants", default=None, help="comma list or all (default: all but the -unfused ones and w4a16-lmhead): "
                     + ", ".join(VARIANTS))
     ap.add_argument("--modes", default=None, help="comma list of eager, graph, compile (default all; CPU: eager)")
     ap.add_argument("--batches", default=None, help="decode batch sizes (default 1,4,16,64; --quick 1,16; CPU 1,2)")

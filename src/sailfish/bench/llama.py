@@ -59,12 +59,16 @@ VARIANTS: Dict[str, Variant] = {v.name: v for v in (
             dict(group_size=128, sym=True, fuse=False)),
     Variant("w4a8", "W4A8 g128 fp16", torch.float16, dict(group_size=128, act_bits=8)),
     Variant("w4a8-unfused", "W4A8 g128 fp16, unfused", torch.float16, dict(group_size=128, act_bits=8, fuse=False)),
+    # lm_head quantized too (skip nothing; quantize_model skips it by default, for accuracy)
+    Variant("w4a16-lmhead", "W4A16 sym g128 fp16, lm_head quantized", torch.float16,
+            dict(group_size=128, sym=True, skip=())),
     Variant("bf16", "bf16", torch.bfloat16, None),
     Variant("w4a16-asym-bf16", "W4A16 asym g128 bf16 (GPTQ-style)", torch.bfloat16,
             dict(group_size=128, sym=False)),
 )}
-# What runs without --variants: all but the unfused twins.
-DEFAULT_VARIANTS = tuple(n for n, v in VARIANTS.items() if (v.quant or {}).get("fuse", True))
+# What runs without --variants: all but the unfused twins and the quantized lm_head.
+DEFAULT_VARIANTS = tuple(n for n, v in VARIANTS.items()
+                         if (v.quant or {}).get("fuse", True) and "skip" not in (v.quant or {}))
 
 
 def require_transformers() -> str:
