@@ -6,7 +6,7 @@
     # W4A8 (int8 per-token activations, QQQ weights): a QuantLinearW4A8
     layer = sailfish.QuantLinear.from_linear(linear, act_bits=8, group_size=128)
 
-    # whole GPTQ / AWQ checkpoints (needs the `hf` extra: transformers, safetensors)
+    # whole GPTQ / AWQ / compressed-tensors checkpoints (needs the `hf` extra: transformers, safetensors)
     model = sailfish.load_quantized("path/to/Llama-GPTQ", device="cuda")
     sailfish.save_quantized(model, "out")
 

@@ -73,8 +73,8 @@ def _field_error(field: str, value, allowed: str) -> ValueError:
 
 def _parse_quant_config(qc) -> _Spec:
     if not isinstance(qc, dict):
-        raise ValueError("config.json has no quantization_config: this is not a GPTQ or AWQ checkpoint "
-                         "(load it with transformers and quantize it with sailfish.quantize_model)")
+        raise ValueError("config.json has no quantization_config: this is not a GPTQ, AWQ or compressed-tensors "
+                         "checkpoint (load it with transformers and quantize it with sailfish.quantize_model)")
     method = qc.get("quant_method")
     if method not in ("gptq", "awq", CT):
         raise _field_error("quant_method", method, SUPPORTED)

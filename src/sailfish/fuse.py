@@ -51,8 +51,8 @@ log = logging.getLogger("sailfish")
 
 # (fused layer's name, the projections it replaces), in N order.
 PROJECTIONS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
-# Classes whose forward takes its input only through those projections (checked again on
-# every call of fuse_projections, so a transformers release that changes them is caught).
+# Classes whose forward takes its input only through those projections (each class's forward
+# source is checked once per process, so a transformers release that changes them is caught).
 SUPPORTED = {
     "transformers.models.llama.modeling_llama": ("LlamaAttention", "LlamaMLP"),
     "transformers.models.mistral.modeling_mistral": ("MistralAttention", "MistralMLP"),

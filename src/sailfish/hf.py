@@ -13,7 +13,7 @@ The quantizer lets transformers load the fp16 / bf16 weights as usual and then r
 sailfish.quantize_model on the loaded model (round to nearest), so the peak memory is that
 of the unquantized model. Such a model cannot be written back with save_pretrained
 (transformers has no format for Sailfish's packed buffers): use sailfish.save_quantized,
-which writes a GPTQ checkpoint.
+which writes a GPTQ, AWQ or compressed-tensors checkpoint.
 """
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ class SailfishHfQuantizer(HfQuantizer):
     def is_serializable(self, *args, **kwargs) -> bool:
         # transformers raises after this, pointing at the log for the reason.
         log.warning("sailfish: save_pretrained cannot write Sailfish layers; use "
-                    "sailfish.save_quantized(model, path) (a GPTQ checkpoint)")
+                    "sailfish.save_quantized(model, path) (GPTQ, AWQ or compressed-tensors format)")
         return False
 
     @property
