@@ -6,11 +6,14 @@ permutations as facts: for each warp thread, the rows and columns of the 16 x 16
 takes, then the interleave of each 8), written as plain loops; the loader (formats/marlin.py)
 inverts index maps. Literal tests pin a few stored positions to (k, n) by hand.
 """
+import json
+
 import numpy as np
 import pytest
 import torch
 
-from test_checkpoint import PROJ, _edit_config, gptq_pack, logits, reference_model, tiny_config, write_checkpoint
+from test_checkpoint import (PROJ, _edit_config, _edit_tensors, gptq_pack, logits, reference_model, tiny_config,
+                             write_checkpoint)
 from sailfish import QuantLinear, load_quantized
 from sailfish.formats.int4 import QuantizedWeight
 from sailfish.formats.marlin import from_marlin
@@ -197,19 +200,24 @@ def test_qqq_errors():
 # ----------------------------------------------------------------------------------
 # Whole checkpoints through load_quantized
 # ----------------------------------------------------------------------------------
-def make_tiled(path, method, gs, lm_head=False, seed=0):
+def make_tiled(path, method, gs, lm_head=False, tie=False, seed=0, **config_kw):
     """A tiny Llama checkpoint with every projection (and lm_head if asked) in `method`'s format;
-    returns {layer name: expected dequantized weight (N, K)} and the reference model."""
-    config = tiny_config()
+    returns {layer name: expected dequantized weight (N, K)} and the reference model. tie: tied
+    embeddings; a quantized lm_head then stands apart (GPTQModel stores it, the embedding stays)."""
+    config = tiny_config(tie=tie, **config_kw)
     ref = reference_model(config)
     rng = np.random.default_rng(seed)
-    tensors = dict(ref.state_dict())
+    tensors = {k: v.clone() for k, v in ref.state_dict().items()}
+    if tie:
+        del tensors["lm_head.weight"]
+        if lm_head:  # untie the reference, so that writing the lm_head leaves the embedding
+            ref.lm_head.weight = torch.nn.Parameter(ref.lm_head.weight.detach().clone())
     names = [f"model.layers.{i}.{p}" for i in range(2) for p in PROJ] + (["lm_head"] if lm_head else [])
     expected = {}
     for name in names:
         lin = ref.get_submodule(name)
         k, n = lin.in_features, lin.out_features
-        del tensors[f"{name}.weight"]
+        tensors.pop(f"{name}.weight", None)
         if method == "marlin":
             B, s, _, _, w = marlin_layer(k, n, gs, rng)
             tensors.update({f"{name}.B": B, f"{name}.s": s})
@@ -235,10 +243,11 @@ def make_tiled(path, method, gs, lm_head=False, seed=0):
     return expected, ref
 
 
-@pytest.mark.parametrize("method,gs,lm_head", [("marlin", 128, True), ("marlin", -1, False), ("qqq", 128, False),
-                                               ("qqq", -1, False), ("gptq", 64, True)])
-def test_load_quantized_seed_formats(tmp_path, reference_path, method, gs, lm_head):
-    expected, ref = make_tiled(tmp_path, method, gs, lm_head)
+@pytest.mark.parametrize("method,gs,lm_head,tie", [("marlin", 128, True, False), ("marlin", -1, False, True),
+                                                   ("qqq", 128, False, False), ("qqq", -1, False, False),
+                                                   ("gptq", 64, True, True)])
+def test_load_quantized_seed_formats(tmp_path, reference_path, method, gs, lm_head, tie):
+    expected, ref = make_tiled(tmp_path, method, gs, lm_head, tie)
     model = load_quantized(str(tmp_path), fuse=False)
     cls = QuantLinearW4A8 if method == "qqq" else QuantLinear
     layers = unfused_layers(model)
@@ -248,7 +257,12 @@ def test_load_quantized_seed_formats(tmp_path, reference_path, method, gs, lm_he
         assert type(layer) is cls and layer.group_size == (-1 if channel else gs), name
         assert torch.equal(layer.dequantize(), w), name
     assert isinstance(model.lm_head, QuantLinear) == lm_head
-    assert isinstance(model.model.embed_tokens.weight, torch.nn.Parameter)
+    assert torch.equal(model.model.embed_tokens.weight, ref.model.embed_tokens.weight)
+    if tie and not lm_head:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    if tie and lm_head:  # untied on load: transformers' tie_weights leaves the quantized head alone
+        model.tie_weights()
+        assert not model.config.tie_word_embeddings and not list(model.lm_head.parameters())
     if method == "qqq":  # W4A8 runs per-token int8 activations: the same layers built by hand give the same bits
         for name in expected:
             qw = model.get_submodule(name).quantized_weight()
@@ -291,3 +305,41 @@ def test_gptq_marlin_format_config(tmp_path, reference_path):
     model = load_quantized(str(tmp_path), fuse=False)
     name = "model.layers.1.mlp.down_proj"
     assert torch.equal(model.get_submodule(name).dequantize(), expected[name])
+
+
+L0 = "model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize("method,gs,edit,match", [
+    ("marlin", 128, lambda t: t.__setitem__(f"{L0}.s", t[f"{L0}.s"].float()),
+     rf"{L0}.s must be F16 of shape \(1, 128\), got F32"),
+    ("qqq", 128, lambda t: t.__setitem__(f"{L0}.s_channel", t[f"{L0}.s_channel"].half()),
+     rf"{L0}.s_channel must be F32 of shape \(1, 128\), got F16"),
+    ("qqq", -1, lambda t: t.__setitem__(f"{L0}.s_group", torch.ones(1, 128, dtype=F16)),
+     rf"{L0}.s_group must be F16 of shape \(0,\), got F16 \(1, 128\)"),
+    ("qqq", 128, lambda t: t.__setitem__(f"{L0}.workspace", torch.zeros(32, dtype=torch.int32)),
+     rf"the model has no place for: \['{L0}.workspace'\]"),
+    ("marlin", 128, lambda t: t[f"{L0}.s"].__setitem__((0, 3), float("inf")),
+     rf"{L0}: s must be finite and > 0; 1 of 128 are not"),
+], ids=["marlin-s-f32", "qqq-s_channel-f16", "qqq-channel-s_group", "unexpected", "marlin-s-inf"])
+def test_seed_format_tensor_refusals(tmp_path, method, gs, edit, match):
+    make_tiled(tmp_path, method, gs)
+    _edit_tensors(tmp_path, edit)
+    with pytest.raises(ValueError, match=match):
+        load_quantized(str(tmp_path))
+
+
+def test_seed_format_shape_refusal_and_absent_s_group(tmp_path, reference_path):
+    """QQQ may leave the empty per-channel s_group out; a layer narrower than Marlin's 64-column
+    runs is refused before any tensor is read, naming it."""
+    expected, _ = make_tiled(tmp_path, "qqq", -1)
+    _edit_tensors(tmp_path, lambda t: [t.pop(k) for k in list(t) if k.endswith(".s_group")])
+    model = load_quantized(str(tmp_path), fuse=False)
+    assert torch.equal(model.get_submodule(L0).dequantize(), expected[L0])
+    make_tiled(tmp_path / "narrow", "marlin", -1)
+    cfg = json.loads((tmp_path / "narrow" / "config.json").read_text())
+    (tmp_path / "narrow" / "config.json").write_text(json.dumps({**cfg, "head_dim": 8}))  # q_proj: 32 x 128
+    with pytest.raises(ValueError, match=r"model.layers.\d.self_attn.\w_proj: quant_method 'marlin' stores whole "
+                                         r"1024-element tile runs: out_features must be a multiple of 64 and "
+                                         r"in_features of 128, got \d+ x \d+"):
+        load_quantized(str(tmp_path / "narrow"))

@@ -544,6 +544,10 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:  # _plan accounts for every parameter; this guards against a model that re-creates some
         raise RuntimeError(f"parameters left unloaded: {left[:5]}")
+    if _output_layer_name(model) in plan.layers and getattr(model.config, "tie_word_embeddings", False):
+        # a quantized lm_head (GPTQModel) is no longer the embedding: keep transformers' tie_weights
+        # (generate, resize_token_embeddings) from hanging the embedding on it
+        model.config.tie_word_embeddings = False
     model = model.to(device).eval()
     return fuse_projections(model) if fuse else model
 
