@@ -106,7 +106,7 @@ def from_marlin(B: torch.Tensor, s: torch.Tensor, *, group_size: int = 128) -> Q
     for group_size=-1 (per output channel), finite and > 0."""
     check_tile_shapes(B, s, group_size)
     if s.dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"s must be float16 (Marlin's scales), got {s.dtype}")
+        raise TypeError(f"s must be float16 or bfloat16, got {s.dtype}")
     check_scales(s, "s")
     q = tile_codes(B, weight_perm(MARLIN_ROWS, 2, INTERLEAVE))
     scales = unpermute_scales(s, s.shape[1], grouped=s.shape[0] > 1)  # one row: the per-channel order

@@ -338,7 +338,8 @@ def from_qqq(B: torch.Tensor, s_channel: torch.Tensor, s_group: Optional[torch.T
         group_size=128 this way too (its layer treats group_size == in_features as per
         channel): it loads as a per-channel QQQWeight.
     A group weight whose int8 value rne(s_group * (q - 8)) leaves [-127, 127] is refused:
-    QQQ's kernel wraps such values modulo 256 and Sailfish clamps them, so neither matches."""
+    QQQ's kernel keeps -128 and wraps values beyond [-128, 127] modulo 256 (it takes the low
+    byte of 1152 + value in fp16), Sailfish clamps to [-127, 127], so they would differ."""
     check_group_size_w4a8(group_size)
     if s_channel.dtype != torch.float32:
         raise TypeError(f"s_channel must be float32 (QQQ's per-channel scales), got {s_channel.dtype}")
@@ -368,8 +369,8 @@ def from_qqq(B: torch.Tensor, s_channel: torch.Tensor, s_group: Optional[torch.T
     if bool(bad.any()):
         i, j = (int(v) for v in bad.nonzero()[0])
         raise ValueError(f"s_group * (q - 8) rounds to {int(w8[i, j])} at (n={i}, k={j}) ({int(bad.sum())} weights "
-                         f"outside [-127, 127]); allowed: int8 weights in [-127, 127] (QQQ's kernel wraps "
-                         f"them modulo 256)")
+                         f"outside [-127, 127]); allowed: int8 weights in [-127, 127] (QQQ's kernel keeps -128 "
+                         f"and wraps larger values modulo 256, Sailfish clamps: they would differ)")
     return qw
 
 
