@@ -500,7 +500,7 @@ def _edit_config(path, **qc):
     ("gptq", dict(bits=8), r"quantization_config.bits=8 is not supported"),
     ("awq", dict(bits=8), r"quantization_config.bits=8 is not supported"),
     ("gptq", dict(checkpoint_format="gptq_v3"), r"checkpoint_format='gptq_v3' is not supported; .*\"gptq_v2\""),
-    ("gptq", dict(checkpoint_format=None, format="marlin"), r"quantization_config.format='marlin'"),
+    ("gptq", dict(checkpoint_format=None, format="bitblas"), r"quantization_config.format='bitblas'"),
     ("gptq", dict(quant_method="bitsandbytes"), r"quant_method='bitsandbytes' is not supported; .*\"awq\""),
     ("gptq", dict(group_size=16), r"group_size=16 is not supported; Sailfish loads group sizes \(32, 64"),
     ("gptq", dict(dynamic={"-:.*down": {}}), r"quantization_config.dynamic="),
@@ -511,7 +511,7 @@ def _edit_config(path, **qc):
     ("awq", dict(modules_to_not_convert=["visual"]),
      r"modules_to_not_convert=\['visual'\] is not supported; .*'visual' names none"),
     ("awq", dict(modules_to_not_convert="lm_head"), r"modules_to_not_convert='lm_head'"),
-], ids=["gptq-bits3", "gptq-bits8", "awq-bits8", "gptq-v3", "gptq-format-marlin", "method", "group_size",
+], ids=["gptq-bits3", "gptq-bits8", "awq-bits8", "gptq-v3", "gptq-format-bitblas", "method", "group_size",
         "dynamic", "awq-gemv", "awq-format", "llm-awq", "zero_point", "not-convert-missing", "not-convert-str"])
 def test_load_quantized_config_errors(tmp_path, method, edit, match):
     make_quantized(tmp_path, method, 64, hidden=64, inter=128)

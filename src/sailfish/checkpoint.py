@@ -31,13 +31,17 @@ from torch import nn
 from .formats.awq import from_awq, to_awq
 from .formats.compressed_tensors import from_compressed_tensors, to_compressed_tensors
 from .formats.gptq import CHECKPOINT_FORMATS, from_gptq, to_gptq
+from .formats.marlin import GROUP_SIZES_MARLIN, from_marlin
+from .formats.qqq import from_qqq
 from .formats.int4 import GROUP_SIZES, HALF_DTYPES, cast_scales, checked_cast, num_groups, relative_change, warn_lossy_cast
 from .fuse import check_fuse_flag, fuse_projections, unfused_layers
 from .nn import QuantLinear, QuantLinearW4A8, check_shape
 
-SUPPORTED = ('quant_method "gptq" (bits 4, checkpoint_format "gptq" or "gptq_v2"), "awq" '
-             '(bits 4, version "gemm", zero_point true or false) or "compressed-tensors" '
-             '(format "pack-quantized", 4-bit int weights only)')
+SUPPORTED = ('quant_method "gptq" (bits 4, checkpoint_format "gptq", "gptq_v2" or "marlin"), "awq" '
+             '(bits 4, version "gemm", zero_point true or false), "compressed-tensors" '
+             '(format "pack-quantized", 4-bit int weights only), "marlin" (group_size 128 or -1) or "qqq" '
+             '(wbits 4, group_size 128 or -1)')
+TILED = ("marlin", "qqq")  # Marlin's tile order (formats/marlin.py): B + scales per layer
 SAVE_FORMATS = ("gptq", "awq", "compressed-tensors")
 CT = "compressed-tensors"
 _CT_ACTORDER = {None: False, False: False, True: True, "group": True, "dynamic": True, "weight": False,
@@ -59,12 +63,13 @@ def _require_hf():
 # -- quantization_config -------------------------------------------------------------
 @dataclass(frozen=True)
 class _Spec:
-    method: str  # "gptq", "awq" or CT
+    method: str  # "gptq", "awq", CT, "marlin" or "qqq"
     group_size: int
     checkpoint_format: str  # GPTQ: "gptq" (v1) or "gptq_v2"
     zero_point: bool  # AWQ: false = symmetric (qzeros all 8); CT: not symmetric (weight_zero_point)
     desc_act: bool  # GPTQ desc_act; CT actorder "group": a g_idx per layer
     not_convert: Tuple[str, ...]  # modules_to_not_convert; CT: ignore
+    lm_head: Optional[bool] = None  # GPTQ / Marlin "lm_head", QQQ False; None: the tensors decide (AWQ, CT)
 
 
 def _field_error(field: str, value, allowed: str) -> ValueError:
@@ -76,10 +81,20 @@ def _parse_quant_config(qc) -> _Spec:
         raise ValueError("config.json has no quantization_config: this is not a GPTQ, AWQ or compressed-tensors "
                          "checkpoint (load it with transformers and quantize it with sailfish.quantize_model)")
     method = qc.get("quant_method")
-    if method not in ("gptq", "awq", CT):
+    if method not in ("gptq", "awq", CT) + TILED:
         raise _field_error("quant_method", method, SUPPORTED)
     if method == CT:
         return _parse_compressed_tensors(qc)
+    if method == "gptq" and (str(qc.get("checkpoint_format") or qc.get("format") or "").lower() == "marlin"
+                             or qc.get("is_marlin_format") is True):
+        # AutoGPTQ's Marlin checkpoints (checkpoint_format "marlin", before 0.8 is_marlin_format):
+        # symmetric, in order, Marlin's B / s tensors; vLLM reads them as quant_method "marlin"
+        for field, allowed in (("sym", (True, None)), ("desc_act", (False, None))):
+            if qc.get(field) not in allowed:
+                raise _field_error(field, qc[field], f"{field} {allowed[0]} for Marlin-format GPTQ checkpoints")
+        method = "marlin"
+    if method in TILED:
+        return _parse_tiled(qc, method)
     if qc.get("bits") != 4:
         raise _field_error("bits", qc.get("bits"), "4-bit weights (bits=4)")
     group_size = qc.get("group_size", 128)
@@ -109,7 +124,34 @@ def _parse_quant_config(qc) -> _Spec:
     if isinstance(not_convert, str) or not all(isinstance(s, str) for s in not_convert):
         raise _field_error("modules_to_not_convert", not_convert, "a list of module names")
     return _Spec(method, group_size, fmt if method == "gptq" else "", qc.get("zero_point", True) is True,
-                 bool(qc.get("desc_act", False)), tuple(not_convert))
+                 bool(qc.get("desc_act", False)), tuple(not_convert),
+                 _lm_head_flag(qc) if method == "gptq" else None)
+
+
+def _lm_head_flag(qc) -> bool:
+    """GPTQModel / vLLM's "lm_head": true when the output layer is quantized too."""
+    value = qc.get("lm_head", False)
+    if value not in (True, False):
+        raise _field_error("lm_head", value, "lm_head true or false")
+    return value
+
+
+def _parse_tiled(qc, method: str) -> _Spec:
+    """Marlin (vLLM: group_size, lm_head; AutoGPTQ's gptq config with checkpoint_format
+    "marlin": bits 4) or QQQ (the QQQ repository / vLLM: wbits, group_size; no lm_head)."""
+    bits_key = "wbits" if method == "qqq" else "bits"
+    if qc.get(bits_key, 4) != 4:
+        raise _field_error(bits_key, qc.get(bits_key), f"4-bit weights ({bits_key}=4)")
+    group_size = qc.get("group_size")
+    if group_size not in GROUP_SIZES_MARLIN:
+        raise _field_error("group_size", group_size, f"group sizes {GROUP_SIZES_MARLIN} for quant_method {method!r}")
+    lm_head = _lm_head_flag(qc) if method == "marlin" else False
+    if method == "qqq" and "lm_head" in qc and qc["lm_head"] is not False:
+        raise _field_error("lm_head", qc["lm_head"], 'lm_head false for quant_method "qqq" (QQQ keeps it in fp16)')
+    not_convert = qc.get("modules_to_not_convert") or ()
+    if isinstance(not_convert, str) or not all(isinstance(e, str) for e in not_convert):
+        raise _field_error("modules_to_not_convert", not_convert, "a list of module names")
+    return _Spec(method, group_size, "", False, False, tuple(not_convert), lm_head)
 
 
 def _parse_compressed_tensors(qc) -> _Spec:
@@ -261,6 +303,11 @@ def _layer_tensors(spec: _Spec, linear: nn.Linear):
     g = num_groups(k, spec.group_size)
     if spec.method == "gptq":
         return {"qweight": ((k // 8, n), _INT), "qzeros": ((g, n // 8), _INT), "scales": ((g, n), _HALF)}
+    if spec.method == "marlin":
+        return {"B": ((k // 16, 2 * n), _INT), "s": ((g, n), ("F16",))}
+    if spec.method == "qqq":  # per channel (QQQ: also K = group_size), s_group is empty or absent (_plan)
+        group = {"s_group": ((g, n), ("F16",))} if g > 1 else {}
+        return {"B": ((k // 16, 2 * n), _INT), "s_channel": ((1, n), ("F32",)), **group}
     if spec.method == CT:
         zero_point = {"weight_zero_point": ((n // 8, g), _INT)} if spec.zero_point else {}
         return {"weight_packed": ((n, k // 8), _INT), "weight_scale": ((n, g), _HALF),
@@ -291,7 +338,8 @@ def _plan(model: nn.Module, entries: Dict[str, _Entry], spec: _Spec) -> _Plan:
     for entry in spec.not_convert if spec.method != CT else ():  # CT's patterns may name none
         if not any(_matches(name, entry) for name in modules if name):
             raise _field_error(field, list(spec.not_convert), f"names of modules of the model; {entry!r} names none")
-    marker = ".weight_packed" if spec.method == CT else ".qweight"
+    marker = {CT: ".weight_packed", "marlin": ".B", "qqq": ".B"}.get(spec.method, ".qweight")
+    head = _output_layer_name(model)
     layers: Dict[str, nn.Linear] = {}
     for key in entries:
         if not key.endswith(marker):
@@ -309,9 +357,19 @@ def _plan(model: nn.Module, entries: Dict[str, _Entry], spec: _Spec) -> _Plan:
         err = check_shape(module.in_features, module.out_features)
         if err:
             raise ValueError(f"{name}: Sailfish cannot run this layer: {err}")
+        if spec.method in TILED and (module.out_features % 64 or module.in_features % 128):
+            raise ValueError(f"{name}: quant_method {spec.method!r} stores whole 1024-element tile runs: "
+                             f"out_features must be a multiple of 64 and in_features of 128, got "
+                             f"{module.out_features} x {module.in_features}")
+        if name == head and spec.lm_head is False:
+            raise ValueError(f"{name} is quantized in the checkpoint (it has {key}) but "
+                             f"quantization_config.lm_head is false (or absent); allowed: lm_head true")
         layers[name] = module
     if not layers:
         raise ValueError(f"the checkpoint has no quantized layer (no tensor named *{marker})")
+    if spec.lm_head and head not in layers:
+        raise ValueError(f"quantization_config.lm_head=True but the checkpoint has no {head}{marker}; "
+                         f"allowed: lm_head false for a checkpoint whose {head} is not quantized")
 
     used, zero_biases = set(), []
     for name, linear in layers.items():
@@ -322,6 +380,9 @@ def _plan(model: nn.Module, entries: Dict[str, _Entry], spec: _Spec) -> _Plan:
         if g_idx:
             _check_tensor(entries, g_idx, (linear.in_features,), ("I32", "I64"))
             used.add(g_idx)
+        if spec.method == "qqq" and "s_group" not in _layer_tensors(spec, linear) and f"{name}.s_group" in entries:
+            _check_tensor(entries, f"{name}.s_group", (0,), ("F16",))  # QQQ saves an empty one
+            used.add(f"{name}.s_group")
         bias = f"{name}.bias"
         if linear.bias is not None:
             _check_tensor(entries, bias, (linear.out_features,), _HALF + ("F32",))
@@ -356,11 +417,18 @@ def _plan(model: nn.Module, entries: Dict[str, _Entry], spec: _Spec) -> _Plan:
     return _Plan(layers, params, buffers, zero_biases)
 
 
+def _output_layer_name(model: nn.Module) -> Optional[str]:
+    """The module name of the model's output projection (transformers' lm_head), if any."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
+
+
 # -- public API ---------------------------------------------------------------------------
 def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cpu",
                    allow_lossy_scales: bool = False, fuse: bool = True) -> nn.Module:
-    """Load a GPTQ, AWQ or compressed-tensors W4A16 checkpoint directory (Hugging Face
-    layout) as a model whose quantized linear layers are Sailfish QuantLinear modules.
+    """Load a GPTQ, AWQ, compressed-tensors or Marlin W4A16 checkpoint directory (Hugging Face
+    layout) as a model whose quantized linear layers are Sailfish QuantLinear modules (QQQ W4A8
+    checkpoints: QuantLinearW4A8).
 
     path: a local directory with config.json (holding quantization_config) and one or more
     *.safetensors files (with or without model.safetensors.index.json).
@@ -382,7 +450,13 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
     actorder none / "weight" / "group", ignore; anything else, such as 8-bit or float weights,
     activation quantization or sparsity, is refused naming the field). Layers with a
     `qweight` (`weight_packed`) tensor become QuantLinear; every other weight loads into the
-    transformers model unchanged.
+    transformers model unchanged. "marlin" (vLLM's config: group_size 128 or -1, lm_head;
+    also quant_method "gptq" with checkpoint_format "marlin" / is_marlin_format true, sym,
+    no desc_act): Marlin's B / s per layer, into QuantLinear (formats.marlin). "qqq" (the QQQ
+    repository's config: wbits 4, group_size 128 or -1): B / s_channel / s_group per layer,
+    into QuantLinearW4A8 (formats.qqq.from_qqq). Both need out_features a multiple of 64 and
+    in_features of 128. "lm_head": true (GPTQ as GPTQModel writes it, Marlin) loads the
+    quantized lm_head as a QuantLinear; the flag and the tensors must agree.
     fuse (default True): q/k/v and gate/up then run as one layer each where exact
     (sailfish.fuse; model.sailfish_report says which).
     """
@@ -424,7 +498,13 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
             g_idx_key = _g_idx_key(spec, name, entries)
             g_idx = read(g_idx_key).to(device) if g_idx_key else None
             try:
-                if spec.method == "gptq":
+                if spec.method == "qqq":  # W4A8: scales are float32 / float16 by the format, bias float32
+                    model.set_submodule(name, QuantLinearW4A8.from_qqq(
+                        t["B"], t["s_channel"], t.get("s_group"), bias, group_size=spec.group_size))
+                    continue
+                if spec.method == "marlin":
+                    qw = from_marlin(t["B"], t["s"], group_size=spec.group_size)
+                elif spec.method == "gptq":
                     qw = from_gptq(t["qweight"], t["qzeros"], t["scales"], g_idx, group_size=spec.group_size,
                                    checkpoint_format=spec.checkpoint_format)
                 elif spec.method == CT:
@@ -464,6 +544,10 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:  # _plan accounts for every parameter; this guards against a model that re-creates some
         raise RuntimeError(f"parameters left unloaded: {left[:5]}")
+    if _output_layer_name(model) in plan.layers and getattr(model.config, "tie_word_embeddings", False):
+        # a quantized lm_head (GPTQModel) is no longer the embedding: keep transformers' tie_weights
+        # (generate, resize_token_embeddings) from hanging the embedding on it
+        model.config.tie_word_embeddings = False
     model = model.to(device).eval()
     return fuse_projections(model) if fuse else model
 

@@ -10,12 +10,14 @@ from torch import nn
 from . import ops  # noqa: F401  (registers torch.ops.sailfish.*)
 from .formats.awq import from_awq as _read_awq
 from .formats.gptq import from_gptq as _read_gptq
+from .formats.marlin import from_marlin as _read_marlin
 from .formats.int4 import (HALF_DTYPES, LAYOUT_VERSION, PackedW4, QuantizedWeight, _check_bits,
                            _check_group_size, cast_scales, check_flag, check_half_dtype, check_int_choice,
                            checked_cast, default_g_idx, natural_to_fragment_order, pack, padded_k, quantize,
                            relative_change, unpack, warn_lossy_cast)
 from .formats.qqq import (LAYOUT_VERSION_W4A8, PackedQQQ, QQQWeight, check_act_dtype, check_group_size_w4a8,
-                          fp8_weight, natural_to_fragment_order_w4a8, pack_qqq, quantize_qqq, unpack_qqq)
+                          fp8_weight, from_qqq, natural_to_fragment_order_w4a8, pack_qqq, quantize_qqq,
+                          unpack_qqq)
 from .ops import direct_call_ok
 from .ops.autograd import w4a8_linear
 from .ops.w4a8 import w4a8_linear_fp8_impl, w4a8_linear_impl, w4a8_linear_nograd
@@ -308,6 +310,16 @@ class QuantLinear(nn.Module):
             qweight, qzeros, scales, bits=bits, group_size=group_size))
 
     @classmethod
+    def from_marlin(cls, B: torch.Tensor, s: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                    group_size: int = 128, dtype: Optional[torch.dtype] = None,
+                    allow_lossy_scales: bool = False) -> "QuantLinear":
+        """Load a Marlin-format layer (Marlin's Layer.pack() B / s, vLLM's quant_method "marlin";
+        formats.marlin): symmetric, group_size 128 or -1. dtype: as in from_gptq."""
+        shape = (B.shape[0] * 16, B.shape[1] // 2) if B.dim() == 2 else None
+        return cls._from_checkpoint(shape, dtype, bias, allow_lossy_scales, lambda: _read_marlin(
+            B, s, group_size=group_size))
+
+    @classmethod
     def _from_checkpoint(cls, shape, dtype, bias, allow_lossy_scales, read) -> "QuantLinear":
         """Shared by from_gptq / from_awq: check the layer shape (K, N) and dtype before
         `read()` converts the tensors, then cast the scales to `dtype` (exact, or said)."""
@@ -504,6 +516,14 @@ class QuantLinearW4A8(nn.Module):
         if bias is not None:
             layer.bias.copy_(bias.detach().float())
         return layer
+
+    @classmethod
+    def from_qqq(cls, B: torch.Tensor, s_channel: torch.Tensor, s_group: Optional[torch.Tensor],
+                 bias: Optional[torch.Tensor] = None, *, group_size: int = 128,
+                 act_dtype: str = "int8") -> "QuantLinearW4A8":
+        """Load a QQQ checkpoint layer (B, s_channel, s_group; formats.qqq.from_qqq), exactly."""
+        return cls.from_quantized(from_qqq(B, s_channel, s_group, group_size=group_size), bias,
+                                  act_dtype=act_dtype)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, group_size: int = -1, act_dtype: str = "int8") -> "QuantLinearW4A8":

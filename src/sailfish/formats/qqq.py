@@ -32,6 +32,8 @@ from typing import Optional, Tuple
 import torch
 
 from .int4 import K_PAD, check_int_choice, check_scales, check_weight_arg, check_weight_values, padded_k
+from .marlin import (INTERLEAVE, INTERLEAVE_QQQ_CHANNEL, QQQ_ROWS, check_tile_shapes, tile_codes,
+                     unpermute_scales, weight_perm)
 from .nibbles import pack_nibbles, unpack_nibbles
 
 GROUP_SIZES_W4A8 = (-1, 128)
@@ -109,10 +111,13 @@ def codes_to_int8(q: torch.Tensor, s_g: Optional[torch.Tensor], group_size: int)
     """uint8 (N, K) codes (+ float16 (G, N) group scales) -> the kernel's int8 (N, K) weight."""
     if group_size == -1:
         return (q.to(torch.int16) - 8).to(torch.int8)
-    k = q.shape[1]
-    g = torch.arange(k, device=q.device) // group_size
-    p = (q.float() - 8.0) * s_g.float()[g].T  # exact in float32
-    return p.clamp(-127.0, 127.0).round().to(torch.int8)
+    return rounded_products(q, s_g, group_size).clamp(-127.0, 127.0).to(torch.int8)
+
+
+def rounded_products(q: torch.Tensor, s_g: torch.Tensor, group_size: int) -> torch.Tensor:
+    """float32 (N, K): rne(s_g * (q - 8)) before the int8 clamp (the product is exact in float32)."""
+    g = torch.arange(q.shape[1], device=q.device) // group_size
+    return ((q.float() - 8.0) * s_g.float()[g].T).round()
 
 
 def fp8_weight(qw: "QQQWeight") -> torch.Tensor:
@@ -315,6 +320,60 @@ def unpack_qqq(p: PackedQQQ) -> QQQWeight:
     return QQQWeight(q, p.s_ch, s_g, p.group_size)
 
 
-__all__ = ["GROUP_SIZES_W4A8", "INT8_LEVEL", "K_CHUNK_W4A8", "K_PAD", "LAYOUT_VERSION_W4A8", "PackedQQQ",
+# ----------------------------------------------------------------------------------
+# QQQ checkpoints (the QQQ repository, vLLM's quant_method "qqq")
+# ----------------------------------------------------------------------------------
+def from_qqq(B: torch.Tensor, s_channel: torch.Tensor, s_group: Optional[torch.Tensor], *,
+             group_size: int = 128) -> QQQWeight:
+    """Read a QQQ layer's tensors into a QQQWeight, exactly.
+
+    B int32 (K / 16, 2 N) in Marlin's tile order with QQQ's permutation (formats/marlin.py);
+    s_channel float32 (1, N) and s_group float16 (K / 128, N) in Marlin's scale orders.
+      group_size=128: nibbles are codes q (w8 = rne(s_group * (q - 8)), the int8 weight QQQ's
+        kernel forms with one fp16 fma onto 1152, single rounding as here), s_ch = s_channel.
+      group_size=-1: nibbles are two's-complement int4 w in [-8, 7], which QQQ's kernel
+        reads as the int8 16 w (the high nibble of a byte), so the stored s_channel is the
+        scale / 16: here q = w + 8 (= nibble ^ 8) and s_ch = 16 * s_channel (exact). s_group
+        must be None or empty (QQQ writes a (0,) tensor). QQQ stores a layer whose K equals
+        group_size=128 this way too (its layer treats group_size == in_features as per
+        channel): it loads as a per-channel QQQWeight.
+    A group weight whose int8 value rne(s_group * (q - 8)) leaves [-127, 127] is refused:
+    QQQ's kernel keeps -128 and wraps values beyond [-128, 127] modulo 256 (it takes the low
+    byte of 1152 + value in fp16), Sailfish clamps to [-127, 127], so they would differ."""
+    check_group_size_w4a8(group_size)
+    if s_channel.dtype != torch.float32:
+        raise TypeError(f"s_channel must be float32 (QQQ's per-channel scales), got {s_channel.dtype}")
+    check_tile_shapes(B, s_channel, -1, "s_channel")
+    k, n = B.shape[0] * 16, s_channel.shape[1]
+    if not bool(torch.isfinite(s_channel).all()):
+        raise ValueError("s_channel must be finite")
+    if group_size == -1 or k == group_size:
+        if s_group is not None and s_group.numel():
+            raise ValueError(f"s_group must be empty for a per-channel layer (group_size={group_size}, K={k}), "
+                             f"got shape {tuple(s_group.shape)}")
+        q = tile_codes(B, weight_perm(QQQ_ROWS, 4, INTERLEAVE_QQQ_CHANNEL)) ^ 8
+        s_ch = unpermute_scales(s_channel, n, grouped=False).reshape(n) * 16  # a power of two: exact
+        if not bool(torch.isfinite(s_ch).all()):
+            raise ValueError("16 * s_channel overflows float32")
+        return QQQWeight(q, s_ch, None, -1)
+    if s_group is None or s_group.dtype != torch.float16:
+        raise TypeError(f"s_group must be a float16 tensor for group_size=128, got "
+                        f"{None if s_group is None else s_group.dtype}")
+    check_tile_shapes(B, s_group, group_size, "s_group")
+    q = tile_codes(B, weight_perm(QQQ_ROWS, 4, INTERLEAVE))
+    s_g = unpermute_scales(s_group, n, grouped=True)
+    s_ch = unpermute_scales(s_channel, n, grouped=False).reshape(n)
+    qw = QQQWeight(q, s_ch, s_g, group_size)
+    w8 = rounded_products(q, s_g, group_size)
+    bad = w8.abs() > 127
+    if bool(bad.any()):
+        i, j = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"s_group * (q - 8) rounds to {int(w8[i, j])} at (n={i}, k={j}) ({int(bad.sum())} weights "
+                         f"outside [-127, 127]); allowed: int8 weights in [-127, 127] (QQQ's kernel keeps -128 "
+                         f"and wraps larger values modulo 256, Sailfish clamps: they would differ)")
+    return qw
+
+
+__all__ = ["GROUP_SIZES_W4A8", "from_qqq", "INT8_LEVEL", "K_CHUNK_W4A8", "K_PAD", "LAYOUT_VERSION_W4A8", "PackedQQQ",
            "QQQWeight", "codes_to_int8", "fp8_weight", "ACT_DTYPES_W4A8", "check_act_dtype", "natural_to_fragment_order_w4a8", "pack_codes", "pack_qqq",
            "quantize_activations", "quantize_qqq", "unpack_codes", "unpack_qqq"]
