@@ -26,6 +26,14 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # Define the kernels now, in interpreter mode: the ops import them on first use, and a test
+    # that sets TRITON_INTERPRET=0 to run the PyTorch reference (test_checkpoint's
+    # reference_path) must not be the one whose first use defines them as compiled kernels,
+    # which every later interpreter test would then fail to launch.
+    import sailfish.kernels.w4a8  # noqa: E402,F401
+    import sailfish.kernels.w4a16  # noqa: E402,F401
+
 sys.path.insert(0, os.path.dirname(__file__))  # tests/helpers.py
 
 
