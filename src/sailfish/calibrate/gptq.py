@@ -160,7 +160,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, *, bits: int = 4,
     del h
     q = torch.empty_like(w)
     grids = [None] * n_groups  # (exact, s, z) per group, each (N,)
-    channel = torch.arange(k, device=w.device) if perm is None else perm
+    # static groups: the group of the j-th column processed (a list: no device sync per column)
+    static_group = (torch.arange(k) if perm is None else perm.cpu()).div(gs, rounding_mode="floor").tolist()
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
         w1, u1 = w[:, i1:i2].clone(), u[i1:i2, i1:i2]
@@ -168,7 +169,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, *, bits: int = 4,
         for i in range(i2 - i1):
             j = i1 + i
             if static is not None:
-                g = int(channel[j]) // gs
+                g = static_group[j]
                 s, z = static[1][:, g], None if sym else static[2][:, g]
             elif j % gs == 0:
                 # a new group: its grid from the weights as updated so far (a group starting
