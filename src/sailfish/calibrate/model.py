@@ -104,24 +104,26 @@ def _hidden(args: tuple, kwargs: dict) -> torch.Tensor:
 
 
 def gptq_model(model: nn.Module, calibration: Iterable, targets: Dict[nn.Linear, str], *, device=None,
-               **options) -> Dict[nn.Linear, QuantizedWeight]:
+               **options) -> Tuple[Dict[nn.Linear, QuantizedWeight], Dict[str, dict]]:
     """GPTQ-quantize the `targets` (Linear -> name) inside the model's decoder layers, layer by
-    layer; options go to gptq_quantize. Returns Linear -> QuantizedWeight for those the
-    calibration reached (each of them then holds its effective weight); the caller rounds the
-    rest to nearest. device: where each decoder layer is processed (default: where it is);
-    the layer is moved back afterwards, so only one is on `device` at a time."""
+    layer; options go to gptq_quantize. Returns (Linear -> QuantizedWeight, on the Linear's
+    device, for those the calibration reached: each of them then holds its effective weight;
+    the caller rounds the rest to nearest), and name -> {"seconds", "error"} of each (error:
+    the mean squared output error per calibration token, summed over the outputs).
+    device: where each decoder layer is processed (default: where it is); the layer is moved
+    back afterwards, so only one is on `device` at a time."""
     _, layers = decoder_layers(model)
     home = next(layers[0].parameters()).device
     device = home if device is None else torch.device(device)
     inputs = capture_inputs(model, layers[0], calibration, device)
     hidden = [_hidden(a, kw) for a, kw in inputs]
-    solved = {}
+    solved, stats = {}, {}
     for index, layer in enumerate(layers):
         layer_home = next(layer.parameters()).device
         layer.to(device)
         remaining = [m for m in layer.modules() if m in targets]
         while remaining:
-            group = _one_pass(layer, remaining, hidden, inputs, solved, targets, options)
+            group = _one_pass(layer, remaining, hidden, inputs, solved, stats, targets, options)
             if not group:  # the calibration never reaches these: the caller rounds them to nearest
                 log.info("sailfish: gptq: %s never ran on the calibration data; rounded to nearest",
                          ", ".join(targets[m] for m in remaining))
@@ -130,11 +132,16 @@ def gptq_model(model: nn.Module, calibration: Iterable, targets: Dict[nn.Linear,
         with torch.no_grad():
             hidden = [_run(layer, h, a, kw) for h, (a, kw) in zip(hidden, inputs)]
         layer.to(layer_home)
+        for m in layer.modules():
+            if m in solved and solved[m].qweight.device != layer_home:
+                qw = solved[m]
+                solved[m] = QuantizedWeight(*(None if t is None else t.to(layer_home) for t in (
+                    qw.qweight, qw.scales, qw.zeros, qw.g_idx)), qw.group_size)
         log.info("sailfish: gptq: decoder layer %d of %d done", index + 1, len(layers))
-    return solved
+    return solved, stats
 
 
-def _one_pass(layer, remaining, hidden, inputs, solved, targets, options) -> list:
+def _one_pass(layer, remaining, hidden, inputs, solved, stats, targets, options) -> list:
     """Run the layer on the calibration inputs, accumulating the Hessians of the `remaining`
     Linears; quantize the first of them to run, with the others fed the same tensor. Returns
     those quantized (none if none ran)."""
@@ -171,8 +178,9 @@ def _one_pass(layer, remaining, hidden, inputs, solved, targets, options) -> lis
         with torch.no_grad():
             m.weight.copy_(effective.to(m.weight.dtype))
         solved[m] = qw
+        stats[targets[m]] = {"seconds": time.perf_counter() - start, "error": error}
         log.info("sailfish: gptq: %s quantized in %.2f s, output error %.4g", targets[m],
-                 time.perf_counter() - start, error)
+                 stats[targets[m]]["seconds"], error)
     return group
 
 
