@@ -263,3 +263,39 @@ def test_quantize_model_gptq_bad_input(reference_ops):
     flat = torch.nn.Sequential(torch.nn.Linear(64, 64))
     with pytest.raises(ValueError, match="found no decoder layers in the Sequential"):
         sailfish.quantize_model(flat, method="gptq", calibration=[torch.randn(2, 64)])
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, hidden_states):
+        return hidden_states + self.used(hidden_states)
+
+
+class _Toy(torch.nn.Module):
+    """Decoder layers called with hidden_states= as a keyword; one Linear the forward never runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 64)
+        self.layers = torch.nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(hidden_states=x)
+        return x
+
+
+def test_quantize_model_gptq_unreached_linear_rounds_to_nearest(reference_ops):
+    import sailfish
+    torch.manual_seed(0)
+    model = _Toy().half()
+    unused = model.layers[1].unused.weight.clone()
+    sailfish.quantize_model(model, method="gptq", calibration=[torch.randint(0, 32, (4, 8))])
+    assert list(model.sailfish_report["gptq"]) == ["layers.0.used", "layers.1.used"]
+    assert len(model.sailfish_report["quantized"]) == 4
+    rtn = sailfish.QuantLinear.from_quantized(sailfish.quantize(unused))
+    assert torch.equal(model.layers[1].unused.qweight, rtn.qweight)

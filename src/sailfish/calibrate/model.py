@@ -25,8 +25,8 @@ from .gptq import Hessian, _check_percdamp, gptq_quantize
 log = logging.getLogger("sailfish")
 
 
-class _Captured(Exception):
-    """Raised by the pre-hook on the first decoder layer: the rest of the model is not run."""
+class _Stop(Exception):
+    """Raised by a pre-hook that has what it needs: the rest of the forward is not run."""
 
 
 def decoder_layers(model: nn.Module) -> Tuple[str, nn.ModuleList]:
@@ -64,7 +64,7 @@ def capture_inputs(model: nn.Module, first: nn.Module, calibration: Iterable, de
 
     def hook(module, args, kwargs):
         captured.append(_to((args, kwargs), device))
-        raise _Captured
+        raise _Stop
 
     no_cache = "use_cache" in inspect.signature(model.forward).parameters
     handle = first.register_forward_pre_hook(hook, with_kwargs=True)
@@ -79,7 +79,7 @@ def capture_inputs(model: nn.Module, first: nn.Module, calibration: Iterable, de
             try:
                 with torch.no_grad():
                     model(**inputs)
-            except _Captured:
+            except _Stop:
                 continue
             except Exception as e:  # the model's own complaint, said to be about this batch
                 raise ValueError(f"calibration batch {i} does not run through the model: {e}") from e
@@ -142,31 +142,49 @@ def gptq_model(model: nn.Module, calibration: Iterable, targets: Dict[nn.Linear,
 
 
 def _one_pass(layer, remaining, hidden, inputs, solved, stats, targets, options) -> list:
-    """Run the layer on the calibration inputs, accumulating the Hessians of the `remaining`
-    Linears; quantize the first of them to run, with the others fed the same tensor. Returns
-    those quantized (none if none ran)."""
-    hessians = {m: Hessian(m.in_features, m.weight.device) for m in remaining}
-    first_input = {}  # Linear -> its input tensor in the first batch, in the order they ran
+    """Quantize the first of the `remaining` Linears that the layer runs, with those fed the
+    same tensor (one Hessian for them all), from their inputs on the calibration batches.
+    Returns those quantized (none if the calibration never runs any)."""
+    seen = {}  # Linear -> its input, in the order they ran, in the first batch that runs any
 
-    def hook(module, args):
-        hessians[module].add(args[0])
-        first_input.setdefault(module, args[0])
+    def record(module, args):
+        seen.setdefault(module, args[0])
 
-    handles = [m.register_forward_pre_hook(hook) for m in remaining]
-    try:
-        with torch.no_grad():
-            for h, (a, kw) in zip(hidden, inputs):
+    hessian, lead = None, None
+
+    def accumulate(module, args):  # the group's input: the rest of the layer is not needed
+        hessian.add(args[0])
+        raise _Stop
+
+    with torch.no_grad():
+        for h, (a, kw) in zip(hidden, inputs):
+            if lead is None:
+                handles = [m.register_forward_pre_hook(record) for m in remaining]
+                try:
+                    _run(layer, h, a, kw)
+                finally:
+                    for handle in handles:
+                        handle.remove()
+                if not seen:
+                    continue
+                lead, x = next(iter(seen.items()))
+                group = [m for m, y in seen.items() if y is x]
+                hessian = Hessian(lead.in_features, lead.weight.device)
+                hessian.add(x)
+                seen.clear()
+                continue
+            handle = lead.register_forward_pre_hook(accumulate)
+            try:
                 _run(layer, h, a, kw)
-    finally:
-        for handle in handles:
-            handle.remove()
-    if not first_input:
+            except _Stop:
+                pass
+            finally:
+                handle.remove()
+    if lead is None:
         return []
-    lead = next(iter(first_input.values()))
-    group = [m for m, x in first_input.items() if x is lead]
+    h = hessian.value()
     for m in group:
         start = time.perf_counter()
-        h = hessians[m].value()
         try:
             qw = gptq_quantize(m.weight, h, **options)
         except ValueError as e:
