@@ -87,26 +87,31 @@ def reference_gptq(w, h, follow, *, group_size, sym, act_order, static_groups, p
     return ties
 
 
-CASES = [(sym, gs, act, False) for sym in (True, False) for gs in (32, 128, -1) for act in (False, True)]
-CASES += [(sym, gs, True, True) for sym in (True, False) for gs in (32, 128)]  # static groups
-CASES = [(*case, torch.float16) for case in CASES] + [(False, 128, True, False, torch.bfloat16)]
+# Two Hessians: full rank (1024 rows), and rank-deficient (128 rows) with 3 dead channels
+# (damping must make it invertible); assigned so that every value of sym, group size and
+# act_order meets both: deficient where sym + (index of the group size) + act_order is odd.
+GS = (32, 128, -1)
+CASES = [(sym, gs, act, False, torch.float16) for sym in (True, False) for gs in GS for act in (False, True)]
+CASES += [(sym, gs, True, True, torch.float16) for sym in (True, False) for gs in (32, 128)]  # static groups
+CASES += [(False, 128, True, False, torch.bfloat16)]
 
 
 @pytest.mark.parametrize("sym,group_size,act_order,static_groups,dtype", CASES,
                          ids=lambda v: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else None)
 def test_blocked_equals_column_by_column(sym, group_size, act_order, static_groups, dtype):
     k, n = 256, 64
-    for seed, rows, dead in ((0, 1024, 0), (1, 128, 3)):  # full rank; rank-deficient with dead channels
-        h = _hessian(k, rows, seed, dead)
-        w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed + 10))
-        kw = dict(group_size=group_size, sym=sym, act_order=act_order, static_groups=static_groups,
-                  percdamp=0.01, dtype=dtype)
-        qw = gptq_quantize(w, h, **kw)
-        ties = reference_gptq(w, h, qw, **kw)
-        assert ties <= n * k // 1000, f"{ties} rounding ties taken: more than float32 rounding explains"
-        assert (qw.g_idx is not None) == (act_order and group_size != -1 and not static_groups)
-        if dead:  # dead channels hold weight 0
-            assert bool((qw.dequantize()[:, k - dead:] == 0).all())
+    deficient = (sym + GS.index(group_size) + act_order) % 2 == 1
+    seed, rows, dead = (1, 128, 3) if deficient else (0, 1024, 0)
+    h = _hessian(k, rows, seed, dead)
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed + 10))
+    kw = dict(group_size=group_size, sym=sym, act_order=act_order, static_groups=static_groups, percdamp=0.01,
+              dtype=dtype)
+    qw = gptq_quantize(w, h, **kw)
+    ties = reference_gptq(w, h, qw, **kw)
+    assert ties <= n * k // 1000, f"{ties} rounding ties taken: more than float32 rounding explains"
+    assert (qw.g_idx is not None) == (act_order and group_size != -1 and not static_groups)
+    if dead:  # dead channels hold weight 0
+        assert bool((qw.dequantize()[:, k - dead:] == 0).all())
 
 
 def _llm_like(rows, k, g, mix, big):
