@@ -640,7 +640,8 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
     percdamp as calibrate.gptq_quantize. Linears outside the decoder layers (lm_head when not
     skipped) or never reached by the calibration are rounded to nearest. The report (below)
     gains "gptq": {name: {"seconds", "error"}} (error: mean squared output error per
-    calibration token, summed over outputs); progress is logged per Linear and layer.
+    calibration token, summed over outputs); progress is logged per Linear and layer. If GPTQ
+    fails (ValueError naming the module), the Linears it finished hold their quantized weights.
 
     act_bits=16: QuantLinear (W4A16); act_bits=8: QuantLinearW4A8 (group_size -1 or 128).
     dtype (W4A16 only): the layers' dtype, float16 or bfloat16; default, as in
