@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from . import ops  # noqa: F401  (registers torch.ops.sailfish.*)
+from .calibrate.model import gptq_model, gptq_options
 from .formats.awq import from_awq as _read_awq
 from .formats.gptq import from_gptq as _read_gptq
 from .formats.marlin import from_marlin as _read_marlin
@@ -647,8 +648,20 @@ def _skip_match(name: str, skip: Iterable[str]) -> bool:
 
 def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sym: bool = True,
                    skip: Iterable[str] = ("lm_head",), act_bits: int = 16,
-                   dtype: Optional[torch.dtype] = None, fuse: bool = True) -> nn.Module:
+                   dtype: Optional[torch.dtype] = None, fuse: bool = True, method: str = "rtn",
+                   calibration=None, act_order: bool = False, static_groups: bool = False,
+                   percdamp: float = 0.01, device=None) -> nn.Module:
     """Replace, in place, every nn.Linear whose shape Sailfish supports.
+
+    method="rtn" (default): round to nearest. method="gptq" (W4A16 only): GPTQ with the
+    `calibration` batches (an iterable of input_ids tensors or dicts of model inputs),
+    decoder layer by decoder layer (sailfish.calibrate.model: true sequential, each layer
+    processed on `device`, default where it is, then moved back); act_order, static_groups,
+    percdamp as calibrate.gptq_quantize. Linears outside the decoder layers (lm_head when not
+    skipped) or never reached by the calibration are rounded to nearest. The report (below)
+    gains "gptq": {name: {"seconds", "error"}} (error: mean squared output error per
+    calibration token, summed over outputs); progress is logged per Linear and layer. If GPTQ
+    fails (ValueError naming the module), the Linears it finished hold their quantized weights.
 
     act_bits=16: QuantLinear (W4A16); act_bits=8: QuantLinearW4A8 (group_size -1 or 128).
     dtype (W4A16 only): the layers' dtype, float16 or bfloat16; default, as in
@@ -680,6 +693,7 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
     else:
         _check_group_size(group_size)
     _check_layer_dtype(dtype, act_bits)
+    gptq = gptq_options(method, calibration, act_bits, act_order, static_groups, percdamp, device)
     skip = module_names(skip, "skip")
     if not isinstance(model, nn.Module) or isinstance(model, nn.Linear):
         # (a Linear cannot replace itself in place: it would be returned unchanged)
@@ -690,7 +704,7 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
     for name, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, nn.Linear):
             names.setdefault(module, []).append(name)
-    quantized, skipped, shared = [], {}, {}
+    quantized, skipped, shared, targets = [], {}, {}, {}
     for module, (name, *others) in names.items():
         shared.update((other, name) for other in others)
         if any(_skip_match(n, skip) for n in (name, *others)):
@@ -704,10 +718,17 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
         if reason:
             skipped[name] = reason
             log.info("sailfish: skipped %s (%s)", name, reason)
-            continue
+        else:
+            targets[module] = name
+    solved, stats = {}, None
+    if gptq is not None:
+        solved, stats = gptq_model(model, calibration, targets, group_size=group_size, sym=sym, dtype=dtype, **gptq)
+    for module, name in targets.items():
+        others = names[module][1:]
         try:
-            layer = QuantLinear.from_linear(module, bits=bits, group_size=group_size, sym=sym, dtype=dtype,
-                                            act_bits=act_bits)
+            layer = QuantLinear.from_quantized(solved[module], module.bias) if module in solved else \
+                QuantLinear.from_linear(module, bits=bits, group_size=group_size, sym=sym, dtype=dtype,
+                                        act_bits=act_bits)
         except ValueError as e:
             raise ValueError(f"module {name!r}: {e}") from e
         for n in (name, *others):
@@ -718,4 +739,6 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
     log.info("sailfish: quantized %d linear layers, skipped %d%s", len(quantized), len(skipped),
              f", {len(shared)} more names shared with them" if shared else "")
     model.sailfish_report = {"quantized": quantized, "skipped": skipped, "shared": shared}
+    if stats is not None:
+        model.sailfish_report["gptq"] = stats
     return fuse_projections(model) if fuse else model

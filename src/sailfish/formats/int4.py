@@ -200,6 +200,29 @@ class QuantizedWeight:
         return w.to(self.dtype).float() if rounded else w
 
 
+def grid(w: torch.Tensor, sym: bool, dtype: torch.dtype
+         ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The quantization grid of groups of weights, one group per row of the last dimension:
+    w float (..., n) -> (exact scale (...) float, stored scale (...) in `dtype`, zero point
+    (...) float or None for sym). The one rule of `quantize` (RTN) and calibrate.gptq.
+    Zeros added to a group change nothing (the range covers 0 anyway), so a ragged group
+    may be padded with them or not."""
+    if sym:
+        exact, lo = w.abs().amax(dim=-1) / 7.5, None
+    else:
+        lo = w.amin(dim=-1).clamp(max=0)
+        exact = (w.amax(dim=-1).clamp(min=0) - lo) / 15
+    s = torch.where(exact == 0, torch.ones_like(exact), exact).to(dtype)
+    z = None if sym else torch.round(-lo / s.float()).clamp(0, 15)
+    return exact, s, z
+
+
+def codes(w: torch.Tensor, s: torch.Tensor, z: Optional[torch.Tensor]) -> torch.Tensor:
+    """The codes (float, integers 0..15) of weights w on the grid (s, z) of `grid`, which
+    broadcast against w: clamp(round(w / s) + z, 0, 15), z = 8 when symmetric."""
+    return (torch.round(w / s.float()) + (8 if z is None else z)).clamp(0, 15)
+
+
 def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True,
              dtype: Optional[torch.dtype] = None) -> QuantizedWeight:
     """Round-to-nearest 4-bit quantization of a (N, K) weight.
@@ -226,20 +249,9 @@ def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bo
     # Pad the ragged last group with zeros: they change neither max|w| nor the
     # [min(w, 0), max(w, 0)] range the quantizer uses.
     wg = torch.nn.functional.pad(w, (0, pad)).reshape(n, g, gs)
-    if sym:
-        exact = wg.abs().amax(dim=2) / 7.5
-    else:
-        lo = wg.amin(dim=2).clamp(max=0)
-        hi = wg.amax(dim=2).clamp(min=0)
-        exact = (hi - lo) / 15
-    s = torch.where(exact == 0, torch.ones_like(exact), exact).to(dtype)
-    if sym:
-        q = torch.round(wg / s.float()[..., None]) + 8
-        z = None
-    else:
-        z = torch.round(-lo / s.float()).clamp(0, 15)
-        q = torch.round(wg / s.float()[..., None]) + z[..., None]
-    q = q.clamp(0, 15).to(torch.uint8).reshape(n, g * gs)[:, :k].contiguous()
+    exact, s, z = grid(wg, sym, dtype)
+    q = codes(wg, s[..., None], None if z is None else z[..., None])
+    q = q.to(torch.uint8).reshape(n, g * gs)[:, :k].contiguous()
     zeros = None if z is None else z.to(torch.uint8).T.contiguous()
     qw = QuantizedWeight(q, s.T.contiguous(), zeros, None, group_size)
     check_scales(exact, s, qw.dequantize())
