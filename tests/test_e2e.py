@@ -49,7 +49,7 @@ def test_resolve_defaults_and_errors():
     assert (s.model, s.layers, s.batches, s.modes, s.context) == ("tiny", 2, [1, 2], ["eager"], 32)
     g = _settings([], cuda=True)
     assert (g.model, g.layers, g.batches, g.modes, g.context, g.prefill) == (
-        "8b", 32, [1, 4, 16, 64], list(E.MODES), 1024, 2048)
+        "8b", 32, [1, 4, 16, 64], list(E.DEFAULT_MODES), 1024, 2048)
     assert g.budget_s == E.GPU_BUDGET_S and not g.extrapolated
     q = _settings(["--quick"], cuda=True)
     assert (q.layers, q.batches, q.variants, q.extrapolated) == (4, [1, 16], ["fp16", "w4a16", "w4a8"], True)
@@ -325,7 +325,7 @@ def test_gpu_code_paths_with_fake_graphs(monkeypatch):
     assert all(0.0 <= vs[v]["agreement"] <= 1.0 and vs[v]["logits_rel_err"] < 1e-2 for v in ("w4a16", "w4a8"))
     assert "with the unfused model" in E.correctness_line(next(c for c in res.correctness if c["variant"] == "w4a16"))
     assert runner.prog.done == runner.prog.total == 4 * 2 + 4 * 4 + 4 * 2  # builds, measure and compile units
-    assert {(r["variant"], r["mode"]) for r in res.decode} == {(v, m) for v in variants for m in E.MODES}
+    assert {(r["variant"], r["mode"]) for r in res.decode} == {(v, m) for v in variants for m in E.DEFAULT_MODES}
     assert all(r["fullgraph"] for r in res.decode if r["mode"] == "compile")
     # per variant, one graph of the decoder's linear layers (1 layer): 7 in fp16 and unfused, 4 fused
     assert graphs.count(7) == 2 and graphs.count(4) == 2
@@ -342,11 +342,35 @@ def test_gpu_code_paths_with_fake_graphs(monkeypatch):
     assert "under half of the step (the rest dominates) for: fp16 b=2, w4a16 b=2, w4a16-unfused b=2, w4a8 b=2" in text
 
 
+def test_generate_mode_times_transformers_generate(tiny, monkeypatch):
+    """The generate mode runs model.generate() itself with a StaticCache and times a token as the
+    difference of a long and a short call; it needs room in the cache for both."""
+    calls = []
+    generate = type(tiny).generate
+
+    def spy(self, *a, **kw):
+        calls.append(kw["max_new_tokens"])
+        assert kw["min_new_tokens"] == kw["max_new_tokens"] and not kw["do_sample"]
+        return generate(self, *a, **kw)
+
+    monkeypatch.setattr(type(tiny), "generate", spy)
+    s = _settings(["--modes", "generate", "--gen-tokens", "3", "--context", "32"])
+    runner = E.Runner(s, CPU, RP.Progress(1, stream=io.StringIO()), save=lambda: None)
+    with torch.no_grad():
+        out = runner.generate(tiny, 2)
+    assert calls == [E.GEN_SHORT + 3] * 2 + [E.GEN_SHORT]  # warm-up, long, short (CPU: 1 each)
+    assert out["step_us"] > 0 and out["compiled_by_generate"] is False
+    assert E.last_pass(s) == [("generate", 1), ("generate", 2)]
+    with pytest.raises(SystemExit):
+        _settings(["--modes", "generate", "--gen-tokens", "30", "--context", "32"])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture, torch.compile)")
 def test_tiny_model_all_modes_on_gpu(tmp_path, capsys):
     variants = ["fp16", "w4a16", "w4a8"]
     rc = E.main(["--model", "tiny", "--batches", "2", "--variants", ",".join(variants), "--context", "64",
-                 "--prefill", "32", "--budget-s", "0", "--out-dir", str(tmp_path), "--name", "gpu"])
+                 "--prefill", "32", "--budget-s", "0", "--modes", "all", "--gen-tokens", "8",
+                 "--out-dir", str(tmp_path), "--name", "gpu"])
     out = capsys.readouterr().out
     assert rc == 0, out[-3000:]
     doc = json.loads((tmp_path / "gpu.json").read_text())
@@ -355,3 +379,4 @@ def test_tiny_model_all_modes_on_gpu(tmp_path, capsys):
     assert {(r["variant"], r["batch"]) for r in doc["split"]} == {(v, 2) for v in variants}
     assert all(r["transient_bytes"] is not None for r in doc["decode"] if r["mode"] == "eager")
     assert all(r["compile_s"] > 0 for r in doc["decode"] if r["mode"] == "compile")
+    assert all(r["compiled_by_generate"] and r["step_us"] > 0 for r in doc["decode"] if r["mode"] == "generate")

@@ -25,7 +25,13 @@ Modes:
   graph    the same step captured in one CUDA graph: median of --replays replays;
   compile  torch.compile(step, mode=--compile-mode, fullgraph=True, dynamic=False), then
            captured in one CUDA graph as in `graph` (not mode="reduce-overhead": the graph is
-           ours, so the time is the device time of the compiled step, comparable to `graph`).
+           ours, so the time is the device time of the compiled step, comparable to `graph`);
+  generate (not run unless named in --modes or "all") transformers' own generation loop:
+           model.generate(prompt, past_key_values=StaticCache(--context), greedy), which on
+           CUDA compiles the decode forward itself (its default CompileConfig); the time per
+           token is (wall time of --gen-tokens + 4 new tokens - that of 4) / --gen-tokens,
+           median of 3 each after two warm-up calls: prefill and compilation cancel out, the
+           generate loop's own Python per token stays in, as a generate() user sees it.
 Per layer = (step - head) / layers run, head = embedding + final norm + lm_head + argmax timed
 in its own CUDA graph; whole model = head + per layer x the model's layers, which is the step
 itself unless --layers cuts the model (then marked "extrapolated"). tokens/s = batch / whole-
@@ -69,13 +75,17 @@ from typing import Callable, Dict, List, Optional, Sequence
 from .__main__ import parse_ints
 from .llama import DEFAULT_VARIANTS, MODELS, VARIANTS
 
-MODES = ("eager", "graph", "compile")
+MODES = ("eager", "graph", "compile", "generate")
+DEFAULT_MODES = MODES[:3]
 MODE_TITLES = {"eager": "eager, no graph", "graph": "eager ops, one CUDA graph",
-               "compile": "torch.compile + one CUDA graph"}
+               "compile": "torch.compile + one CUDA graph",
+               "generate": "model.generate(), static cache (transformers' own compile)"}
+GEN_PROMPT = 16  # prompt tokens of the generate mode (CPU: 4)
+GEN_SHORT = 4  # new tokens of its short call
 DEFAULT_BATCHES = (1, 4, 16, 64)
 DEFAULT_70B_LAYERS = 8
 QUICK = dict(layers=4, batches=(1, 16), variants=("fp16", "w4a16", "w4a8"), prefill=512)
-CPU = dict(model="tiny", context=32, batches=(1, 2), prefill=16, warmup=0, steps=1, prefill_reps=1,
+CPU = dict(model="tiny", context=32, batches=(1, 2), prefill=16, warmup=0, steps=1, prefill_reps=1, gen_tokens=2,
            check_batch=2, check_steps=2, check_prompt=8)
 GPU_BUDGET_S = 400.0
 # Correctness gate: W4A16 multiplies by exactly the reference's weights, so only accumulation
@@ -107,13 +117,17 @@ def build_parser() -> argparse.ArgumentParser:
                          "model's: whole-model numbers are extrapolated")
     ap.add_argument("--variants", default=None, help="comma list or all (default: all but the -unfused ones and w4a16-lmhead): "
                     + ", ".join(VARIANTS))
-    ap.add_argument("--modes", default=None, help="comma list of eager, graph, compile (default all; CPU: eager)")
+    ap.add_argument("--modes", default=None,
+                    help="comma list of eager, graph, compile, generate, or all (default eager, graph, compile; "
+                         "CPU: eager)")
     ap.add_argument("--batches", default=None, help="decode batch sizes (default 1,4,16,64; --quick 1,16; CPU 1,2)")
     ap.add_argument("--context", type=int, default=None, help="StaticCache length in tokens (default 1024; CPU 32)")
     ap.add_argument("--prefill", type=int, default=None, help="prefill prompt tokens, 0 = none (default 2048; CPU 16)")
     ap.add_argument("--warmup", type=int, default=None, help="eager steps before timing (default 3)")
     ap.add_argument("--steps", type=int, default=None, help="timed eager steps (default 20)")
     ap.add_argument("--replays", type=int, default=20, help="timed CUDA graph replays (default 20, >= 3)")
+    ap.add_argument("--gen-tokens", type=int, default=None,
+                    help="tokens timed per generate() call in the generate mode (default 64; CPU 2)")
     ap.add_argument("--compile-mode", default="default", choices=("default", "max-autotune-no-cudagraphs"),
                     help="mode= of torch.compile in the compile mode (default: default)")
     ap.add_argument("--check-batch", type=int, default=None, help="correctness batch (default 4; CPU 2)")
@@ -148,6 +162,7 @@ class Settings:
     warmup: int
     steps: int
     replays: int
+    gen_tokens: int
     compile_mode: str
     check: bool
     check_batch: int
@@ -163,6 +178,15 @@ class Settings:
     @property
     def extrapolated(self) -> bool:
         return self.layers < self.full_layers
+
+    @property
+    def gen_prompt(self) -> int:
+        return GEN_PROMPT if self.cuda else 4
+
+    @property
+    def gen_long(self) -> int:
+        """New tokens of the generate mode's long call (its short call makes GEN_SHORT)."""
+        return GEN_SHORT + self.gen_tokens
 
     def reserve(self) -> int:
         """Cache positions the longest mode consumes (at most): eager warmup + 1 (memory) + steps;
@@ -181,7 +205,7 @@ def resolve(args, cuda: bool, ap: argparse.ArgumentParser) -> Settings:
     try:
         variants = parse_names(args.variants, list(VARIANTS), "variant") if args.variants else (
             list(QUICK["variants"]) if q else list(DEFAULT_VARIANTS))
-        modes = parse_names(args.modes, MODES, "mode") if args.modes else (list(MODES) if cuda else ["eager"])
+        modes = parse_names(args.modes, MODES, "mode") if args.modes else (list(DEFAULT_MODES) if cuda else ["eager"])
         batches = parse_ints(args.batches, "batch", ", comma separated") if args.batches else list(
             cpu.get("batches") or (QUICK["batches"] if q else DEFAULT_BATCHES))
     except ValueError as e:
@@ -194,14 +218,15 @@ def resolve(args, cuda: bool, ap: argparse.ArgumentParser) -> Settings:
                  context=pick(args.context, "context", 1024),
                  prefill=pick(args.prefill, "prefill", QUICK["prefill"] if q else 2048),
                  prefill_reps=cpu.get("prefill_reps", 3), warmup=pick(args.warmup, "warmup", 3),
-                 steps=pick(args.steps, "steps", 20), replays=args.replays, compile_mode=args.compile_mode,
+                 steps=pick(args.steps, "steps", 20), replays=args.replays,
+                 gen_tokens=pick(args.gen_tokens, "gen_tokens", 64), compile_mode=args.compile_mode,
                  check=not args.no_check, check_batch=pick(args.check_batch, "check_batch", 4),
                  check_steps=pick(args.check_steps, "check_steps", 16),
                  check_prompt=pick(args.check_prompt, "check_prompt", 64),
                  budget_s=args.budget_s if args.budget_s is not None else (GPU_BUDGET_S if cuda else 0.0),
                  seed=args.seed)
     minimum = {"--layers": (s.layers, 1), "--warmup": (s.warmup, 0), "--steps": (s.steps, 1),
-               "--replays": (s.replays, 3), "--prefill": (s.prefill, 0), "--check-batch": (s.check_batch, 1),
+               "--replays": (s.replays, 3), "--gen-tokens": (s.gen_tokens, 1), "--prefill": (s.prefill, 0), "--check-batch": (s.check_batch, 1),
                "--check-steps": (s.check_steps, 1), "--check-prompt": (s.check_prompt, 1),
                "--budget-s": (s.budget_s, 0)}
     for flag, (value, low) in minimum.items():
@@ -212,6 +237,9 @@ def resolve(args, cuda: bool, ap: argparse.ArgumentParser) -> Settings:
     if s.context <= s.reserve():
         ap.error(f"--context={s.context} is too short: the timed steps use the last {s.reserve()} "
                  "positions of the cache (fewer --steps/--replays/--warmup, or a longer context)")
+    if "generate" in s.modes and s.context < s.gen_prompt + s.gen_long:
+        ap.error(f"--context={s.context} is too short for the generate mode: it needs {s.gen_prompt} prompt + "
+                 f"{s.gen_long} new tokens (fewer --gen-tokens, or a longer context)")
     return s
 
 
@@ -247,7 +275,8 @@ class Runner:
     within the budget, recording into `res`; `save()` is called after every unit."""
 
     # First guesses (s) until a unit of the kind has run; compile scales with the layers.
-    GUESS = {"build": 20.0, "eager": 5.0, "graph": 5.0, "split": 5.0, "prefill": 5.0, "check": 20.0}
+    GUESS = {"build": 20.0, "eager": 5.0, "graph": 5.0, "split": 5.0, "prefill": 5.0, "check": 20.0,
+             "generate": 60.0}
 
     def __init__(self, s: Settings, device, prog, save: Callable[[], None]):
         self.s, self.device, self.prog, self.save = s, device, prog, save
@@ -399,6 +428,51 @@ class Runner:
         out.update(state, compile_mode=self.s.compile_mode)
         return out
 
+    def generate(self, model, batch: int) -> dict:
+        """Time per new token of transformers' generate() with a StaticCache of --context tokens
+        (on CUDA it compiles the decode forward itself): the difference of a long and a short
+        call, each the median of 3 after two warm-up calls of the long one."""
+        import torch
+        from transformers import StaticCache
+
+        s = self.s
+        gen = torch.Generator().manual_seed(s.seed)
+        prompt = torch.randint(model.config.vocab_size, (batch, s.gen_prompt), generator=gen).to(self.device)
+        cache = StaticCache(config=model.config, max_cache_len=s.context)
+        had_compiled = hasattr(model, "_compiled_call")
+
+        def call(n: int) -> float:
+            cache.reset()
+            if s.cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = model.generate(prompt, past_key_values=cache, max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=0)
+            if s.cuda:
+                torch.cuda.synchronize()
+            if out.shape[1] != s.gen_prompt + n:
+                raise RuntimeError(f"generate() made {out.shape[1] - s.gen_prompt} tokens, {n} were asked")
+            return (time.perf_counter() - t0) * 1e6
+
+        torch._dynamo.reset()
+        try:
+            for _ in range(2 if s.cuda else 1):
+                call(s.gen_long)
+            reps = 3 if s.cuda else 1
+            long_us = statistics.median(call(s.gen_long) for _ in range(reps))
+            short_us = statistics.median(call(GEN_SHORT) for _ in range(reps))
+            compiled = hasattr(model, "_compiled_call") and not had_compiled
+        finally:
+            torch._dynamo.reset()
+            if hasattr(model, "_compiled_call") and not had_compiled:
+                del model._compiled_call  # (its graphs hold the model's memory)
+        if long_us <= short_us:
+            raise RuntimeError(f"generate() of {s.gen_long} tokens took no longer than of {GEN_SHORT} "
+                               f"({long_us:.0f} vs {short_us:.0f} us): timing noise; use more --gen-tokens")
+        return {"step_us": (long_us - short_us) / s.gen_tokens, "compiled_by_generate": compiled,
+                "timing": f"(median of {reps} generate() calls of {s.gen_long} new tokens - median of {reps} of "
+                          f"{GEN_SHORT}) / {s.gen_tokens}, wall clock, prompt {s.gen_prompt}, greedy"}
+
     def split(self, model, batch: int) -> dict:
         """Decoder linear layers alone, and the head alone, each in its own CUDA graph."""
         import torch
@@ -494,9 +568,9 @@ class Runner:
                     self.skip_all(mode, "needs CUDA")
         for name in s.variants:
             self._variant(name, measure_units(s))
-        if s.cuda and "compile" in s.modes:  # the most expensive units last, each variant rebuilt
+        if last_pass(s):  # the most expensive units last, each variant rebuilt
             for name in s.variants:
-                self._variant(name, [("compile", b) for b in s.batches])
+                self._variant(name, last_pass(s))
 
     def _variant(self, name: str, units: Sequence[tuple]) -> None:
         model = self.unit("build", name, None, lambda: self.build(name))
@@ -506,7 +580,8 @@ class Runner:
                                          "reason": "the variant's build was skipped or failed"})
             self.prog.step(len(units))
             return
-        run = {"eager": self.eager, "graph": self.graph, "compile": self.compile, "split": self.split,
+        run = {"eager": self.eager, "graph": self.graph, "compile": self.compile, "generate": self.generate,
+               "split": self.split,
                "prefill": lambda m, _: self.prefill(m), "check": lambda m, _: self.check(name, m)}
         for kind, b in units:
             out = self.unit(kind, name, b, lambda: run[kind](model, b))
@@ -547,9 +622,16 @@ def measure_units(s: Settings) -> List[tuple]:
     return units + [("prefill", None)] * bool(s.prefill) + [("check", None)] * s.check
 
 
+def last_pass(s: Settings) -> List[tuple]:
+    """(kind, batch) of the second pass's units (compile on CUDA, generate), run after every
+    variant's first pass with the variant rebuilt."""
+    units = [("compile", b) for b in s.batches] if s.cuda and "compile" in s.modes else []
+    return units + [("generate", b) for b in s.batches if "generate" in s.modes]
+
+
 def progress_total(s: Settings) -> int:
-    compile_pass = len(s.variants) * (1 + len(s.batches)) if s.cuda and "compile" in s.modes else 0
-    return len(s.variants) * (1 + len(measure_units(s))) + compile_pass
+    second = last_pass(s)
+    return len(s.variants) * (1 + len(measure_units(s))) + (len(s.variants) * (1 + len(second)) if second else 0)
 
 
 # ----------------------------------------------------------------------------------
@@ -691,7 +773,7 @@ def default_name(key: str, s: Settings) -> str:
     not overwrite each other."""
     parts = [f"e2e_{key}_{s.model}"] + ([f"L{s.layers}"] if s.extrapolated else [])
     parts += ["-".join(s.variants)] if s.variants != list(DEFAULT_VARIANTS) else []
-    parts += ["-".join(s.modes)] if s.modes != list(MODES) and s.cuda else []
+    parts += ["-".join(s.modes)] if s.modes != list(DEFAULT_MODES) and s.cuda else []
     return "_".join(parts)
 
 
@@ -774,6 +856,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "settings": {"context": s.context, "decode_positions": [s.context - s.reserve(), s.context - 1],
                          "batches": s.batches, "modes": s.modes, "variants": s.variants, "prefill": s.prefill,
                          "warmup": s.warmup, "steps": s.steps, "replays": s.replays,
+                         "generate": "generate" in s.modes and {"prompt": s.gen_prompt, "tokens": s.gen_tokens,
+                                                                "short": GEN_SHORT},
                          "compile": f"torch.compile(step, mode={s.compile_mode!r}, fullgraph=True, dynamic=False), "
                                     "then one CUDA graph captured by the benchmark",
                          "check": s.check and {"batch": s.check_batch, "steps": s.check_steps,
