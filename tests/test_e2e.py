@@ -361,8 +361,9 @@ def test_generate_mode_times_transformers_generate(tiny, monkeypatch):
     assert calls == [E.GEN_SHORT + 3] * 2 + [E.GEN_SHORT]  # warm-up, long, short (CPU: 1 each)
     assert out["step_us"] > 0 and out["compiled_by_generate"] is False
     assert E.last_pass(s) == [("generate", 1), ("generate", 2)]
-    with pytest.raises(SystemExit):
-        _settings(["--modes", "generate", "--gen-tokens", "30", "--context", "32"])
+    for argv in (["--gen-tokens", "30", "--context", "32"], ["--layers", "1"]):
+        with pytest.raises(SystemExit):
+            _settings(["--modes", "generate"] + argv)  # no room in the cache; extrapolated
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture, torch.compile)")

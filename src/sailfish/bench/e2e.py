@@ -237,6 +237,9 @@ def resolve(args, cuda: bool, ap: argparse.ArgumentParser) -> Settings:
     if s.context <= s.reserve():
         ap.error(f"--context={s.context} is too short: the timed steps use the last {s.reserve()} "
                  "positions of the cache (fewer --steps/--replays/--warmup, or a longer context)")
+    if "generate" in s.modes and s.extrapolated:
+        ap.error(f"the generate mode needs all {full} layers of the model (--layers {full}): generate()'s "
+                 "own per-token host time is not a per-layer cost, so it cannot be extrapolated")
     if "generate" in s.modes and s.context < s.gen_prompt + s.gen_long:
         ap.error(f"--context={s.context} is too short for the generate mode: it needs {s.gen_prompt} prompt + "
                  f"{s.gen_long} new tokens (fewer --gen-tokens, or a longer context)")
