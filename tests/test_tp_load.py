@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from test_checkpoint import _edit_tensors, make_quantized
 from test_seed_formats import make_tiled
 from tp_load_worker import COLUMN, layer_differences, sailfish_layers
 import safetensors
-from sailfish import load_quantized
+from sailfish import load_quantized, save_quantized
 from sailfish.parallel import SailfishColwiseParallel, SailfishRowwiseParallel, default_plan, shard_layer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,6 +44,18 @@ def reference_path(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
+def saved(fmt, **kw):
+    """A checkpoint that save_quantized wrote in `fmt` from a loaded GPTQ one."""
+    def make(path):
+        make_quantized(path / "src", "gptq", 64, **kw)
+        with warnings.catch_warnings():  # zero points of 0: gptq_v2, with a warning saying so
+            warnings.simplefilter("ignore")
+            save_quantized(load_quantized(str(path / "src")), str(path), format=fmt)
+        with open(path / "config.json") as f:
+            assert json.load(f)["quantization_config"].get("checkpoint_format") in (None, "gptq_v2")
+    return make
+
+
 CASES = {  # hidden 128 (or 256: Marlin / QQQ shards need 64 output features), 2 layers
     "gptq-asym-descact-g32": lambda p: make_quantized(p, "gptq", 32, False, True),
     "gptq-sym-g64": lambda p: make_quantized(p, "gptq", 64, True),  # qzeros all 8: symmetric
@@ -52,6 +65,9 @@ CASES = {  # hidden 128 (or 256: Marlin / QQQ shards need 64 output features), 2
     "awq-sym-g32": lambda p: make_quantized(p, "awq", 32, True),
     "ct-asym-actorder-g32": lambda p: make_quantized(p, "ct", 32, False, True),
     "ct-sym-channel": lambda p: make_quantized(p, "ct", -1, True),
+    "saved-awq-asym-g64": saved("awq", sym=False),
+    "saved-ct-asym-descact-g64": saved("compressed-tensors", sym=False, desc_act=True),
+    "saved-gptq_v2-zero0-g64": saved("gptq", sym=False, zero_low=0),  # zero points of 0: gptq_v2
     "marlin-g128": lambda p: make_tiled(p, "marlin", 128, hidden=256),
     "marlin-channel": lambda p: make_tiled(p, "marlin", -1, hidden=256),
     "qqq-g128": lambda p: make_tiled(p, "qqq", 128, hidden=256),  # row shards of 128 = one group
@@ -80,7 +96,7 @@ def assert_rank_equals_sharded_whole(path, fuse=True, world=2, row_only=None):
 def test_rank_shards_equal_sharded_whole_model(tmp_path, case):
     CASES[case](tmp_path)
     full = assert_rank_equals_sharded_whole(tmp_path)
-    act_order = "descact" in case or "actorder" in case  # the projections' g_idx differ: not fused
+    act_order = "desc" in case or "actorder" in case  # the projections' g_idx differ: not fused
     assert any(n.endswith("qkv_proj") for n in full) == (not act_order)
 
 
