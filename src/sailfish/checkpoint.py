@@ -22,7 +22,7 @@ import json
 import os
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -33,7 +33,9 @@ from .formats.compressed_tensors import from_compressed_tensors, to_compressed_t
 from .formats.gptq import CHECKPOINT_FORMATS, from_gptq, to_gptq
 from .formats.marlin import GROUP_SIZES_MARLIN, from_marlin
 from .formats.qqq import from_qqq
-from .formats.int4 import GROUP_SIZES, HALF_DTYPES, cast_scales, checked_cast, num_groups, relative_change, warn_lossy_cast
+from .formats.int4 import (GROUP_SIZES, HALF_DTYPES, QuantizedWeight, cast_scales, checked_cast, num_groups,
+                           relative_change, warn_lossy_cast)
+from .formats.shard import _group_rows, slice_weight
 from .fuse import check_fuse_flag, fuse_projections, unfused_layers
 from .nn import QuantLinear, QuantLinearW4A8, check_shape
 
@@ -423,9 +425,219 @@ def _output_layer_name(model: nn.Module) -> Optional[str]:
     return next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
 
 
+# -- reading, whole or one tensor-parallel shard ---------------------------------------
+class _Reader:
+    """Reads checkpoint tensors, or only some of their bytes, each file opened once."""
+
+    def __init__(self, entries: Dict[str, _Entry], stack: contextlib.ExitStack):
+        self.entries, self.stack, self.files = entries, stack, {}
+
+    def __call__(self, key: str, index: Optional[tuple] = None) -> torch.Tensor:
+        """Tensor `key`, or its part `index` (one slice per dim): safetensors reads only that part."""
+        from safetensors import safe_open
+        file = self.entries[key].file
+        if file not in self.files:
+            self.files[file] = self.stack.enter_context(safe_open(file, framework="pt"))
+        f = self.files[file]
+        return f.get_tensor(key) if index is None else f.get_slice(key)[index]
+
+
+# What each axis of a layer's tensors indexes: (feature, elements per feature as num / den);
+# "N" output features, "K" input features, "G" group rows, None an axis no split cuts. g_idx,
+# bias and CT's weight_shape are handled apart.
+_AXES = {
+    "gptq": {"qweight": (("K", 1, 8), ("N", 1, 1)), "qzeros": (("G", 1, 1), ("N", 1, 8)),
+             "scales": (("G", 1, 1), ("N", 1, 1))},
+    "awq": {"qweight": (("K", 1, 1), ("N", 1, 8)), "qzeros": (("G", 1, 1), ("N", 1, 8)),
+            "scales": (("G", 1, 1), ("N", 1, 1))},
+    CT: {"weight_packed": (("N", 1, 1), ("K", 1, 8)), "weight_scale": (("N", 1, 1), ("G", 1, 1)),
+         "weight_zero_point": (("N", 1, 8), ("G", 1, 1))},
+    "marlin": {"B": (("K", 1, 16), ("N", 2, 1)), "s": (("G", 1, 1), ("N", 1, 1))},
+    "qqq": {"B": (("K", 1, 16), ("N", 2, 1)), "s_channel": (None, ("N", 1, 1)), "s_group": (("G", 1, 1), ("N", 1, 1))},
+}
+# A shard must hold whole packed words (8 codes / zero points) and, in Marlin's tile order,
+# whole 1024-element runs (64 output features) and 16-row tiles: (multiple of N, of K).
+_SPLIT_MULTIPLE = {"gptq": (8, 8), "awq": (8, 1), CT: (8, 8), "marlin": (64, 16), "qqq": (64, 16)}
+_ZEROS = {"gptq": "qzeros", "awq": "qzeros", CT: "weight_zero_point"}
+
+
+def _group_size(spec: _Spec, linear: nn.Linear) -> int:
+    """The layer's group size as loaded (QQQ reads a layer whose K is the group size per channel)."""
+    per_channel = spec.method == "qqq" and linear.in_features == spec.group_size
+    return -1 if per_channel else spec.group_size
+
+
+def _decode(spec: _Spec, t: Dict[str, torch.Tensor], g_idx: Optional[torch.Tensor], linear: nn.Linear):
+    """The format's reader on the layer's tensors (all of them, or a shard's window of them);
+    the Marlin / QQQ scale order and QQQ's per-channel reading follow the whole layer."""
+    grouped = num_groups(linear.in_features, _group_size(spec, linear)) > 1
+    if spec.method == "qqq":
+        return from_qqq(t["B"], t["s_channel"], t.get("s_group"), group_size=spec.group_size,
+                        per_channel=not grouped)
+    if spec.method == "marlin":
+        return from_marlin(t["B"], t["s"], group_size=spec.group_size, grouped=grouped)
+    if spec.method == "gptq":
+        return from_gptq(t["qweight"], t["qzeros"], t["scales"], g_idx, group_size=spec.group_size,
+                         checkpoint_format=spec.checkpoint_format)
+    if spec.method == CT:
+        return from_compressed_tensors(t["weight_packed"], t["weight_scale"], t["weight_shape"],
+                                       t.get("weight_zero_point"), g_idx, group_size=spec.group_size)
+    return from_awq(t["qweight"], t["qzeros"], t["scales"], group_size=spec.group_size, zero_point=spec.zero_point)
+
+
+def _chunks(size: int, world: int):
+    step = -(-size // world)
+    return [(a, min(a + step, size)) for a in range(0, size, step)]
+
+
+def _whole_matches(read: _Reader, key: str, axis: int, world: int, ok) -> bool:
+    """ok(part, start) for every part of tensor `key` cut along `axis` into `world` pieces: a
+    property of the whole tensor, read a shard's worth at a time."""
+    shape = read.entries[key].shape
+    for a, b in _chunks(shape[axis], world):
+        index = tuple(slice(a, b) if d == axis else slice(None) for d in range(len(shape)))
+        if not ok(read(key, index), a):
+            return False
+    return True
+
+
+def _plain_g_idx(read: _Reader, key: str, gs: int, world: int, own: torch.Tensor, start: int) -> bool:
+    """Whether the whole g_idx is k // group_size (no act-order: the formats' readers drop it)."""
+    def plain(part, a):
+        k = torch.arange(a, a + part.numel())
+        return torch.equal(part.long(), torch.zeros_like(k) if gs == -1 else k // gs)
+    return plain(own, start) and _whole_matches(read, key, 0, world, plain)
+
+
+def _check_split(spec: _Spec, linear: nn.Linear, dim: int, world: int, plain: bool) -> None:
+    """Raise ValueError if the layer's split over `world` ranks along `dim` cannot be read as
+    whole words / tiles, breaks a shape rule or (plain groups) cuts a group."""
+    from .parallel import shard_bounds  # torch.distributed is imported only for tensor parallelism
+    n, k = linear.out_features, linear.in_features
+    mult = _SPLIT_MULTIPLE[spec.method][dim]
+    what, size = ("out_features", n) if dim == 0 else ("in_features", k)
+    for r in range(world):
+        start, stop = shard_bounds(n, k, r, world, dim)
+        if (stop - start) % mult:
+            raise ValueError(f"a {'column' if dim == 0 else 'row'}-parallel (dim={dim}) shard of {what}={size} "
+                             f"over world_size={world} holds {stop - start}, but quant_method {spec.method!r} "
+                             f"needs a multiple of {mult} (whole packed words / tiles along that dim)")
+        if dim == 1 and plain:
+            _group_rows(start, stop, k, _group_size(spec, linear))
+
+
+def _tensor_parallel(model: nn.Module, plan: _Plan, spec: _Spec, read: _Reader, device_mesh, tp_plan):
+    """({layer: (dim, style, own g_idx slice if act-order row shard)}, rank, world) of a tensor-parallel load, every split checked
+    (headers and g_idx only, before any weight is read); ({}, 0, 1) without a mesh."""
+    if device_mesh is None:
+        if tp_plan is not None:
+            raise ValueError("tp_plan needs device_mesh (the 1-D mesh of the tensor-parallel ranks)")
+        return {}, 0, 1
+    from .parallel import _mesh_rank_world, default_plan, resolve_plan, shard_range
+    rank, world = _mesh_rank_world(device_mesh)
+    tp = resolve_plan(default_plan() if tp_plan is None else tp_plan, list(plan.layers))
+    attn = [n for n, (d, _) in tp.items() if d == 0 and n.rpartition(".")[2] in ("q_proj", "k_proj", "v_proj")]
+    for field in ("num_attention_heads", "num_key_value_heads") if attn else ():
+        heads = getattr(model.config, field, None)
+        if isinstance(heads, int) and heads % world:
+            raise ValueError(f"config.{field}={heads} is not divisible by the device mesh size {world}: "
+                             f"column-parallel q/k/v projections ({attn[0]}, ...) give every rank whole "
+                             f"heads; allowed: mesh sizes that divide {heads}")
+    for name, (dim, _) in tp.items():
+        linear = plan.layers[name]
+        g_key = _g_idx_key(spec, name, read.entries)
+        plain, own = g_key is None, None
+        if dim == 1 and g_key:  # act-order or not is a property of the whole g_idx
+            start, stop = shard_range(linear.in_features, rank, world, 1)
+            own = read(g_key, (slice(start, stop),))
+            plain = _plain_g_idx(read, g_key, _group_size(spec, linear), world, own, start)
+            own = None if plain else own
+        tp[name] = (dim, tp[name][1], own)
+        try:
+            _check_split(spec, linear, dim, world, plain)
+        except ValueError as e:
+            fits = []
+            for w in range(1, 9):
+                try:
+                    _check_split(spec, linear, dim, w, plain)
+                    fits.append(w)
+                except ValueError:
+                    pass
+            raise ValueError(f"{name}: {e} (mesh sizes up to 8 that split this layer: {fits})") from None
+    return tp, rank, world
+
+
+def _read_layer(read: _Reader, spec: _Spec, name: str, linear: nn.Linear, device, split=None):
+    """The layer's weight (QuantizedWeight or QQQWeight) and bias, on `device`: all of it, or
+    with split=(dim, rank, world, own g_idx if act-order) rank's tensor-parallel shard, equal
+    to sailfish.parallel.shard_quantized / shard_bias of the whole, reading only the
+    shard's windows of the tensors (plus g_idx, which a column shard keeps whole, and the
+    scale rows of the groups an act-order row shard touches)."""
+    g_key = _g_idx_key(spec, name, read.entries)
+    if split is None:
+        t = {s: read(f"{name}.{s}").to(device) for s in _layer_tensors(spec, linear)}
+        bias = read(f"{name}.bias").to(device) if linear.bias is not None else None
+        return _decode(spec, t, read(g_key).to(device) if g_key else None, linear), bias
+    from .parallel import shard_bounds
+    dim, rank, world, own = split
+    n, k = linear.out_features, linear.in_features
+    gs = _group_size(spec, linear)
+    start, stop = shard_bounds(n, k, rank, world, dim)
+    g_idx, rows = None, slice(None)
+    if dim == 0:
+        g_idx = read(g_key) if g_key else None  # a column shard keeps every input channel
+    elif own is not None:  # act-order row shard: the scale rows of the groups it touches
+        total = num_groups(k, gs)  # the scale rows the checkpoint stores
+        lo, hi = int(own.min()), int(own.max()) + 1
+        if lo < 0 or hi > total:
+            raise ValueError(f"g_idx values must lie in [0, {total}) (one per row of scales)")
+        m = max(hi - lo, num_groups(stop - start, gs))  # at least the rows a K' weight has
+        lo = min(lo, total - m)
+        rows, g_idx = slice(lo, lo + m), own.to(torch.int32) - lo
+    else:
+        rows = _group_rows(start, stop, k, gs)
+
+    def window(axis):
+        if axis is None:
+            return slice(None)
+        feature, num, den = axis
+        if feature == "G":
+            return rows
+        if feature == "NK"[dim]:
+            return slice(start * num // den, stop * num // den)
+        return slice(None)
+
+    t = {}
+    for suffix in _layer_tensors(spec, linear):
+        axes = _AXES[spec.method].get(suffix)
+        t[suffix] = read(f"{name}.{suffix}", None if axes is None else tuple(window(a) for a in axes)).to(device)
+    if spec.method == CT:
+        shape = t["weight_shape"]
+        t["weight_shape"] = torch.tensor([stop - start, k] if dim == 0 else [n, stop - start], dtype=shape.dtype)
+    qw = _decode(spec, t, None if g_idx is None else g_idx.to(device), linear)
+    zeros = f"{name}.{_ZEROS.get(spec.method)}"
+    if isinstance(qw, QuantizedWeight) and qw.zeros is None and zeros in read.entries:
+        # the readers call a layer symmetric when all its zero points are 8: all of them, not the shard's
+        eights = 0x77777777 if spec.method == "gptq" and spec.checkpoint_format == "gptq" else 0x88888888
+        axis = 0 if spec.method == CT else 1
+        if not _whole_matches(read, zeros, axis, world, lambda p, a: bool(((p.long() & 0xFFFFFFFF) == eights).all())):
+            if spec.method == "awq" and not spec.zero_point:
+                raise ValueError("zero_point=False (symmetric AWQ) needs every qzeros nibble to be 8; "
+                                 "some outside this rank's shard are not")
+            qw = replace(qw, zeros=torch.full(qw.scales.shape, 8, dtype=torch.uint8, device=qw.scales.device))
+    if linear.bias is None:
+        bias = None
+    elif dim == 0:
+        bias = read(f"{name}.bias", (slice(start, stop),)).to(device)
+    else:  # row parallel: rank 0 adds the bias once
+        bias = read(f"{name}.bias").to(device) if rank == 0 else None
+    return slice_weight(qw, dim, 0, stop - start), bias
+
+
 # -- public API ---------------------------------------------------------------------------
 def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cpu",
-                   allow_lossy_scales: bool = False, fuse: bool = True) -> nn.Module:
+                   allow_lossy_scales: bool = False, fuse: bool = True, device_mesh=None,
+                   tp_plan: Optional[dict] = None) -> nn.Module:
     """Load a GPTQ, AWQ, compressed-tensors or Marlin W4A16 checkpoint directory (Hugging Face
     layout) as a model whose quantized linear layers are Sailfish QuantLinear modules (QQQ W4A8
     checkpoints: QuantLinearW4A8).
@@ -459,6 +671,18 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
     quantized lm_head as a QuantLinear; the flag and the tensors must agree.
     fuse (default True): q/k/v and gate/up then run as one layer each where exact
     (sailfish.fuse; model.sailfish_report says which).
+    device_mesh (a 1-D torch DeviceMesh): tensor parallelism. Each rank reads only its shard
+    of every layer the plan names, straight from the files (safetensors slices), and gets
+    the model that loading it whole and sharding it with sailfish.parallel would give (the
+    same tensors, bit for bit): column-parallel layers split along N, row-parallel ones along
+    K (their outputs summed over the mesh, SailfishRowwiseParallel). tp_plan: a
+    parallelize_module plan of SailfishColwiseParallel / SailfishRowwiseParallel by layer-name
+    pattern (fused names such as qkv_proj stand for their projections); default
+    sailfish.parallel.default_plan() (Llama-family: q/k/v, gate/up column, o, down row).
+    Other weights load whole on every rank. Every split is checked before any weight is read
+    (even shards, the kernels' shape rules, whole groups per row shard unless act-order,
+    whole Marlin / QQQ tile runs of 64 output features, attention heads divisible by the
+    mesh size); ValueError names the layer, the sizes and the mesh sizes that fit.
     """
     _require_hf()
     check_fuse_flag(fuse)
@@ -480,39 +704,19 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
     plan = _plan(model, entries, spec)
 
     with contextlib.ExitStack() as stack:
-        files = {}
-
-        def read(key: str) -> torch.Tensor:
-            file = entries[key].file
-            if file not in files:
-                files[file] = stack.enter_context(safe_open(file, framework="pt"))
-            return files[file].get_tensor(key)
-
+        read = _Reader(entries, stack)
+        tp, rank, world = _tensor_parallel(model, plan, spec, read, device_mesh, tp_plan)
         for key in plan.zero_biases:
             if bool(read(key).any()):
                 raise ValueError(f"{key} is not zero, but the model's layer has no bias")
         lossy = {}  # layer -> (largest relative change of a weight, of a bias value)
         for name, linear in plan.layers.items():
-            t = {s: read(f"{name}.{s}").to(device) for s in _layer_tensors(spec, linear)}
-            bias = read(f"{name}.bias").to(device) if linear.bias is not None else None
-            g_idx_key = _g_idx_key(spec, name, entries)
-            g_idx = read(g_idx_key).to(device) if g_idx_key else None
             try:
+                split = (tp[name][0], rank, world, tp[name][2]) if name in tp else None
+                qw, bias = _read_layer(read, spec, name, linear, device, split)
                 if spec.method == "qqq":  # W4A8: scales are float32 / float16 by the format, bias float32
-                    model.set_submodule(name, QuantLinearW4A8.from_qqq(
-                        t["B"], t["s_channel"], t.get("s_group"), bias, group_size=spec.group_size))
+                    model.set_submodule(name, QuantLinearW4A8.from_quantized(qw, bias))
                     continue
-                if spec.method == "marlin":
-                    qw = from_marlin(t["B"], t["s"], group_size=spec.group_size)
-                elif spec.method == "gptq":
-                    qw = from_gptq(t["qweight"], t["qzeros"], t["scales"], g_idx, group_size=spec.group_size,
-                                   checkpoint_format=spec.checkpoint_format)
-                elif spec.method == CT:
-                    qw = from_compressed_tensors(t["weight_packed"], t["weight_scale"], t["weight_shape"],
-                                                 t.get("weight_zero_point"), g_idx, group_size=spec.group_size)
-                else:
-                    qw = from_awq(t["qweight"], t["qzeros"], t["scales"], group_size=spec.group_size,
-                                  zero_point=spec.zero_point)
                 src = qw.dtype
                 how = f"load_quantized(..., allow_lossy_scales=True) (dtype={src} keeps them exact)"
                 qw, change = cast_scales(qw, dtype, allow_lossy_scales=allow_lossy_scales, how=how)
@@ -549,7 +753,13 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
         # (generate, resize_token_embeddings) from hanging the embedding on it
         model.config.tie_word_embeddings = False
     model = model.to(device).eval()
-    return fuse_projections(model) if fuse else model
+    if fuse:  # a rank's q / k / v shards fuse into the shard of the fused layer (fuse.shard_fused)
+        model = fuse_projections(model)
+    for name, (dim, style, _) in tp.items():
+        if dim == 1:  # row parallel: the partial outputs are summed over the mesh
+            from .parallel import SailfishRowwiseParallel
+            SailfishRowwiseParallel(reduce=style.reduce, shard=False)._apply(model.get_submodule(name), device_mesh)
+    return model
 
 
 def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",

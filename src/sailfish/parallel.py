@@ -28,8 +28,9 @@ with a plain in-place torch.distributed.all_reduce (`reduce="c10d"`).
 """
 from __future__ import annotations
 
+from fnmatch import fnmatch
 from functools import partial
-from typing import Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -81,14 +82,20 @@ def shard_quantized(qw: Weight, rank: int, world_size: int, dim: int) -> Weight:
     must be a multiple of group_size), or the split is uneven."""
     if not isinstance(qw, (QuantizedWeight, QQQWeight)):
         raise TypeError(f"qw must be a QuantizedWeight or a QQQWeight, got {type(qw).__name__}")
-    n, k = qw.qweight.shape
+    start, stop = shard_bounds(*qw.qweight.shape, rank, world_size, dim)
+    return slice_weight(qw, dim, start, stop)
+
+
+def shard_bounds(n: int, k: int, rank: int, world_size: int, dim: int) -> Tuple[int, int]:
+    """shard_range of an (N, K) layer's split dimension, checked against the kernels' shape
+    rules for the shard (what shard_quantized cuts, from the shape alone)."""
     start, stop = shard_range(n if dim == 0 else k, rank, world_size, dim)
     n_s, k_s = (stop - start, k) if dim == 0 else (n, stop - start)
     err = check_shape(k_s, n_s)
     if err:
         raise ValueError(f"shard {rank} of {world_size} along dim={dim} of a (N={n}, K={k}) weight "
                          f"has (N={n_s}, K={k_s}), which breaks the shape rule: {err}")
-    return slice_weight(qw, dim, start, stop)
+    return start, stop
 
 
 def shard_bias(bias: Optional[torch.Tensor], rank: int, world_size: int, dim: int) -> Optional[torch.Tensor]:
@@ -191,5 +198,62 @@ def _reduce_output(device_mesh, reduce: str, module, inputs, output: torch.Tenso
     return all_reduce_sum(output, device_mesh, reduce)
 
 
-__all__ = ["shard_range", "shard_quantized", "shard_bias", "shard_layer", "all_reduce_sum",
+# ----------------------------------------------------------------------------------
+# Plans
+# ----------------------------------------------------------------------------------
+_COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+_ROW = ("self_attn.o_proj", "mlp.down_proj")
+_FUSED_COLUMN = ("self_attn.qkv_proj", "mlp.gate_up_proj")
+
+
+def default_plan(reduce: str = "dtensor", *, fused: bool = False) -> dict:
+    """The Megatron plan for transformers' Llama-family models (Llama, Mistral, Qwen2/3):
+    q/k/v and gate/up column parallel, o and down row parallel (their outputs summed), by
+    parallelize_module's pattern syntax. fused=True names the fused layers (qkv_proj,
+    gate_up_proj) of a model that fuse_projections rewrote, as parallelize_module needs;
+    load_quantized(device_mesh=...) takes either form (it shards per projection, then fuses)."""
+    col, row = SailfishColwiseParallel(), SailfishRowwiseParallel(reduce=reduce)
+    return {**{f"model.layers.*.{p}": col for p in (_FUSED_COLUMN if fused else _COLUMN)},
+            **{f"model.layers.*.{p}": row for p in _ROW}}
+
+
+def _plan_matches(pattern: str, name: str) -> bool:
+    """parallelize_module's matching: one fnmatch pattern per dotted component."""
+    atoms, parts = pattern.split("."), name.split(".")
+    return len(atoms) == len(parts) and all(fnmatch(p, a) for p, a in zip(parts, atoms))
+
+
+def resolve_plan(plan: dict, names) -> Dict[str, Tuple[int, ParallelStyle]]:
+    """{layer name: (dim, style)} for the layers `names` (a checkpoint's projections) that the
+    plan shards: dim 0 for SailfishColwiseParallel, 1 for SailfishRowwiseParallel. A pattern
+    naming a fused layer (qkv_proj, gate_up_proj) applies to the projections it stacks.
+    ValueError for a pattern that names none of them, TypeError for another style."""
+    from .fuse import PROJECTIONS
+    fused_name = {p: f for f, parts in PROJECTIONS for p in parts}
+    if not isinstance(plan, dict):
+        raise TypeError(f"tp_plan must be a dict of module-name pattern -> SailfishColwiseParallel / "
+                        f"SailfishRowwiseParallel, got {type(plan).__name__}")
+    out: Dict[str, Tuple[int, ParallelStyle]] = {}
+    for pattern, style in plan.items():
+        if not isinstance(style, (SailfishColwiseParallel, SailfishRowwiseParallel)):
+            raise TypeError(f"tp_plan[{pattern!r}] is a {type(style).__name__}; allowed: SailfishColwiseParallel, "
+                            f"SailfishRowwiseParallel (layers the plan does not name stay whole on every rank)")
+        dim = 0 if isinstance(style, SailfishColwiseParallel) else 1
+        hits = []
+        for name in names:
+            parent, _, leaf = name.rpartition(".")
+            alias = f"{parent}.{fused_name[leaf]}" if leaf in fused_name else None
+            if _plan_matches(pattern, name) or (alias and _plan_matches(pattern, alias)):
+                hits.append(name)
+        if not hits:
+            raise ValueError(f"tp_plan[{pattern!r}] names no quantized layer of the checkpoint (e.g. "
+                             f"{next(iter(names), None)!r}); allowed: patterns of quantized layers' names")
+        for name in hits:
+            if name in out and out[name][0] != dim:
+                raise ValueError(f"tp_plan makes {name} both column and row parallel")
+            out[name] = (dim, style)
+    return out
+
+
+__all__ = ["shard_range", "shard_bounds", "default_plan", "resolve_plan", "shard_quantized", "shard_bias", "shard_layer", "all_reduce_sum",
            "SailfishColwiseParallel", "SailfishRowwiseParallel", "REDUCE_MODES"]

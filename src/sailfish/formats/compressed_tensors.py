@@ -40,6 +40,8 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
     if n <= 0 or k <= 0 or n % 8 or k % 8:
         raise ValueError(f"weight_shape=({n}, {k}) is not supported; allowed: N and K positive multiples of 8")
     g = num_groups(k, group_size)
+    if weight_g_idx is not None and weight_scale.dim() == 2 and weight_scale.shape[1] > g:
+        g = weight_scale.shape[1]  # a g_idx picks each channel's column: a tensor-parallel K slice keeps more
     for name, t, shape in (("weight_packed", weight_packed, (n, k // 8)),
                            ("weight_zero_point", weight_zero_point, (n // 8, g))):
         if t is not None and (t.dtype != torch.int32 or t.shape != shape):
@@ -60,7 +62,7 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
             raise ValueError(f"weight_g_idx must be {k} integers, got {weight_g_idx.dtype} "
                              f"{tuple(weight_g_idx.shape)}")
         g_idx = weight_g_idx.to(torch.int32)
-        if torch.equal(g_idx, default_g_idx(k, group_size, g_idx.device)):
+        if g == num_groups(k, group_size) and torch.equal(g_idx, default_g_idx(k, group_size, g_idx.device)):
             g_idx = None  # k // group_size: no act-order
     q = unpack_along(weight_packed, dim=1)  # (N, K)
     return QuantizedWeight(q, weight_scale.T.contiguous(), zeros, g_idx, group_size)

@@ -56,9 +56,11 @@ def check_scales(scales: torch.Tensor, name: str = "scales") -> None:
 
 
 def check_packed(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, bits: int,
-                 group_size: int, packed_dim: int):
+                 group_size: int, packed_dim: int, act_order: bool = False):
     """Check a checkpoint's int32 qweight / qzeros and fp16 / bf16 scales (G, N); return (K, N).
-    qweight packs 8 codes per word along `packed_dim` (GPTQ: 0, K; AWQ: 1, N); qzeros (G, N/8)."""
+    qweight packs 8 codes per word along `packed_dim` (GPTQ: 0, K; AWQ: 1, N); qzeros (G, N/8).
+    act_order (a g_idx picks each channel's row): more rows than ceil(K / group_size) are
+    allowed, as a tensor-parallel K slice of an act-order weight keeps every group it touches."""
     _check_bits(bits)
     _check_group_size(group_size)
     for name, t in (("qweight", qweight), ("qzeros", qzeros)):
@@ -73,7 +75,7 @@ def check_packed(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tens
     if scales.shape[1] != n:
         raise ValueError(f"scales has {scales.shape[1]} columns but qweight has N={n}")
     # scales before qzeros: G is read from scales, so a wrong G must blame scales
-    if g != num_groups(k, group_size):
+    if g != num_groups(k, group_size) and not (act_order and g > num_groups(k, group_size)):
         raise ValueError(f"scales has {g} groups but K={k} with group_size={group_size} needs "
                          f"ceil(K / group_size) = {num_groups(k, group_size)}")
     if qzeros.shape != (g, n // 8) or n % 8:
@@ -94,12 +96,12 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     """Read GPTQ tensors (see module docstring; checkpoint_format "gptq" = v1 or "gptq_v2")
     into a QuantizedWeight, exactly."""
     _check_format(checkpoint_format)
-    k, n = check_packed(qweight, qzeros, scales, bits, group_size, packed_dim=0)
+    k, n = check_packed(qweight, qzeros, scales, bits, group_size, packed_dim=0, act_order=g_idx is not None)
     if g_idx is not None:
         if g_idx.shape != (k,):
             raise ValueError(f"g_idx must have shape (K={k},), got {tuple(g_idx.shape)}")
         g_idx = g_idx.to(torch.int32)
-        if torch.equal(g_idx, default_g_idx(k, group_size, g_idx.device)):
+        if scales.shape[0] == num_groups(k, group_size) and torch.equal(g_idx, default_g_idx(k, group_size, g_idx.device)):
             g_idx = None  # plain k // group_size order: no act-order
     q = unpack_along(qweight, dim=0).T.contiguous()  # (N, K)
     if checkpoint_format == "gptq":

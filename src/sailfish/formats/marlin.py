@@ -26,7 +26,7 @@ Loading inverts the permutations (an exact index map); nothing is rounded.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -99,17 +99,21 @@ def check_tile_shapes(B: torch.Tensor, s: torch.Tensor, group_size: int, name: s
     return k, n
 
 
-def from_marlin(B: torch.Tensor, s: torch.Tensor, *, group_size: int = 128) -> QuantizedWeight:
+def from_marlin(B: torch.Tensor, s: torch.Tensor, *, group_size: int = 128,
+                grouped: Optional[bool] = None) -> QuantizedWeight:
     """Read a Marlin-format weight (module docstring) into a symmetric QuantizedWeight, exactly.
 
     B: int32 (K / 16, 2 N); s: float16 (or bfloat16) (K / 128, N) for group_size=128, (1, N)
-    for group_size=-1 (per output channel), finite and > 0."""
+    for group_size=-1 (per output channel), finite and > 0. grouped: whether s is in the
+    order of a weight with more than one scale row; default: s has more than one row (a
+    tensor-parallel K slice of a grouped layer may hold one row and passes True)."""
     check_tile_shapes(B, s, group_size)
     if s.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"s must be float16 or bfloat16, got {s.dtype}")
     check_scales(s, "s")
     q = tile_codes(B, weight_perm(MARLIN_ROWS, 2, INTERLEAVE))
-    scales = unpermute_scales(s, s.shape[1], grouped=s.shape[0] > 1)  # one row: the per-channel order
+    grouped = s.shape[0] > 1 if grouped is None else grouped  # one row: the per-channel order
+    scales = unpermute_scales(s, s.shape[1], grouped=grouped)
     return QuantizedWeight(q, scales, None, None, group_size)
 
 

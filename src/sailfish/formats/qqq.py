@@ -324,7 +324,7 @@ def unpack_qqq(p: PackedQQQ) -> QQQWeight:
 # QQQ checkpoints (the QQQ repository, vLLM's quant_method "qqq")
 # ----------------------------------------------------------------------------------
 def from_qqq(B: torch.Tensor, s_channel: torch.Tensor, s_group: Optional[torch.Tensor], *,
-             group_size: int = 128) -> QQQWeight:
+             group_size: int = 128, per_channel: Optional[bool] = None) -> QQQWeight:
     """Read a QQQ layer's tensors into a QQQWeight, exactly.
 
     B int32 (K / 16, 2 N) in Marlin's tile order with QQQ's permutation (formats/marlin.py);
@@ -339,7 +339,9 @@ def from_qqq(B: torch.Tensor, s_channel: torch.Tensor, s_group: Optional[torch.T
         channel): it loads as a per-channel QQQWeight.
     A group weight whose int8 value rne(s_group * (q - 8)) leaves [-127, 127] is refused:
     QQQ's kernel keeps -128 and wraps values beyond [-128, 127] modulo 256 (it takes the low
-    byte of 1152 + value in fp16), Sailfish clamps to [-127, 127], so they would differ."""
+    byte of 1152 + value in fp16), Sailfish clamps to [-127, 127], so they would differ.
+    per_channel: default group_size == -1 or K == group_size; a tensor-parallel K slice
+    passes the whole layer's (a 128-channel slice of a grouped layer is still grouped)."""
     check_group_size_w4a8(group_size)
     if s_channel.dtype != torch.float32:
         raise TypeError(f"s_channel must be float32 (QQQ's per-channel scales), got {s_channel.dtype}")
@@ -347,7 +349,9 @@ def from_qqq(B: torch.Tensor, s_channel: torch.Tensor, s_group: Optional[torch.T
     k, n = B.shape[0] * 16, s_channel.shape[1]
     if not bool(torch.isfinite(s_channel).all()):
         raise ValueError("s_channel must be finite")
-    if group_size == -1 or k == group_size:
+    if per_channel is None:
+        per_channel = group_size == -1 or k == group_size
+    if per_channel:
         if s_group is not None and s_group.numel():
             raise ValueError(f"s_group must be empty for a per-channel layer (group_size={group_size}, K={k}), "
                              f"got shape {tuple(s_group.shape)}")
