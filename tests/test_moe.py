@@ -1,0 +1,190 @@
+"""Mixture-of-experts with 4-bit experts: the stacked format (formats/experts.py), the routing
+prep, the grouped kernels against a float64 per-element bound (ops/moe.py, kernels/moe.py),
+the op (fake, torch.compile) and bad input. On CPU the kernels run in Triton's interpreter."""
+import pytest
+import torch
+
+from helpers import DTYPE_NAMES, U32, UNIT_ROUNDOFF, accumulation_constant, random_quantized
+from sailfish import Config
+from sailfish.formats.experts import PackedExperts, padded_k_experts, quantize_experts, stack
+from sailfish.formats.int4 import QuantizedWeight, quantize
+from sailfish.ops.moe import align_routing, max_blocks, moe_w4a16_launch, moe_w4a16_reference
+
+F16, BF16 = torch.float16, torch.bfloat16
+SILU_SLOPE = 1.1  # max |silu'(x)| = 1.0998...: a gate error d moves silu(gate) by at most 1.1 |d|
+
+
+# ----------------------------------------------------------------------------------
+# Stacked format
+# ----------------------------------------------------------------------------------
+def random_experts(E, n, k, gs, sym, dtype, device="cpu"):
+    return [random_quantized(k, n, gs, sym, dtype, device=device) for _ in range(E)]
+
+
+@pytest.mark.parametrize("gs,sym,dtype,k", [(32, True, F16, 96), (64, False, BF16, 320), (128, True, BF16, 1408),
+                                            (256, False, F16, 2880), (-1, False, F16, 200)])
+def test_stack_unstack_exact(gs, sym, dtype, k):
+    qws = random_experts(3, 24, k, gs, sym, dtype)
+    p = stack(qws)
+    assert p.qweight.shape == (3, 24, padded_k_experts(k) // 8)
+    assert padded_k_experts(k) == -(-k // 128) * 128  # only to the format's own chunk
+    for a, b in zip(p.unstack(), qws):
+        assert torch.equal(a.qweight, b.qweight) and torch.equal(a.scales, b.scales)
+        assert (a.zeros is None) == sym and (sym or torch.equal(a.zeros, b.zeros))
+    assert torch.equal(p.dequantize(), torch.stack([qw.dequantize() for qw in qws]))
+
+
+def test_expert_widths_of_real_models_are_not_padded():
+    for width in (768, 1408, 1536, 2048, 14336):
+        assert padded_k_experts(width) == width
+
+
+def test_quantize_experts_is_per_expert_rtn():
+    w = torch.randn(3, 32, 160)
+    p = quantize_experts(w, group_size=32, sym=False, dtype=BF16)
+    for e, qw in enumerate(p.unstack()):
+        ref = quantize(w[e], group_size=32, sym=False, dtype=BF16)
+        assert torch.equal(qw.qweight, ref.qweight) and torch.equal(qw.scales, ref.scales)
+        assert torch.equal(qw.zeros, ref.zeros)
+
+
+def test_stack_refuses_bad_experts():
+    qws = random_experts(2, 16, 128, 64, True, F16)
+    with pytest.raises(ValueError, match="empty"):
+        stack([])
+    with pytest.raises(ValueError, match=r"weights\[1\] has group_size"):
+        stack([qws[0], random_quantized(128, 16, 32, True, F16)])
+    gidx = torch.arange(128, dtype=torch.int32) % 2
+    with pytest.raises(ValueError, match="act-order"):
+        stack([QuantizedWeight(qws[0].qweight, random_quantized(128, 16, 64, True, F16).scales, None, gidx, 64)])
+    w = torch.randn(2, 16, 64)
+    w[1, 3, 5] = float("nan")
+    with pytest.raises(ValueError, match="expert 1: .*non-finite"):
+        quantize_experts(w)
+    with pytest.raises(ValueError, match="3-D"):
+        quantize_experts(torch.randn(16, 64))
+
+
+# ----------------------------------------------------------------------------------
+# Routing prep
+# ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("M,topk,E,bm", [(1, 2, 4, 16), (7, 3, 5, 16), (40, 2, 3, 32), (9, 4, 8, 16)])
+def test_align_routing(M, topk, E, bm):
+    ids = torch.stack([torch.randperm(E)[:topk] for _ in range(M)])
+    ids[0, 0] = E  # transformers' "no local expert": left out
+    slots, bexp = align_routing(ids, E, bm)
+    T = M * topk
+    nb = max_blocks(T, E, bm)
+    assert slots.shape == (nb * bm,) and bexp.shape == (nb,)
+    flat = ids.reshape(-1)
+    seen = []
+    for b in range(nb):
+        blk = slots[b * bm:(b + 1) * bm]
+        if bexp[b] < 0:
+            assert bool((blk == T).all())
+            continue
+        real = blk[blk < T]
+        assert len(real) and bool((flat[real.long()] == bexp[b]).all())
+        seen += real.tolist()
+    assert sorted(seen) == [t for t in range(T) if flat[t] < E]
+    assert seen == sorted(seen, key=lambda t: (int(flat[t]), t))  # expert order, slots in order
+    used = bexp[bexp >= 0]
+    assert bool((used[1:] >= used[:-1]).all()) and bool((bexp[len(used):] == -1).all())
+    again = align_routing(ids, E, bm)
+    assert torch.equal(again[0], slots) and torch.equal(again[1], bexp)
+
+
+# ----------------------------------------------------------------------------------
+# Kernels against the float64 per-element bound
+# ----------------------------------------------------------------------------------
+def moe_bound(x, ids, tw, w13, w2, out_dtype, intermediate_dtype=None):
+    """(ref, bound): the float64 MoE block y = sum_k w_k down(silu(gate) * up) on the exact
+    operands (w13 (E, 2I, H), w2 (E, H, I) the dequantized weights) and the largest |y - ref| a
+    correct implementation can give per element: fp32 accumulation (accumulation_constant) in
+    both GEMMs, fp32 silu / products (16 u32 relative), h rounded to intermediate_dtype (default
+    out_dtype; its error propagated through the down GEMM), the weighted (token, k) rows rounded
+    once to it, the fp32 top-k sum and the final rounding to out_dtype."""
+    mid = out_dtype if intermediate_dtype is None else intermediate_dtype
+    u, um = UNIT_ROUNDOFF[out_dtype], UNIT_ROUNDOFF[mid]
+    M, topk = ids.shape
+    E, two_i, H = w13.shape
+    I = two_i // 2
+    flat = ids.reshape(-1).long()
+    live = ((flat >= 0) & (flat < E)).double()[:, None]
+    e = flat.clamp(0, E - 1)
+    xs = x.double().repeat_interleave(topk, 0)  # (T, H): slot t reads token t // topk
+    a13, a2 = w13.double()[e], w2.double()[e]  # (T, 2I, H), (T, H, I)
+    gu = torch.einsum("th,tnh->tn", xs, a13)
+    mag = torch.einsum("th,tnh->tn", xs.abs(), a13.abs())
+    d = accumulation_constant(H) * mag
+    g, up, dg, du = gu[:, :I], gu[:, I:], d[:, :I], d[:, I:]
+    s = torch.nn.functional.silu(g)
+    h = s * up
+    dh = SILU_SLOPE * dg * (up.abs() + du) + s.abs() * du + 16 * U32 * h.abs()
+    dh = dh + um * (h.abs() + dh)  # rounded to the intermediate dtype
+    w = tw.double().reshape(-1, 1) * live
+    o = torch.einsum("ti,thi->th", h, a2) * w
+    hmax = h.abs() + dh
+    do = (torch.einsum("ti,thi->th", dh, a2.abs()) + accumulation_constant(I)
+          * torch.einsum("ti,thi->th", hmax, a2.abs()) + 2 * U32 * torch.einsum("ti,thi->th", hmax, a2.abs())) * w.abs()
+    do = do + um * (o.abs() + do)  # the weighted row, rounded once
+    y = o.view(M, topk, H).sum(1)
+    dy = do.view(M, topk, H).sum(1)
+    dy = dy + topk * U32 * (o.abs() + do).view(M, topk, H).sum(1)
+    return y, dy + u * (y.abs() + dy) + 2.0 ** -24
+
+
+def assert_moe_close(y, ref, bound):
+    err = (y.double() - ref).abs()
+    bad = ~(err <= bound)
+    assert not bool(bad.any()), (f"{int(bad.sum())} of {y.numel()} elements over the bound; worst ratio "
+                                 f"{float((err / bound).max()):.3g}, max |err| {float(err.max()):.3g}")
+
+
+def make_problem(E, topk, M, H, I, gs, sym, dtype, device, skew=False):
+    w13 = stack(random_experts(E, 2 * I, H, gs, sym, dtype, device))
+    w2 = stack(random_experts(E, H, I, gs, sym, dtype, device))
+    x = torch.randn(M, H, device=device).to(dtype)
+    if skew:  # every token's first choice is expert 0
+        ids = torch.stack([torch.cat([torch.tensor([0]), 1 + torch.randperm(E - 1)[:topk - 1]]) for _ in range(M)])
+    else:
+        ids = torch.stack([torch.randperm(E)[:topk] for _ in range(M)])
+    tw = torch.softmax(torch.randn(M, topk), -1)
+    args = (x, ids.to(device), tw.to(device), w13.qweight, w13.scales, w13.zeros, w2.qweight, w2.scales, w2.zeros, gs)
+    return args, w13, w2
+
+
+#   E  topk M   H    I    gs    sym    dtype skew
+CASES = [
+    (4, 2, 1, 256, 96, 64, False, BF16, False),     # decode, split-K gate_up, ragged I
+    (8, 2, 5, 384, 128, 128, True, F16, False),
+    (6, 3, 7, 256, 160, -1, True, BF16, True),       # per channel, skewed routing
+    (3, 1, 4, 320, 64, 32, False, F16, False),       # K = 320: masked K tail (padded to 384)
+    (5, 4, 6, 256, 128, 256, True, F16, False),      # group 256 > the 128-channel K tile
+    (4, 2, 40, 128, 64, 128, False, BF16, False),    # 20 slots per expert: BLOCK_M 32
+    (2, 2, 3, 128, 32, 32, True, BF16, False),       # top-k = E
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "E{}-k{}-M{}-H{}-I{}-g{}-{}-{}{}".format(
+    *c[:6], "sym" if c[6] else "asym", DTYPE_NAMES[c[7]], "-skew" if c[8] else ""))
+def test_moe_kernel_per_element(case, device):
+    E, topk, M, H, I, gs, sym, dtype, skew = case
+    args, w13, w2 = make_problem(E, topk, M, H, I, gs, sym, dtype, device, skew)
+    ref, bound = moe_bound(args[0].cpu(), args[1].cpu(), args[2].cpu(), w13.dequantize().cpu(),
+                           w2.dequantize().cpu(), dtype)
+    y = moe_w4a16_launch(*args)
+    assert y.shape == (M, H) and y.dtype == dtype
+    assert_moe_close(y.cpu(), ref, bound)
+    assert_moe_close(moe_w4a16_reference(*args).cpu(), ref, bound)  # (the reference obeys it too)
+
+
+@pytest.mark.parametrize("split13,split2,bk2", [(1, 1, 128), (2, 2, 128), (1, 1, 256)])
+def test_moe_kernel_configs(split13, split2, bk2, device):
+    """Forced configs: no split / split in both GEMMs / BLOCK_K 256 (one per H, with sentinel ids)."""
+    args, w13, w2 = make_problem(4, 2, 3, 256, 256, 64, False, F16, device)
+    args[1][1, 1] = 4  # not routed (transformers' "no local expert" id)
+    ref, bound = moe_bound(args[0].cpu(), args[1].cpu(), args[2].cpu(), w13.dequantize().cpu(),
+                           w2.dequantize().cpu(), F16)
+    cfgs = (Config(16, 64, 128, split13, 8, 4, 3, kernel="moe"), Config(16, 64, bk2, split2, 8, 4, 3, kernel="moe"))
+    assert_moe_close(moe_w4a16_launch(*args, configs=cfgs).cpu(), ref, bound)
