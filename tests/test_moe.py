@@ -163,6 +163,8 @@ CASES = [
     (5, 4, 6, 256, 128, 256, True, F16, False),      # group 256 > the 128-channel K tile
     (4, 2, 40, 128, 64, 128, False, BF16, False),    # 20 slots per expert: BLOCK_M 32
     (2, 2, 3, 128, 32, 32, True, BF16, False),       # top-k = E
+    (2, 1, 1, 2880, 32, 128, True, F16, False),      # K = N = 2880 (gpt-oss width; Marlin MoE's crash,
+    (2, 1, 1, 128, 2880, 64, False, BF16, False),    # vLLM #38022): padded to 2944, masked
 ]
 
 
@@ -188,3 +190,58 @@ def test_moe_kernel_configs(split13, split2, bk2, device):
                            w2.dequantize().cpu(), F16)
     cfgs = (Config(16, 64, 128, split13, 8, 4, 3, kernel="moe"), Config(16, 64, bk2, split2, 8, 4, 3, kernel="moe"))
     assert_moe_close(moe_w4a16_launch(*args, configs=cfgs).cpu(), ref, bound)
+
+
+# ----------------------------------------------------------------------------------
+# The op: fake implementation, torch.compile, bad input
+# ----------------------------------------------------------------------------------
+def test_op_opcheck_and_compile(device):
+    args, _, _ = make_problem(4, 2, 3, 128, 64, 64, True, F16, device)
+    torch.library.opcheck(torch.ops.sailfish.moe_w4a16.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    weights = args[3:]
+
+    def block(x, ids, w):
+        return torch.ops.sailfish.moe_w4a16(x, ids, w, *weights) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
+    y = compiled(*args[:3])
+    assert torch.equal(y, block(*args[:3]))  # (the same problem computed twice)
+
+
+def zero_problem(E=4, topk=2, M=3, H=128, I=64, gs=64, dtype=F16):
+    kp = lambda k: padded_k_experts(k)  # noqa: E731
+    g = lambda k: 1 if gs == -1 else -(-kp(k) // gs)  # noqa: E731
+    return [torch.zeros(M, H, dtype=dtype), torch.zeros(M, topk, dtype=torch.long), torch.ones(M, topk),
+            torch.zeros(E, 2 * I, kp(H) // 8, dtype=torch.int32), torch.ones(E, 2 * I, g(H), dtype=dtype), None,
+            torch.zeros(E, H, kp(I) // 8, dtype=torch.int32), torch.ones(E, H, g(I), dtype=dtype), None, gs]
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (lambda a: a.__setitem__(2, torch.ones(3, 5)), ValueError, "topk_weights must be"),
+    (lambda a: a.__setitem__(1, torch.zeros(3, 2)), ValueError, "topk_ids must be an integer"),
+    (lambda a: a.__setitem__(0, torch.zeros(3, 192, dtype=F16)), ValueError, r"w13_qweight.shape\[2\]=16 does not "
+                                                                               "fit hidden=192"),
+    (lambda a: a.__setitem__(0, torch.zeros(3, 128)), TypeError, "x dtype torch.float32"),
+    (lambda a: a.__setitem__(9, 48), ValueError, "group_size=48"),
+    (lambda a: a.__setitem__(4, a[4].bfloat16()), ValueError, "w13_scales must be torch.float16"),
+    (lambda a: a.__setitem__(3, a[3][:0]), ValueError, "expert count E=0"),
+    (lambda a: a.__setitem__(6, a[6][:, :, :4]), ValueError, "w2_qweight must be int32"),
+    (lambda a: a.__setitem__(4, a[4].transpose(1, 2).contiguous().transpose(1, 2)), ValueError,
+     "w13_scales must be contiguous"),
+])
+def test_op_bad_input(change, error, match):
+    args = zero_problem()
+    change(args)
+    with pytest.raises(error, match=match):
+        torch.ops.sailfish.moe_w4a16(*args)
+
+
+def test_op_top_k_limit():
+    with pytest.raises(ValueError, match=r"top_k=33 .* min\(E=40, 32\)"):
+        torch.ops.sailfish.moe_w4a16(*zero_problem(E=40, topk=33))
+    args = zero_problem()
+    args[1:3] = [torch.zeros(3, 5, dtype=torch.long), torch.ones(3, 5)]
+    with pytest.raises(ValueError, match=r"top_k=5 .* min\(E=4, 32\)"):
+        torch.ops.sailfish.moe_w4a16(*args)
