@@ -245,3 +245,69 @@ def test_op_top_k_limit():
     args[1:3] = [torch.zeros(3, 5, dtype=torch.long), torch.ones(3, 5)]
     with pytest.raises(ValueError, match=r"top_k=5 .* min\(E=4, 32\)"):
         torch.ops.sailfish.moe_w4a16(*args)
+
+
+# ----------------------------------------------------------------------------------
+# The benchmark's code path, and the kernel compiled for Hopper
+# ----------------------------------------------------------------------------------
+def test_bench_moe_smoke(tmp_path):
+    import json
+
+    from sailfish.bench import moe as bench
+
+    out = tmp_path / "moe.json"
+    assert bench.main(["--smoke", "--routing", "skewed", "--kernels", "sailfish-moe-w4a16,grouped",
+                       "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert {r["kernel"] for r in doc["rows"]} == {"sailfish-moe-w4a16", "bf16-grouped"}
+    assert {r["M"] for r in doc["rows"]} == {1, 3} and all(c["ok"] for c in doc["checks"])
+    for r in doc["rows"]:
+        assert set(r) == {"model", "kernel", "M", "time_us", "limit_fraction", "dtype", "group_size"}
+        assert r["time_us"] > 0 and r["limit_fraction"] is None and r["model"].endswith("skewed")
+
+
+_SM90_CHILD = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from sailfish.bench.ptx import ast_source, k_loop_stats, sass, wgmma_register_hazard
+from sailfish.kernels.moe import _moe_w4a16_kernel
+from sailfish.ops.moe import acc_fence, moe_config
+
+INTS = ("T", "N", "K", "num_blocks", "stride_xm", "stride_ym", "stride_qe", "stride_qn", "stride_se", "stride_sn")
+ALIGNED = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "sorted_ptr", "bexp_ptr", "tw_ptr", "y_ptr", "ws_ptr", "N", "K",
+           "stride_xm", "stride_ym", "stride_qe", "stride_qn")
+bad, n = [], 0
+# the distinct configs the launcher picks for the benchmark's models at decode and prefill
+tiles = {(gated, moe_config(M, topk, E, N, K, gated, 132)) for (H, I, E, topk) in
+         ((2048, 768, 128, 8), (4096, 14336, 8, 2), (2048, 1408, 64, 6)) for M in (1, 16, 256, 4096)
+         for gated, N, K in ((True, I, H), (False, H, I))}
+topk = 8
+for gated, cfg in sorted(tiles, key=str):
+    for dtype, zeros, gs in (("fp16", False, 128), ("bf16", True, 0)):
+        ty = "*" + dtype
+        sig = {"x_ptr": ty, "qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "sorted_ptr": "*i32",
+               "bexp_ptr": "*i32", "tw_ptr": "*fp32", "y_ptr": ty, "ws_ptr": "*fp32", **{k: "i32" for k in INTS}}
+        consts = dict(TOPK=topk, GATED=gated, GROUP_SIZE=gs, HAS_ZEROS=zeros, EVEN_K=True, SPLIT_K=cfg.SPLIT_K,
+                      EMU_BF16=False, USE_ASM=True, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+                      BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, ACC_FENCE=acc_fence())
+        names = list(sig)
+        attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED}
+        k = triton.compile(ast_source(_moe_w4a16_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                           options=cfg.launch())
+        st = k_loop_stats(k.asm["ptx"])
+        n += 1
+        if st is None or not st.wgmma_a_in_registers or wgmma_register_hazard(sass(k.asm["cubin"])):
+            bad.append((gated, cfg, dtype, zeros, gs, st))
+print("checked", n)
+raise SystemExit(f"not wgmma from registers, or a register hazard: {bad}" if bad else 0)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
+def test_moe_kernel_compiles_for_hopper(tmp_path):
+    """The launcher's configs for the benchmark shapes compile for sm_90a with the dequantized tile
+    fed to wgmma from registers (the fragment-order layout's point) and no wgmma register hazard."""
+    from helpers import run_compile_child
+
+    run_compile_child(_SM90_CHILD, tmp_path)

@@ -34,10 +34,11 @@ from .w4a16 import _load_groups, _tile_operands
 def _expert_product(acc, w_ptrs, x_ptrs, s_e, z_e, rn, kt0, kt1, K, stride_sn, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_SIZE: tl.constexpr,
                     HAS_ZEROS: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr, EMU_BF16: tl.constexpr,
-                    USE_ASM: tl.constexpr):
+                    USE_ASM: tl.constexpr, ACC_FENCE: tl.constexpr):
     """acc (BLOCK_N, BLOCK_M) += W[rn, K tiles kt0..kt1) @ x^T: w_ptrs (BLOCK_N, BLOCK_K // 8)
     the words of tile kt0, x_ptrs (BLOCK_K, BLOCK_M) its x, s_e / z_e the expert's scales
-    and zero points."""
+    and zero points. ACC_FENCE: the dense kernel's guard against Triton < 3.9 leaving wgmmas
+    in flight across the loop's back edge (kernels/w4a16._w4a16_kernel)."""
     W: tl.constexpr = BLOCK_K // 8
     offs_k = tl.arange(0, BLOCK_K)
     for kt in range(kt0, kt1):
@@ -52,6 +53,8 @@ def _expert_product(acc, w_ptrs, x_ptrs, s_e, z_e, rn, kt0, kt1, K, stride_sn, B
         w, xt = _tile_operands(words, xt, sv, zv, s_e, z_e, s_e, rn, k0, stride_sn, BLOCK_N, BLOCK_K,
                                GROUP_SIZE, HAS_ZEROS, False, DTYPE, EMU_BF16, USE_ASM, True)
         acc = tl.dot(w, xt, acc)
+        if ACC_FENCE:
+            acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
         w_ptrs += W
         x_ptrs += BLOCK_K
     return acc
@@ -64,6 +67,7 @@ def _moe_w4a16_kernel(
     TOPK: tl.constexpr, GATED: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr,
     EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ACC_FENCE: tl.constexpr = False,
 ):
     """One GEMM of a MoE block over all experts (module docstring). N: output columns (GATED:
     I, the weight has 2I rows); K: input channels (x / h row length). qweight (E, N_w, Kp // 8),
@@ -91,7 +95,8 @@ def _moe_w4a16_kernel(
     x_ptrs = x_ptr + rows[None, :] * stride_xm + (kt0 * BLOCK_K + tl.arange(0, BLOCK_K))[:, None]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc = _expert_product(acc, wq + rn[:, None] * stride_qn, x_ptrs, s_e, z_e, rn, kt0, kt1, K, stride_sn,
-                          BLOCK_N, BLOCK_K, BLOCK_M, GROUP_SIZE, HAS_ZEROS, EVEN_K, DTYPE, EMU_BF16, USE_ASM)
+                          BLOCK_N, BLOCK_K, BLOCK_M, GROUP_SIZE, HAS_ZEROS, EVEN_K, DTYPE, EMU_BF16, USE_ASM,
+                          ACC_FENCE)
     om = slot[None, :]
     on = offs_n.to(tl.int64)[:, None]
     mask = valid[None, :] & (on < N)
@@ -99,7 +104,8 @@ def _moe_w4a16_kernel(
         ru = rn + N
         up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         up = _expert_product(up, wq + ru[:, None] * stride_qn, x_ptrs, s_e, z_e, ru, kt0, kt1, K, stride_sn,
-                             BLOCK_N, BLOCK_K, BLOCK_M, GROUP_SIZE, HAS_ZEROS, EVEN_K, DTYPE, EMU_BF16, USE_ASM)
+                             BLOCK_N, BLOCK_K, BLOCK_M, GROUP_SIZE, HAS_ZEROS, EVEN_K, DTYPE, EMU_BF16, USE_ASM,
+                          ACC_FENCE)
         if SPLIT_K == 1:
             h = acc / (1.0 + tl.exp(-acc)) * up  # silu(gate) * up in fp32, rounded once
             tl.store(y_ptr + om * stride_ym + on, cast_out(h, DTYPE, EMU_BF16), mask=mask)

@@ -28,6 +28,7 @@ from ..formats.int4 import GROUP_SIZES, K_CHUNK, check_int_choice, unpack
 from ..tuning import Config, sms_for, split_k_for
 from . import check_devices, define_op, device_of, use_triton
 from .launch import Launch, aligned
+from .w4a16 import _has_bf16x2, acc_fence  # (device facts and the Triton-version rule of the dense path)
 
 MAX_TOPK = 32  # the top-k sum is unrolled (kernels/moe._topk_sum_kernel)
 _REDUCE_BLOCK = 1024
@@ -147,7 +148,7 @@ class MoEPlan:
         device, dtype, M, topk, E, I, H, group_size, z13, z2, _ = key
         self.cfg13, self.cfg2, self.M, self.topk, self.E, self.I, self.H = cfg13, cfg2, M, topk, E, I, H
         emu = dtype == torch.bfloat16 and device.type != "cuda"  # interpreter bf16 (kernels/common.py)
-        asm = device.type == "cuda" and (dtype == torch.float16 or _bf16x2(device))
+        asm = device.type == "cuda" and (dtype == torch.float16 or _has_bf16x2(device.index or 0))
         gs = 0 if group_size == -1 else group_size
         dev = device.index if device.type == "cuda" else -1
 
@@ -155,7 +156,7 @@ class MoEPlan:
             return Launch(_moe_w4a16_kernel, dict(
                 TOPK=topk, GATED=gated, GROUP_SIZE=gs, HAS_ZEROS=zeros, EVEN_K=K % cfg.BLOCK_K == 0,
                 SPLIT_K=cfg.SPLIT_K, EMU_BF16=emu, USE_ASM=asm, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-                BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, **cfg.launch()), dev)
+                BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, ACC_FENCE=asm and acc_fence(), **cfg.launch()), dev)
 
         self.gate_up = gemm(cfg13, True, z13, H)
         self.down = gemm(cfg2, False, z2, I)
@@ -190,12 +191,6 @@ class MoEPlan:
         y = x.new_empty((M, H))
         self.topk_sum((-(-M * H // _REDUCE_BLOCK), 1), rows, topk_ids, None if split == 1 else tw, y, M, H, self.E)
         return y
-
-
-def _bf16x2(device: torch.device) -> bool:
-    from .w4a16 import _has_bf16x2
-
-    return _has_bf16x2(device.index or 0)
 
 
 _PLANS: dict = {}
