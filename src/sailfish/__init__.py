@@ -21,6 +21,7 @@ Importing sailfish does not touch the GPU, compile anything or import transforme
 from .checkpoint import load_quantized, save_quantized
 from .formats import (GROUP_SIZES, GROUP_SIZES_W4A8, QQQWeight, QuantizedWeight, from_awq, from_gptq,
                       quantize, quantize_qqq, to_awq, to_gptq)
+from .moe import QuantExperts
 from .nn import QuantLinear, QuantLinearW4A8, quantize_model
 from .ops import batch_invariant, batch_invariant_mode, set_batch_invariant
 from .tuning import Config, tune
@@ -30,7 +31,7 @@ __all__ = ["QuantLinear", "quantize_model", "quantize", "QuantizedWeight", "from
            "GROUP_SIZES", "Config", "tune", "__version__",
            "QuantLinearW4A8", "QQQWeight", "quantize_qqq", "GROUP_SIZES_W4A8",
            "from_awq", "to_awq", "load_quantized", "save_quantized", "SailfishConfig",
-           "batch_invariant", "batch_invariant_mode", "set_batch_invariant"]
+           "batch_invariant", "batch_invariant_mode", "set_batch_invariant", "QuantExperts"]
 
 
 def __getattr__(name):

@@ -674,9 +674,13 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
     converted once and the one layer is set under every name (skipped under every name if
     any of them is in skip). Returns the model; what was quantized and what was skipped,
     with the reason, is logged and stored as model.sailfish_report = {"quantized": [names],
-    "skipped": {name: reason}, "shared": {other name: the name listed above}}. A weight
-    that cannot be quantized (NaN / Inf, or its scales under- or overflow the layer dtype)
-    raises ValueError naming the module (the modules before it stay converted).
+    "skipped": {name: reason}, "shared": {other name: the name listed above}}.
+    MoE experts modules of transformers 5 (3-D gate_up_proj / down_proj: Mixtral, Qwen2-MoE,
+    Qwen3-MoE, DeepSeek-V2/V3) become sailfish.QuantExperts (W4A16, round to nearest, also
+    with method="gptq"), listed under the report's "experts" when there are any; routers stay
+    in 16 bits, shared experts' Linears are quantized as any other. A weight that cannot be
+    quantized (NaN / Inf, or its scales under- or overflow the layer dtype) raises ValueError
+    naming the module (the modules before it stay converted).
 
     fuse (default True): then run q/k/v and gate/up of supported transformers models as one
     layer each (sailfish.fuse.fuse_projections; report keys "fused" and "not_fused").
@@ -736,9 +740,16 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, layer)
         quantized.append(name)
-    log.info("sailfish: quantized %d linear layers, skipped %d%s", len(quantized), len(skipped),
-             f", {len(shared)} more names shared with them" if shared else "")
+    # MoE experts (transformers 5's 3-D experts modules) become QuantExperts (sailfish/moe.py)
+    from .moe import replace_experts
+    experts, experts_skipped = replace_experts(model, skip, group_size=group_size, sym=sym, dtype=dtype,
+                                               act_bits=act_bits)
+    skipped.update(experts_skipped)
+    log.info("sailfish: quantized %d linear layers and %d experts modules, skipped %d%s", len(quantized),
+             len(experts), len(skipped), f", {len(shared)} more names shared with them" if shared else "")
     model.sailfish_report = {"quantized": quantized, "skipped": skipped, "shared": shared}
+    if experts:
+        model.sailfish_report["experts"] = experts
     if stats is not None:
         model.sailfish_report["gptq"] = stats
     return fuse_projections(model) if fuse else model

@@ -412,10 +412,12 @@ def padded_k(in_features: int) -> int:
     return -(-in_features // K_PAD) * K_PAD
 
 
-def pack(qw: QuantizedWeight) -> PackedW4:
-    """Arrange a QuantizedWeight in the kernel layout (exactly invertible by `unpack`)."""
+def pack(qw: QuantizedWeight, k_multiple: int = K_PAD) -> PackedW4:
+    """Arrange a QuantizedWeight in the kernel layout (exactly invertible by `unpack`), K
+    padded to a multiple of `k_multiple` (K_PAD for the dense kernels; the stacked experts of
+    formats/experts.py pad only to whole K_CHUNKs)."""
     n, k = qw.qweight.shape
-    kp = padded_k(k)
+    kp = -(-k // k_multiple) * k_multiple
     dev = qw.qweight.device
     q = qw.qweight
     perm = sorted_g = None

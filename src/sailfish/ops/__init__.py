@@ -135,3 +135,4 @@ def define_op(name: str, schema: str, impl, fake):
 from . import w4a16  # noqa: E402,F401  (registers torch.ops.sailfish.w4a16_gemm)
 from . import w4a8  # noqa: E402,F401  (registers sailfish::quantize_per_token, sailfish::w4a8_gemm)
 from . import autograd  # noqa: E402,F401  (input-gradient formulas; sailfish::w4a8_linear)
+from . import moe  # noqa: E402,F401  (registers sailfish::moe_w4a16)

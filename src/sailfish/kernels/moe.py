@@ -1,0 +1,167 @@
+"""Grouped W4A16 mixture-of-experts kernels (ops/moe.py launches them).
+
+A MoE block routes each token m to TOPK experts; the M * TOPK (token, k) pairs are the
+"slots" t = m * TOPK + k. ops/moe.align_routing sorts the slots by expert and pads every
+expert's run to whole BLOCK_M blocks (`sorted_slots`, sentinel T = M * TOPK for padding) and
+gives each block its expert (`block_expert`, -1 past the last used block). One launch of
+`_moe_w4a16_kernel` then computes every (block, N tile[, K split]) program of one GEMM from the
+stacked 4-bit experts (formats/experts.PackedExperts), with the dense kernel's tile machinery:
+the fragment-order words are dequantized in registers (kernels/w4a16._tile_operands) and the
+transposed tile y^T = W x^T goes through tl.dot ("swap AB": the weight is the left operand,
+the few rows of a block the MMA's N dimension).
+
+- GATED (gate_up): the program reads the gate rows [n0, n0 + BLOCK_N) and the matching up
+  rows I + n0 .. of its expert's (2I, H) weight and writes h = silu(gate) * up for its slots
+  (fp32 epilogue, one rounding to the activation dtype); x rows are gathered by token
+  (slot // TOPK).
+- not GATED (down): x is h, one row per slot; the epilogue multiplies by the slot's routing
+  weight (fp32) and writes the per-slot row, rounded once; `_topk_sum_kernel` then adds a
+  token's TOPK rows in the fixed order k = 0, 1, ... in fp32 (no atomics: deterministic).
+- SPLIT_K > 1 (decode: few slots, long K): fp32 partial sums to a workspace (SPLIT_K, T, N),
+  summed in a fixed order by `_gated_reduce_kernel` (silu * up after the sum) or
+  `_topk_sum_kernel` (routing weight after the sum).
+Rows of padding read slot 0 (unmasked loads) and are dropped at the store; K tiles past K
+are masked on x (the weight codes there are 0 with scale 0).
+"""
+import triton
+import triton.language as tl
+
+from .common import cast_out, grouped_tile, split_k_range
+from .w4a16 import _load_groups, _tile_operands
+
+
+@triton.jit
+def _expert_product(acc, w_ptrs, x_ptrs, s_e, z_e, rn, kt0, kt1, K, stride_sn, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                    HAS_ZEROS: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr, EMU_BF16: tl.constexpr,
+                    USE_ASM: tl.constexpr, ACC_FENCE: tl.constexpr):
+    """acc (BLOCK_N, BLOCK_M) += W[rn, K tiles kt0..kt1) @ x^T: w_ptrs (BLOCK_N, BLOCK_K // 8)
+    the words of tile kt0, x_ptrs (BLOCK_K, BLOCK_M) its x, s_e / z_e the expert's scales
+    and zero points. ACC_FENCE: the dense kernel's guard against Triton < 3.9 leaving wgmmas
+    in flight across the loop's back edge (kernels/w4a16._w4a16_kernel)."""
+    W: tl.constexpr = BLOCK_K // 8
+    offs_k = tl.arange(0, BLOCK_K)
+    for kt in range(kt0, kt1):
+        k0 = kt * BLOCK_K
+        words = tl.load(w_ptrs, eviction_policy="evict_first")
+        if EVEN_K:
+            xt = tl.load(x_ptrs)
+        else:
+            xt = tl.load(x_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0)
+        sv = _load_groups(s_e, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE)
+        zv = _load_groups(z_e, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE)
+        w, xt = _tile_operands(words, xt, sv, zv, s_e, z_e, s_e, rn, k0, stride_sn, BLOCK_N, BLOCK_K,
+                               GROUP_SIZE, HAS_ZEROS, False, DTYPE, EMU_BF16, USE_ASM, True)
+        acc = tl.dot(w, xt, acc)
+        if ACC_FENCE:
+            acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
+        w_ptrs += W
+        x_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _moe_w4a16_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, sorted_ptr, bexp_ptr, tw_ptr, y_ptr, ws_ptr,
+    T, N, K, num_blocks, stride_xm, stride_ym, stride_qe, stride_qn, stride_se, stride_sn,
+    TOPK: tl.constexpr, GATED: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ACC_FENCE: tl.constexpr = False,
+):
+    """One GEMM of a MoE block over all experts (module docstring). N: output columns (GATED:
+    I, the weight has 2I rows); K: input channels (x / h row length). qweight (E, N_w, Kp // 8),
+    scales / zeros (E, N_w, Gp) with equal strides. y: GATED h (T, I), else the weighted slot
+    rows (T, N); ws: (SPLIT_K, T, N_w) fp32 when SPLIT_K > 1.
+    Grid: (num_blocks * cdiv(N, BLOCK_N), SPLIT_K), GROUP_M blocks in a row sharing each weight
+    tile while it is in L2 (blocks of one expert are adjacent)."""
+    DTYPE = x_ptr.dtype.element_ty
+    pid_b, pid_n = grouped_tile(tl.program_id(0), num_blocks * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+    e = tl.load(bexp_ptr + pid_b)
+    if e < 0:  # a block past the routing's last one (the grid is sized for the worst case)
+        return
+    slots = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = slots < T
+    slot = tl.where(valid, slots, 0).to(tl.int64)
+    rows = slot // TOPK if GATED else slot  # x rows: tokens (gate_up) or slots (down: h)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = (offs_n % N).to(tl.int64)
+    kt0, kt1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
+    e64 = e.to(tl.int64)
+    s_e = s_ptr + e64 * stride_se
+    z_e = z_ptr + e64 * stride_se
+    wq = qw_ptr + e64 * stride_qe + (kt0 * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8))[None, :]
+    x_ptrs = x_ptr + rows[None, :] * stride_xm + (kt0 * BLOCK_K + tl.arange(0, BLOCK_K))[:, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc = _expert_product(acc, wq + rn[:, None] * stride_qn, x_ptrs, s_e, z_e, rn, kt0, kt1, K, stride_sn,
+                          BLOCK_N, BLOCK_K, BLOCK_M, GROUP_SIZE, HAS_ZEROS, EVEN_K, DTYPE, EMU_BF16, USE_ASM,
+                          ACC_FENCE)
+    om = slot[None, :]
+    on = offs_n.to(tl.int64)[:, None]
+    mask = valid[None, :] & (on < N)
+    if GATED:  # the up rows I + n of the same expert
+        ru = rn + N
+        up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        up = _expert_product(up, wq + ru[:, None] * stride_qn, x_ptrs, s_e, z_e, ru, kt0, kt1, K, stride_sn,
+                             BLOCK_N, BLOCK_K, BLOCK_M, GROUP_SIZE, HAS_ZEROS, EVEN_K, DTYPE, EMU_BF16, USE_ASM,
+                          ACC_FENCE)
+        if SPLIT_K == 1:
+            h = acc / (1.0 + tl.exp(-acc)) * up  # silu(gate) * up in fp32, rounded once
+            tl.store(y_ptr + om * stride_ym + on, cast_out(h, DTYPE, EMU_BF16), mask=mask)
+        else:
+            base = ws_ptr + (pid_k * T + om) * (2 * N) + on
+            tl.store(base, acc, mask=mask)
+            tl.store(base + N, up, mask=mask)
+    elif SPLIT_K == 1:
+        wt = tl.load(tw_ptr + slot)  # the slot's routing weight (fp32)
+        tl.store(y_ptr + om * stride_ym + on, cast_out(acc * wt[None, :], DTYPE, EMU_BF16), mask=mask)
+    else:
+        tl.store(ws_ptr + (pid_k * T + om) * N + on, acc, mask=mask)
+
+
+@triton.jit
+def _gated_reduce_kernel(ws_ptr, h_ptr, T, N, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """h[t, n] = silu(g) * u, g = sum_s ws[s, t, n], u = sum_s ws[s, t, N + n], each sum in
+    the fixed order s = 0, 1, ...; ws (SPLIT_K, T, 2N) fp32, h (T, N) contiguous."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    TN = (offs * 0 + T) * N
+    mask = offs < TN
+    t = offs // N
+    src = t * (2 * N) + offs % N
+    g = tl.zeros((BLOCK,), dtype=tl.float32)
+    u = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        g += tl.load(ws_ptr + s * 2 * TN + src, mask=mask, other=0.0)
+        u += tl.load(ws_ptr + s * 2 * TN + src + N, mask=mask, other=0.0)
+    h = g / (1.0 + tl.exp(-g)) * u
+    tl.store(h_ptr + offs, cast_out(h, h_ptr.dtype.element_ty, EMU_BF16), mask=mask)
+
+
+@triton.jit
+def _topk_sum_kernel(src_ptr, ids_ptr, tw_ptr, y_ptr, M, N, E, TOPK: tl.constexpr, SPLIT_K: tl.constexpr,
+                     WEIGHTED: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """y[m, n] = sum_k c_k * sum_s src[s, m * TOPK + k, n], in the fixed order k = 0, 1, ...
+    (and s = 0, 1, ...) in fp32, rounded once to y's dtype. src (SPLIT_K, M * TOPK, N): the
+    down GEMM's slot rows, already weighted (WEIGHTED: c_k = 1) or fp32 partial sums (c_k = the
+    routing weight tw[m * TOPK + k]). Slots whose id (ids, (M * TOPK,)) is outside [0, E) were
+    not computed: their rows are skipped. y (M, N) contiguous."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    MN = (offs * 0 + M) * N
+    mask = offs < MN
+    m = offs // N
+    n = offs % N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in tl.static_range(TOPK):
+        row = m * TOPK + k
+        eid = tl.load(ids_ptr + row, mask=mask, other=-1)
+        live = mask & (eid >= 0) & (eid < E)
+        part = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            part += tl.load(src_ptr + (s * M * TOPK + row) * N + n, mask=live, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            acc += part
+        else:
+            acc += part * tl.load(tw_ptr + row, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, cast_out(acc, y_ptr.dtype.element_ty, EMU_BF16), mask=mask)

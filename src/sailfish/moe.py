@@ -1,0 +1,198 @@
+"""QuantExperts: 4-bit drop-in for the experts modules of transformers 5 MoE models.
+
+transformers 5 (checked on 5.24) holds a MoE block's experts in one module (MixtralExperts,
+Qwen2MoeExperts, Qwen3MoeExperts, DeepseekV2Experts, DeepseekV3Experts, ...) with two 3-D
+parameters, `gate_up_proj` (E, 2I, H; gate rows before up rows) and `down_proj` (E, H, I),
+called as experts(hidden_states (M, H), top_k_index (M, k), top_k_weights (M, k)) and
+computing sum_k w_k * down_e(act(gate_e(x)) * up_e(x)). The router (softmax, top-k,
+renormalisation, norm_topk_prob, grouped top-k) runs before it in the MoE block and stays in
+16 bits, untouched; shared experts are ordinary MLPs of nn.Linear layers, which
+quantize_model turns into QuantLinears like any other. QuantExperts replaces the experts
+module only, so every architecture's routing semantics stay transformers' own.
+
+Supported: silu-gated experts without biases, in transformers' (E, 2I, H) orientation
+(a module with has_bias, is_transposed, no gate, another activation or its own _apply_gate is
+refused with a ValueError naming what).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+from .formats.experts import PackedExperts, padded_k_experts, quantize_experts
+from .formats.int4 import GROUP_SIZES, HALF_DTYPES, check_flag, check_half_dtype, check_int_choice
+
+
+def experts_reason(module: nn.Module) -> Optional[str]:
+    """None if `module` is a transformers experts module QuantExperts can replace, else why not.
+    (A module without 3-D gate_up_proj / down_proj parameters is no experts module at all:
+    is_experts_module.)"""
+    if getattr(module, "has_bias", False) or any(n.endswith("_bias") for n, _ in module.named_parameters()):
+        return "experts with biases are not supported"
+    if getattr(module, "is_transposed", False):
+        return "transposed expert weights (is_transposed=True) are not supported"
+    if not getattr(module, "has_gate", True):
+        return "non-gated experts (has_gate=False) are not supported"
+    apply_gate = getattr(type(module), "_apply_gate", None)
+    if apply_gate is not None and apply_gate.__name__ != "_default_apply_gate":
+        return f"a custom gate ({type(module).__name__}._apply_gate) is not supported"
+    act = getattr(module, "act_fn", None)
+    if not (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"):
+        return f"activation {type(act).__name__} is not supported; allowed: silu"
+    e, two_i, h = module.gate_up_proj.shape
+    if two_i % 2 or tuple(module.down_proj.shape) != (e, h, two_i // 2):
+        return (f"gate_up_proj {tuple(module.gate_up_proj.shape)} and down_proj {tuple(module.down_proj.shape)} "
+                "are not (E, 2I, H) and (E, H, I)")
+    return None
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """A transformers 5 experts module: 3-D `gate_up_proj` and `down_proj` parameters."""
+    p, q = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return isinstance(p, torch.Tensor) and isinstance(q, torch.Tensor) and p.dim() == 3 and q.dim() == 3
+
+
+class QuantExperts(nn.Module):
+    """E 4-bit experts (W4A16, formats/experts.PackedExperts) run by one grouped kernel per GEMM
+    (sailfish::moe_w4a16). forward(hidden_states (M, H), top_k_index (M, k), top_k_weights
+    (M, k)) -> (M, H) in the layer dtype, as transformers' experts modules; hidden_states may
+    have leading dims (..., H) with index / weights (..., k)."""
+
+    def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, *, group_size: int = 128,
+                 sym: bool = True, dtype: torch.dtype = torch.float16, device=None):
+        super().__init__()
+        for name, v in (("num_experts", num_experts), ("hidden_dim", hidden_dim),
+                        ("intermediate_dim", intermediate_dim)):
+            if type(v) is not int or v < 1:
+                raise ValueError(f"{name}={v!r} must be a positive int")
+        check_int_choice("group_size", group_size, GROUP_SIZES)
+        check_flag("sym", sym)
+        check_half_dtype(dtype)
+        self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_dim, intermediate_dim
+        self.group_size = group_size
+        for name, n, k in (("w13", 2 * intermediate_dim, hidden_dim), ("w2", hidden_dim, intermediate_dim)):
+            kp = padded_k_experts(k)
+            gp = 1 if group_size == -1 else -(-kp // group_size)
+            self.register_buffer(f"{name}_qweight", torch.zeros((num_experts, n, kp // 8), dtype=torch.int32,
+                                                                device=device))
+            self.register_buffer(f"{name}_scales", torch.zeros((num_experts, n, gp), dtype=dtype, device=device))
+            self.register_buffer(f"{name}_zeros", None if sym else torch.zeros((num_experts, n, gp), dtype=dtype,
+                                                                               device=device))
+
+    @classmethod
+    def from_packed(cls, w13: PackedExperts, w2: PackedExperts) -> "QuantExperts":
+        """From stacked gate_up (E, 2I, H) and down (E, H, I) experts of one format."""
+        E, two_i, H = w13.num_experts, w13.out_features, w13.in_features
+        if (w2.num_experts, w2.out_features, w2.in_features) != (E, H, two_i // 2) or two_i % 2:
+            raise ValueError(f"w13 (E, 2I, H) = {(E, two_i, H)} and w2 (E, H, I) = "
+                             f"{(w2.num_experts, w2.out_features, w2.in_features)} do not fit together")
+        if (w13.group_size, w13.dtype, w13.sym) != (w2.group_size, w2.dtype, w2.sym):
+            raise ValueError(f"w13 and w2 must share group_size, dtype and sym, got {(w13.group_size, w13.dtype, w13.sym)} "
+                             f"and {(w2.group_size, w2.dtype, w2.sym)}")
+        layer = cls(E, H, two_i // 2, group_size=w13.group_size, sym=w13.sym, dtype=w13.dtype,
+                    device=w13.qweight.device)
+        for name, p in (("w13", w13), ("w2", w2)):
+            for part in ("qweight", "scales", "zeros"):
+                t = getattr(p, part)
+                if t is not None:
+                    getattr(layer, f"{name}_{part}").copy_(t)
+        return layer
+
+    @classmethod
+    def from_experts(cls, module: nn.Module, *, group_size: int = 128, sym: bool = True,
+                     dtype: Optional[torch.dtype] = None) -> "QuantExperts":
+        """Round-to-nearest quantization of a transformers experts module (each expert's gate_up
+        and down weight as formats.int4.quantize would a Linear's). dtype: the layer dtype,
+        default the module's if float16/bfloat16, else float16."""
+        if not is_experts_module(module):
+            raise TypeError(f"module must be a transformers experts module (3-D gate_up_proj and down_proj), "
+                            f"got {type(module).__name__}")
+        reason = experts_reason(module)
+        if reason:
+            raise ValueError(f"{type(module).__name__}: {reason}")
+        if dtype is None:
+            dtype = module.gate_up_proj.dtype if module.gate_up_proj.dtype in HALF_DTYPES else torch.float16
+        with torch.no_grad():
+            w13 = quantize_experts(module.gate_up_proj.detach(), group_size, sym, dtype)
+            w2 = quantize_experts(module.down_proj.detach(), group_size, sym, dtype)
+        return cls.from_packed(w13, w2)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.w13_scales.dtype
+
+    def _apply(self, fn, recurse=True):
+        # Follow device moves; a dtype change would re-round the scales (as QuantLinear, refused,
+        # with the buffers restored first so the layer is unchanged)
+        before = {k: b for k, b in self._buffers.items() if b is not None}
+        super()._apply(fn, recurse)
+        wanted = self._buffers["w13_scales"].dtype  # (every floating buffer is cast alike)
+        if wanted != before["w13_scales"].dtype:
+            self._buffers.update(before)
+            raise TypeError(f"QuantExperts has dtype {self.dtype}; .to()/.half()/.float()/.bfloat16() do not "
+                            f"change it (that would re-round its scales) and {wanted} was requested")
+        return self
+
+    def packed(self) -> Tuple[PackedExperts, PackedExperts]:
+        return (PackedExperts(self.w13_qweight, self.w13_scales, self.w13_zeros, self.hidden_dim, self.group_size),
+                PackedExperts(self.w2_qweight, self.w2_scales, self.w2_zeros, self.intermediate_dim, self.group_size))
+
+    def dequantize(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """float32 (gate_up_proj (E, 2I, H), down_proj (E, H, I)): the effective weights."""
+        w13, w2 = self.packed()
+        return w13.dequantize(), w2.dequantize()
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_dim:
+            raise ValueError(f"hidden_states must have shape (..., {self.hidden_dim}), got "
+                             f"{tuple(hidden_states.shape)}")
+        lead = hidden_states.shape[:-1]
+        for name, t in (("top_k_index", top_k_index), ("top_k_weights", top_k_weights)):
+            if t.dim() != len(lead) + 1 or t.shape[:-1] != lead:
+                raise ValueError(f"{name} must have shape ({', '.join(map(str, lead))}, top_k) to match "
+                                 f"hidden_states {tuple(hidden_states.shape)}, got {tuple(t.shape)}")
+        x = hidden_states.reshape(-1, self.hidden_dim)
+        k = top_k_index.shape[-1]
+        y = torch.ops.sailfish.moe_w4a16(
+            x, top_k_index.reshape(x.shape[0], k), top_k_weights.reshape(x.shape[0], k),
+            self.w13_qweight, self.w13_scales, self.w13_zeros, self.w2_qweight, self.w2_scales, self.w2_zeros,
+            self.group_size)
+        return y.reshape(*lead, self.hidden_dim)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
+                f"intermediate_dim={self.intermediate_dim}, bits=4, group_size={self.group_size}, "
+                f"sym={self.w13_zeros is None}")
+
+
+def replace_experts(model: nn.Module, skip, *, group_size: int, sym: bool, dtype: Optional[torch.dtype],
+                    act_bits: int) -> Tuple[list, dict]:
+    """quantize_model's step for MoE models: replace, in place, every transformers experts module
+    (is_experts_module) not in `skip` by a QuantExperts (round to nearest). Returns (the names
+    replaced, {name: reason} of those left in 16 bits). A weight that cannot be quantized raises
+    ValueError naming the module."""
+    from .nn import _skip_match
+
+    done, skipped = [], {}
+    found = [(n, m) for n, m in model.named_modules() if n and is_experts_module(m)]
+    for name, module in found:
+        if _skip_match(name, skip):
+            reason = "in skip list"
+        elif act_bits != 16:
+            reason = f"experts are W4A16 only (act_bits={act_bits})"
+        else:
+            reason = experts_reason(module)
+        if reason:
+            skipped[name] = reason
+            continue
+        try:
+            layer = QuantExperts.from_experts(module, group_size=group_size, sym=sym, dtype=dtype)
+        except ValueError as e:
+            raise ValueError(f"module {name!r}: {e}") from e
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+        done.append(name)
+    return done, skipped

@@ -1,0 +1,313 @@
+"""Mixture-of-experts with 4-bit experts: the stacked format (formats/experts.py), the routing
+prep, the grouped kernels against a float64 per-element bound (ops/moe.py, kernels/moe.py),
+the op (fake, torch.compile) and bad input. On CPU the kernels run in Triton's interpreter."""
+import pytest
+import torch
+
+from helpers import DTYPE_NAMES, U32, UNIT_ROUNDOFF, accumulation_constant, random_quantized
+from sailfish import Config
+from sailfish.formats.experts import PackedExperts, padded_k_experts, quantize_experts, stack
+from sailfish.formats.int4 import QuantizedWeight, quantize
+from sailfish.ops.moe import align_routing, max_blocks, moe_w4a16_launch, moe_w4a16_reference
+
+F16, BF16 = torch.float16, torch.bfloat16
+SILU_SLOPE = 1.1  # max |silu'(x)| = 1.0998...: a gate error d moves silu(gate) by at most 1.1 |d|
+
+
+# ----------------------------------------------------------------------------------
+# Stacked format
+# ----------------------------------------------------------------------------------
+def random_experts(E, n, k, gs, sym, dtype, device="cpu"):
+    return [random_quantized(k, n, gs, sym, dtype, device=device) for _ in range(E)]
+
+
+@pytest.mark.parametrize("gs,sym,dtype,k", [(32, True, F16, 96), (64, False, BF16, 320), (128, True, BF16, 1408),
+                                            (256, False, F16, 2880), (-1, False, F16, 200)])
+def test_stack_unstack_exact(gs, sym, dtype, k):
+    qws = random_experts(3, 24, k, gs, sym, dtype)
+    p = stack(qws)
+    assert p.qweight.shape == (3, 24, padded_k_experts(k) // 8)
+    assert padded_k_experts(k) == -(-k // 128) * 128  # only to the format's own chunk
+    for a, b in zip(p.unstack(), qws):
+        assert torch.equal(a.qweight, b.qweight) and torch.equal(a.scales, b.scales)
+        assert (a.zeros is None) == sym and (sym or torch.equal(a.zeros, b.zeros))
+    assert torch.equal(p.dequantize(), torch.stack([qw.dequantize() for qw in qws]))
+
+
+def test_expert_widths_of_real_models_are_not_padded():
+    for width in (768, 1408, 1536, 2048, 14336):
+        assert padded_k_experts(width) == width
+
+
+def test_quantize_experts_is_per_expert_rtn():
+    w = torch.randn(3, 32, 160)
+    p = quantize_experts(w, group_size=32, sym=False, dtype=BF16)
+    for e, qw in enumerate(p.unstack()):
+        ref = quantize(w[e], group_size=32, sym=False, dtype=BF16)
+        assert torch.equal(qw.qweight, ref.qweight) and torch.equal(qw.scales, ref.scales)
+        assert torch.equal(qw.zeros, ref.zeros)
+
+
+def test_stack_refuses_bad_experts():
+    qws = random_experts(2, 16, 128, 64, True, F16)
+    with pytest.raises(ValueError, match="empty"):
+        stack([])
+    with pytest.raises(ValueError, match=r"weights\[1\] has group_size"):
+        stack([qws[0], random_quantized(128, 16, 32, True, F16)])
+    gidx = torch.arange(128, dtype=torch.int32) % 2
+    with pytest.raises(ValueError, match="act-order"):
+        stack([QuantizedWeight(qws[0].qweight, random_quantized(128, 16, 64, True, F16).scales, None, gidx, 64)])
+    w = torch.randn(2, 16, 64)
+    w[1, 3, 5] = float("nan")
+    with pytest.raises(ValueError, match="expert 1: .*non-finite"):
+        quantize_experts(w)
+    with pytest.raises(ValueError, match="3-D"):
+        quantize_experts(torch.randn(16, 64))
+
+
+# ----------------------------------------------------------------------------------
+# Routing prep
+# ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("M,topk,E,bm", [(1, 2, 4, 16), (7, 3, 5, 16), (40, 2, 3, 32), (9, 4, 8, 16)])
+def test_align_routing(M, topk, E, bm):
+    ids = torch.stack([torch.randperm(E)[:topk] for _ in range(M)])
+    ids[0, 0] = E  # transformers' "no local expert": left out
+    slots, bexp = align_routing(ids, E, bm)
+    T = M * topk
+    nb = max_blocks(T, E, bm)
+    assert slots.shape == (nb * bm,) and bexp.shape == (nb,)
+    flat = ids.reshape(-1)
+    seen = []
+    for b in range(nb):
+        blk = slots[b * bm:(b + 1) * bm]
+        if bexp[b] < 0:
+            assert bool((blk == T).all())
+            continue
+        real = blk[blk < T]
+        assert len(real) and bool((flat[real.long()] == bexp[b]).all())
+        seen += real.tolist()
+    assert sorted(seen) == [t for t in range(T) if flat[t] < E]
+    assert seen == sorted(seen, key=lambda t: (int(flat[t]), t))  # expert order, slots in order
+    used = bexp[bexp >= 0]
+    assert bool((used[1:] >= used[:-1]).all()) and bool((bexp[len(used):] == -1).all())
+    again = align_routing(ids, E, bm)
+    assert torch.equal(again[0], slots) and torch.equal(again[1], bexp)
+
+
+# ----------------------------------------------------------------------------------
+# Kernels against the float64 per-element bound
+# ----------------------------------------------------------------------------------
+def moe_bound(x, ids, tw, w13, w2, out_dtype, intermediate_dtype=None):
+    """(ref, bound): the float64 MoE block y = sum_k w_k down(silu(gate) * up) on the exact
+    operands (w13 (E, 2I, H), w2 (E, H, I) the dequantized weights) and the largest |y - ref| a
+    correct implementation can give per element: fp32 accumulation (accumulation_constant) in
+    both GEMMs, fp32 silu / products (16 u32 relative), h rounded to intermediate_dtype (default
+    out_dtype; its error propagated through the down GEMM), the weighted (token, k) rows rounded
+    once to it, the fp32 top-k sum and the final rounding to out_dtype."""
+    mid = out_dtype if intermediate_dtype is None else intermediate_dtype
+    u, um = UNIT_ROUNDOFF[out_dtype], UNIT_ROUNDOFF[mid]
+    M, topk = ids.shape
+    E, two_i, H = w13.shape
+    I = two_i // 2
+    flat = ids.reshape(-1).long()
+    live = ((flat >= 0) & (flat < E)).double()[:, None]
+    e = flat.clamp(0, E - 1)
+    xs = x.double().repeat_interleave(topk, 0)  # (T, H): slot t reads token t // topk
+    a13, a2 = w13.double()[e], w2.double()[e]  # (T, 2I, H), (T, H, I)
+    gu = torch.einsum("th,tnh->tn", xs, a13)
+    mag = torch.einsum("th,tnh->tn", xs.abs(), a13.abs())
+    d = accumulation_constant(H) * mag
+    g, up, dg, du = gu[:, :I], gu[:, I:], d[:, :I], d[:, I:]
+    s = torch.nn.functional.silu(g)
+    h = s * up
+    dh = SILU_SLOPE * dg * (up.abs() + du) + s.abs() * du + 16 * U32 * h.abs()
+    dh = dh + um * (h.abs() + dh)  # rounded to the intermediate dtype
+    w = tw.double().reshape(-1, 1) * live
+    o = torch.einsum("ti,thi->th", h, a2) * w
+    hmax = h.abs() + dh
+    do = (torch.einsum("ti,thi->th", dh, a2.abs()) + accumulation_constant(I)
+          * torch.einsum("ti,thi->th", hmax, a2.abs()) + 2 * U32 * torch.einsum("ti,thi->th", hmax, a2.abs())) * w.abs()
+    do = do + um * (o.abs() + do)  # the weighted row, rounded once
+    y = o.view(M, topk, H).sum(1)
+    dy = do.view(M, topk, H).sum(1)
+    dy = dy + topk * U32 * (o.abs() + do).view(M, topk, H).sum(1)
+    return y, dy + u * (y.abs() + dy) + 2.0 ** -24
+
+
+def assert_moe_close(y, ref, bound):
+    err = (y.double() - ref).abs()
+    bad = ~(err <= bound)
+    assert not bool(bad.any()), (f"{int(bad.sum())} of {y.numel()} elements over the bound; worst ratio "
+                                 f"{float((err / bound).max()):.3g}, max |err| {float(err.max()):.3g}")
+
+
+def make_problem(E, topk, M, H, I, gs, sym, dtype, device, skew=False):
+    w13 = stack(random_experts(E, 2 * I, H, gs, sym, dtype, device))
+    w2 = stack(random_experts(E, H, I, gs, sym, dtype, device))
+    x = torch.randn(M, H, device=device).to(dtype)
+    if skew:  # every token's first choice is expert 0
+        ids = torch.stack([torch.cat([torch.tensor([0]), 1 + torch.randperm(E - 1)[:topk - 1]]) for _ in range(M)])
+    else:
+        ids = torch.stack([torch.randperm(E)[:topk] for _ in range(M)])
+    tw = torch.softmax(torch.randn(M, topk), -1)
+    args = (x, ids.to(device), tw.to(device), w13.qweight, w13.scales, w13.zeros, w2.qweight, w2.scales, w2.zeros, gs)
+    return args, w13, w2
+
+
+#   E  topk M   H    I    gs    sym    dtype skew
+CASES = [
+    (4, 2, 1, 256, 96, 64, False, BF16, False),     # decode, split-K gate_up, ragged I
+    (8, 2, 5, 384, 128, 128, True, F16, False),
+    (6, 3, 7, 256, 160, -1, True, BF16, True),       # per channel, skewed routing
+    (3, 1, 4, 320, 64, 32, False, F16, False),       # K = 320: masked K tail (padded to 384)
+    (5, 4, 6, 256, 128, 256, True, F16, False),      # group 256 > the 128-channel K tile
+    (4, 2, 40, 128, 64, 128, False, BF16, False),    # 20 slots per expert: BLOCK_M 32
+    (2, 2, 3, 128, 32, 32, True, BF16, False),       # top-k = E
+    (2, 1, 1, 2880, 32, 128, True, F16, False),      # K = N = 2880 (gpt-oss width; Marlin MoE's crash,
+    (2, 1, 1, 128, 2880, 64, False, BF16, False),    # vLLM #38022): padded to 2944, masked
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "E{}-k{}-M{}-H{}-I{}-g{}-{}-{}{}".format(
+    *c[:6], "sym" if c[6] else "asym", DTYPE_NAMES[c[7]], "-skew" if c[8] else ""))
+def test_moe_kernel_per_element(case, device):
+    E, topk, M, H, I, gs, sym, dtype, skew = case
+    args, w13, w2 = make_problem(E, topk, M, H, I, gs, sym, dtype, device, skew)
+    ref, bound = moe_bound(args[0].cpu(), args[1].cpu(), args[2].cpu(), w13.dequantize().cpu(),
+                           w2.dequantize().cpu(), dtype)
+    y = moe_w4a16_launch(*args)
+    assert y.shape == (M, H) and y.dtype == dtype
+    assert_moe_close(y.cpu(), ref, bound)
+    assert_moe_close(moe_w4a16_reference(*args).cpu(), ref, bound)  # (the reference obeys it too)
+
+
+@pytest.mark.parametrize("split13,split2,bk2", [(1, 1, 128), (2, 2, 128), (1, 1, 256)])
+def test_moe_kernel_configs(split13, split2, bk2, device):
+    """Forced configs: no split / split in both GEMMs / BLOCK_K 256 (one per H, with sentinel ids)."""
+    args, w13, w2 = make_problem(4, 2, 3, 256, 256, 64, False, F16, device)
+    args[1][1, 1] = 4  # not routed (transformers' "no local expert" id)
+    ref, bound = moe_bound(args[0].cpu(), args[1].cpu(), args[2].cpu(), w13.dequantize().cpu(),
+                           w2.dequantize().cpu(), F16)
+    cfgs = (Config(16, 64, 128, split13, 8, 4, 3, kernel="moe"), Config(16, 64, bk2, split2, 8, 4, 3, kernel="moe"))
+    assert_moe_close(moe_w4a16_launch(*args, configs=cfgs).cpu(), ref, bound)
+
+
+# ----------------------------------------------------------------------------------
+# The op: fake implementation, torch.compile, bad input
+# ----------------------------------------------------------------------------------
+def test_op_opcheck_and_compile(device):
+    args, _, _ = make_problem(4, 2, 3, 128, 64, 64, True, F16, device)
+    torch.library.opcheck(torch.ops.sailfish.moe_w4a16.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    weights = args[3:]
+
+    def block(x, ids, w):
+        return torch.ops.sailfish.moe_w4a16(x, ids, w, *weights) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
+    y = compiled(*args[:3])
+    assert torch.equal(y, block(*args[:3]))  # (the same problem computed twice)
+
+
+def zero_problem(E=4, topk=2, M=3, H=128, I=64, gs=64, dtype=F16):
+    kp = lambda k: padded_k_experts(k)  # noqa: E731
+    g = lambda k: 1 if gs == -1 else -(-kp(k) // gs)  # noqa: E731
+    return [torch.zeros(M, H, dtype=dtype), torch.zeros(M, topk, dtype=torch.long), torch.ones(M, topk),
+            torch.zeros(E, 2 * I, kp(H) // 8, dtype=torch.int32), torch.ones(E, 2 * I, g(H), dtype=dtype), None,
+            torch.zeros(E, H, kp(I) // 8, dtype=torch.int32), torch.ones(E, H, g(I), dtype=dtype), None, gs]
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (lambda a: a.__setitem__(2, torch.ones(3, 5)), ValueError, "topk_weights must be"),
+    (lambda a: a.__setitem__(1, torch.zeros(3, 2)), ValueError, "topk_ids must be an integer"),
+    (lambda a: a.__setitem__(0, torch.zeros(3, 192, dtype=F16)), ValueError, r"w13_qweight.shape\[2\]=16 does not "
+                                                                               "fit hidden=192"),
+    (lambda a: a.__setitem__(0, torch.zeros(3, 128)), TypeError, "x dtype torch.float32"),
+    (lambda a: a.__setitem__(9, 48), ValueError, "group_size=48"),
+    (lambda a: a.__setitem__(4, a[4].bfloat16()), ValueError, "w13_scales must be torch.float16"),
+    (lambda a: a.__setitem__(3, a[3][:0]), ValueError, "expert count E=0"),
+    (lambda a: a.__setitem__(6, a[6][:, :, :4]), ValueError, "w2_qweight must be int32"),
+    (lambda a: a.__setitem__(4, a[4].transpose(1, 2).contiguous().transpose(1, 2)), ValueError,
+     "w13_scales must be contiguous"),
+])
+def test_op_bad_input(change, error, match):
+    args = zero_problem()
+    change(args)
+    with pytest.raises(error, match=match):
+        torch.ops.sailfish.moe_w4a16(*args)
+
+
+def test_op_top_k_limit():
+    with pytest.raises(ValueError, match=r"top_k=33 .* min\(E=40, 32\)"):
+        torch.ops.sailfish.moe_w4a16(*zero_problem(E=40, topk=33))
+    args = zero_problem()
+    args[1:3] = [torch.zeros(3, 5, dtype=torch.long), torch.ones(3, 5)]
+    with pytest.raises(ValueError, match=r"top_k=5 .* min\(E=4, 32\)"):
+        torch.ops.sailfish.moe_w4a16(*args)
+
+
+# ----------------------------------------------------------------------------------
+# The benchmark's code path, and the kernel compiled for Hopper
+# ----------------------------------------------------------------------------------
+def test_bench_moe_smoke(tmp_path):
+    import json
+
+    from sailfish.bench import moe as bench
+
+    out = tmp_path / "moe.json"
+    assert bench.main(["--smoke", "--routing", "skewed", "--kernels", "sailfish-moe-w4a16,grouped",
+                       "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert {r["kernel"] for r in doc["rows"]} == {"sailfish-moe-w4a16", "bf16-grouped"}
+    assert {r["M"] for r in doc["rows"]} == {1, 3} and all(c["ok"] for c in doc["checks"])
+    for r in doc["rows"]:
+        assert set(r) == {"model", "kernel", "M", "time_us", "limit_fraction", "dtype", "group_size"}
+        assert r["time_us"] > 0 and r["limit_fraction"] is None and r["model"].endswith("skewed")
+
+
+_SM90_CHILD = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from sailfish.bench.ptx import ast_source, k_loop_stats, sass, wgmma_register_hazard
+from sailfish.kernels.moe import _moe_w4a16_kernel
+from sailfish.ops.moe import acc_fence, moe_config
+
+INTS = ("T", "N", "K", "num_blocks", "stride_xm", "stride_ym", "stride_qe", "stride_qn", "stride_se", "stride_sn")
+ALIGNED = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "sorted_ptr", "bexp_ptr", "tw_ptr", "y_ptr", "ws_ptr", "N", "K",
+           "stride_xm", "stride_ym", "stride_qe", "stride_qn")
+bad, n = [], 0
+# the distinct configs the launcher picks for the benchmark's models at decode and prefill
+tiles = {(gated, moe_config(M, topk, E, N, K, gated, 132)) for (H, I, E, topk) in
+         ((2048, 768, 128, 8), (4096, 14336, 8, 2), (2048, 1408, 64, 6)) for M in (1, 16, 256, 4096)
+         for gated, N, K in ((True, I, H), (False, H, I))}
+topk = 8
+for gated, cfg in sorted(tiles, key=str):
+    for dtype, zeros, gs in (("fp16", False, 128), ("bf16", True, 0)):
+        ty = "*" + dtype
+        sig = {"x_ptr": ty, "qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "sorted_ptr": "*i32",
+               "bexp_ptr": "*i32", "tw_ptr": "*fp32", "y_ptr": ty, "ws_ptr": "*fp32", **{k: "i32" for k in INTS}}
+        consts = dict(TOPK=topk, GATED=gated, GROUP_SIZE=gs, HAS_ZEROS=zeros, EVEN_K=True, SPLIT_K=cfg.SPLIT_K,
+                      EMU_BF16=False, USE_ASM=True, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+                      BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, ACC_FENCE=acc_fence())
+        names = list(sig)
+        attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED}
+        k = triton.compile(ast_source(_moe_w4a16_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                           options=cfg.launch())
+        st = k_loop_stats(k.asm["ptx"])
+        n += 1
+        if st is None or not st.wgmma_a_in_registers or wgmma_register_hazard(sass(k.asm["cubin"])):
+            bad.append((gated, cfg, dtype, zeros, gs, st))
+print("checked", n)
+raise SystemExit(f"not wgmma from registers, or a register hazard: {bad}" if bad else 0)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
+def test_moe_kernel_compiles_for_hopper(tmp_path):
+    """The launcher's configs for the benchmark shapes compile for sm_90a with the dequantized tile
+    fed to wgmma from registers (the fragment-order layout's point) and no wgmma register hazard."""
+    from helpers import run_compile_child
+
+    run_compile_child(_SM90_CHILD, tmp_path)
