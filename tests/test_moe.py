@@ -8,7 +8,7 @@ from helpers import DTYPE_NAMES, U32, UNIT_ROUNDOFF, accumulation_constant, rand
 from sailfish import Config
 from sailfish.formats.experts import PackedExperts, padded_k_experts, quantize_experts, stack
 from sailfish.formats.int4 import QuantizedWeight, quantize
-from sailfish.ops.moe import align_routing, max_blocks, moe_w4a16_launch, moe_w4a16_reference
+from sailfish.ops.moe import Router, align_routing, max_blocks, moe_w4a16_launch, moe_w4a16_reference
 
 F16, BF16 = torch.float16, torch.bfloat16
 SILU_SLOPE = 1.1  # max |silu'(x)| = 1.0998...: a gate error d moves silu(gate) by at most 1.1 |d|
@@ -92,6 +92,19 @@ def test_align_routing(M, topk, E, bm):
     assert bool((used[1:] >= used[:-1]).all()) and bool((bexp[len(used):] == -1).all())
     again = align_routing(ids, E, bm)
     assert torch.equal(again[0], slots) and torch.equal(again[1], bexp)
+
+
+@pytest.mark.parametrize("M,topk,E,bm", [(1, 2, 4, 16), (7, 3, 5, 16), (40, 2, 3, 32), (9, 4, 8, 16),
+                                         (300, 8, 128, 16), (64, 6, 64, 64), (3, 1, 700, 16)])
+def test_routing_kernels_match_torch(M, topk, E, bm, device):
+    """The two routing kernels (several chunks, one-hot tiles of 16-128 slots) give align_routing's
+    integers exactly, ids outside [0, E) included."""
+    ids = torch.stack([torch.randperm(E)[:topk] for _ in range(M)])
+    ids[0, 0] = E
+    ids[-1, -1] = -1
+    want = align_routing(ids, E, bm)
+    got = Router(E, bm, -1 if device == "cpu" else 0)(ids.to(device).int())
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
 
 
 # ----------------------------------------------------------------------------------
@@ -298,6 +311,16 @@ for gated, cfg in sorted(tiles, key=str):
         n += 1
         if st is None or not st.wgmma_a_in_registers or wgmma_register_hazard(sass(k.asm["cubin"])):
             bad.append((gated, cfg, dtype, zeros, gs, st))
+# the routing kernels, as Router sizes them for 128 / 16 / 1024 experts (they must compile)
+from sailfish.kernels.moe import _route_count_kernel, _route_place_kernel
+for ep, bt in ((128, 64), (16, 128), (1024, 16)):
+    for fn, sig, consts in ((_route_count_kernel, ("hist_ptr", "sorted_ptr", "T", "E", "S"), {}),
+                            (_route_place_kernel, ("hist_ptr", "sorted_ptr", "bexp_ptr", "T", "E", "NB"),
+                             {"BLOCK_M": 16})):
+        sig = {"ids_ptr": "*i64", **{a: ("*i32" if a.endswith("ptr") else "i32") for a in sig}}
+        triton.compile(ast_source(fn, sig, dict(E_POW2=ep, BLOCK_T=bt, **consts)), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4})
+        n += 1
 print("checked", n)
 raise SystemExit(f"not wgmma from registers, or a register hazard: {bad}" if bad else 0)
 """

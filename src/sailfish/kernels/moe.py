@@ -165,3 +165,60 @@ def _topk_sum_kernel(src_ptr, ids_ptr, tw_ptr, y_ptr, M, N, E, TOPK: tl.constexp
         else:
             acc += part * tl.load(tw_ptr + row, mask=mask, other=0.0)
     tl.store(y_ptr + offs, cast_out(acc, y_ptr.dtype.element_ty, EMU_BF16), mask=mask)
+
+
+# ----------------------------------------------------------------------------------
+# Routing prep in two launches (ops/moe.align_routing is the PyTorch twin): ~30 small torch
+# kernels would cost a decode step more than the experts' GEMMs (a launch is ~2-3 us even in a
+# CUDA graph, the Qwen3-30B-A3B block at its HBM limit ~6 us). Chunk c of BLOCK_T slots is
+# program c of both kernels; integer counts and fixed ranks: deterministic.
+# ----------------------------------------------------------------------------------
+@triton.jit
+def _onehot(ids_ptr, t0, T, E, E_POW2: tl.constexpr, BLOCK_T: tl.constexpr):
+    """(slots (BLOCK_T,), live (BLOCK_T,), onehot int32 (BLOCK_T, E_POW2)) of the chunk at t0:
+    live = a real slot whose id lies in [0, E)."""
+    offs = t0 + tl.arange(0, BLOCK_T)
+    ids = tl.load(ids_ptr + offs, mask=offs < T, other=-1).to(tl.int32)
+    live = (offs < T) & (ids >= 0) & (ids < E)
+    ids = tl.where(live, ids, -1)
+    return offs, live, (ids[:, None] == tl.arange(0, E_POW2)[None, :]).to(tl.int32)
+
+
+@triton.jit
+def _route_count_kernel(ids_ptr, hist_ptr, sorted_ptr, T, E, S, E_POW2: tl.constexpr, BLOCK_T: tl.constexpr):
+    """hist[c, e] = the slots of chunk c routed to expert e; and sorted_slots (S entries) filled
+    with the padding value T, a slice per program (the placing kernel runs after this one)."""
+    c = tl.program_id(0)
+    _, _, onehot = _onehot(ids_ptr, c * BLOCK_T, T, E, E_POW2, BLOCK_T)
+    tl.store(hist_ptr + c * E_POW2 + tl.arange(0, E_POW2), tl.sum(onehot, axis=0))
+    per = tl.cdiv(S, tl.num_programs(0))
+    for s0 in range(c * per, tl.minimum(S, (c + 1) * per), BLOCK_T):
+        offs = s0 + tl.arange(0, BLOCK_T)
+        tl.store(sorted_ptr + offs, offs * 0 + T, mask=offs < tl.minimum(S, (c + 1) * per))
+
+
+@triton.jit
+def _route_place_kernel(ids_ptr, hist_ptr, sorted_ptr, bexp_ptr, T, E, NB, BLOCK_M: tl.constexpr,
+                        E_POW2: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Place chunk c's slots: slot t of expert e goes to starts[e] + (slots of e before it), starts
+    the exclusive prefix sum of the experts' counts padded to whole BLOCK_M blocks; and the experts
+    of the blocks b = c, c + chunks, ... (-1 past the last used block)."""
+    c = tl.program_id(0)
+    chunks = tl.num_programs(0)
+    e_idx = tl.arange(0, E_POW2)
+    counts = tl.zeros((E_POW2,), tl.int32)
+    before = tl.zeros((E_POW2,), tl.int32)  # slots of each expert in chunks < c
+    for j in range(0, chunks):
+        h = tl.load(hist_ptr + j * E_POW2 + e_idx)
+        counts += h
+        before += tl.where(j < c, h, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    offs, live, onehot = _onehot(ids_ptr, c * BLOCK_T, T, E, E_POW2, BLOCK_T)
+    rank = tl.sum((tl.cumsum(onehot, 0) - 1) * onehot, axis=1)  # earlier slots of its expert in the chunk
+    dest = tl.sum(onehot * (ends - padded + before)[None, :], axis=1) + rank
+    tl.store(sorted_ptr + dest, offs, mask=live)
+    for b0 in range(c * BLOCK_T, NB, chunks * BLOCK_T):
+        b = b0 + tl.arange(0, BLOCK_T)
+        e_of = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(bexp_ptr + b, tl.where(e_of < E, e_of, -1), mask=b < NB)
