@@ -31,32 +31,21 @@ from .w4a16 import _load_groups, _tile_operands
 
 
 @triton.jit
-def _expert_product(acc, w_ptrs, x_ptrs, s_e, z_e, rn, kt0, kt1, K, stride_sn, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                    HAS_ZEROS: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr, EMU_BF16: tl.constexpr,
-                    USE_ASM: tl.constexpr, ACC_FENCE: tl.constexpr):
-    """acc (BLOCK_N, BLOCK_M) += W[rn, K tiles kt0..kt1) @ x^T: w_ptrs (BLOCK_N, BLOCK_K // 8)
-    the words of tile kt0, x_ptrs (BLOCK_K, BLOCK_M) its x, s_e / z_e the expert's scales
-    and zero points. ACC_FENCE: the dense kernel's guard against Triton < 3.9 leaving wgmmas
-    in flight across the loop's back edge (kernels/w4a16._w4a16_kernel)."""
-    W: tl.constexpr = BLOCK_K // 8
-    offs_k = tl.arange(0, BLOCK_K)
-    for kt in range(kt0, kt1):
-        k0 = kt * BLOCK_K
-        words = tl.load(w_ptrs, eviction_policy="evict_first")
-        if EVEN_K:
-            xt = tl.load(x_ptrs)
-        else:
-            xt = tl.load(x_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0)
-        sv = _load_groups(s_e, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE)
-        zv = _load_groups(z_e, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE)
-        w, xt = _tile_operands(words, xt, sv, zv, s_e, z_e, s_e, rn, k0, stride_sn, BLOCK_N, BLOCK_K,
-                               GROUP_SIZE, HAS_ZEROS, False, DTYPE, EMU_BF16, USE_ASM, True)
-        acc = tl.dot(w, xt, acc)
-        if ACC_FENCE:
-            acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
-        w_ptrs += W
-        x_ptrs += BLOCK_K
+def _dot_tile(acc, w_ptrs, xt, s_e, z_e, rn, k0, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, DTYPE: tl.constexpr, EMU_BF16: tl.constexpr,
+              USE_ASM: tl.constexpr, ACC_FENCE: tl.constexpr):
+    """acc (BLOCK_N, BLOCK_M) += W[rn, k0 : k0 + BLOCK_K] @ xt: w_ptrs (BLOCK_N, BLOCK_K // 8) the
+    tile's packed words, xt (BLOCK_K, BLOCK_M) its x, s_e / z_e the expert's scales and zero
+    points. ACC_FENCE: the dense kernel's guard against Triton < 3.9 leaving wgmmas in flight
+    across the loop's back edge (kernels/w4a16._w4a16_kernel)."""
+    words = tl.load(w_ptrs, eviction_policy="evict_first")
+    sv = _load_groups(s_e, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE)
+    zv = _load_groups(z_e, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE)
+    w, xt = _tile_operands(words, xt, sv, zv, s_e, z_e, s_e, rn, k0, stride_sn, BLOCK_N, BLOCK_K,
+                           GROUP_SIZE, HAS_ZEROS, False, DTYPE, EMU_BF16, USE_ASM, True)
+    acc = tl.dot(w, xt, acc)
+    if ACC_FENCE:
+        acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
     return acc
 
 
@@ -93,19 +82,31 @@ def _moe_w4a16_kernel(
     z_e = z_ptr + e64 * stride_se
     wq = qw_ptr + e64 * stride_qe + (kt0 * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8))[None, :]
     x_ptrs = x_ptr + rows[None, :] * stride_xm + (kt0 * BLOCK_K + tl.arange(0, BLOCK_K))[:, None]
+    w_ptrs = wq + rn[:, None] * stride_qn
+    u_ptrs = wq + (rn + N)[:, None] * stride_qn  # GATED: the up rows I + n of the same expert
+    offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc = _expert_product(acc, wq + rn[:, None] * stride_qn, x_ptrs, s_e, z_e, rn, kt0, kt1, K, stride_sn,
-                          BLOCK_N, BLOCK_K, BLOCK_M, GROUP_SIZE, HAS_ZEROS, EVEN_K, DTYPE, EMU_BF16, USE_ASM,
-                          ACC_FENCE)
+    if GATED:
+        up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # one K loop for both tiles of a gated program: x is loaded once per K tile
+    for kt in range(kt0, kt1):
+        k0 = kt * BLOCK_K
+        if EVEN_K:
+            xt = tl.load(x_ptrs)
+        else:
+            xt = tl.load(x_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0)
+        acc = _dot_tile(acc, w_ptrs, xt, s_e, z_e, rn, k0, stride_sn, BLOCK_N, BLOCK_K, GROUP_SIZE, HAS_ZEROS,
+                        DTYPE, EMU_BF16, USE_ASM, ACC_FENCE)
+        if GATED:
+            up = _dot_tile(up, u_ptrs, xt, s_e, z_e, rn + N, k0, stride_sn, BLOCK_N, BLOCK_K, GROUP_SIZE,
+                           HAS_ZEROS, DTYPE, EMU_BF16, USE_ASM, ACC_FENCE)
+        w_ptrs += BLOCK_K // 8
+        u_ptrs += BLOCK_K // 8
+        x_ptrs += BLOCK_K
     om = slot[None, :]
     on = offs_n.to(tl.int64)[:, None]
     mask = valid[None, :] & (on < N)
-    if GATED:  # the up rows I + n of the same expert
-        ru = rn + N
-        up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        up = _expert_product(up, wq + ru[:, None] * stride_qn, x_ptrs, s_e, z_e, ru, kt0, kt1, K, stride_sn,
-                             BLOCK_N, BLOCK_K, BLOCK_M, GROUP_SIZE, HAS_ZEROS, EVEN_K, DTYPE, EMU_BF16, USE_ASM,
-                          ACC_FENCE)
+    if GATED:
         if SPLIT_K == 1:
             h = acc / (1.0 + tl.exp(-acc)) * up  # silu(gate) * up in fp32, rounded once
             tl.store(y_ptr + om * stride_ym + on, cast_out(h, DTYPE, EMU_BF16), mask=mask)

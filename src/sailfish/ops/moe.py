@@ -147,8 +147,8 @@ def moe_config(M: int, topk: int, num_experts: int, N: int, Kp: int, gated: bool
     bm = moe_block_m(M, topk, num_experts)
     if bm == 16:  # decode: wide N, split-K over the expert's K until the SMs are filled twice
         bn, warps, stages = (64 if gated else 128), 4, 3
-    elif bm <= 64:
-        bn, warps, stages = 64 if gated else 128, 4, 3
+    elif bm <= 64:  # (sm_90 compile, Triton 3.9: BM 64 / BN 128 over 4 warps took 255 registers)
+        bn, warps, stages = (64, 4, 3) if gated else (128, 8, 3)
     else:
         bn, warps, stages = 64 if gated else 128, 8, 3
     bk = 256 if (bm <= 32 and not gated and Kp % 256 == 0) else K_CHUNK
