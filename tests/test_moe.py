@@ -277,6 +277,12 @@ def test_bench_moe_smoke(tmp_path):
     for r in doc["rows"]:
         assert set(r) == {"model", "kernel", "M", "time_us", "limit_fraction", "dtype", "group_size"}
         assert r["time_us"] > 0 and r["limit_fraction"] is None and r["model"].endswith("skewed")
+    # a second run into the same file replaces its own rows and keeps the others
+    assert bench.main(["--smoke", "--routing", "skewed", "--kernels", "grouped", "--out", str(out)]) == 0
+    again = json.loads(out.read_text())
+    assert len(again["runs"]) == 2 and len(again["rows"]) == len(doc["rows"])
+    assert [r for r in again["rows"] if r["kernel"] != "bf16-grouped"] == \
+        [r for r in doc["rows"] if r["kernel"] != "bf16-grouped"]
 
 
 _SM90_CHILD = r"""
@@ -334,3 +340,28 @@ def test_moe_kernel_compiles_for_hopper(tmp_path):
     from helpers import run_compile_child
 
     run_compile_child(_SM90_CHILD, tmp_path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("M", [1, 16, 300])
+def test_moe_cuda_graph_and_determinism(M):
+    """On the GPU: the block replayed from a CUDA graph gives the eager bits, and repeated eager
+    calls give the same bits (no atomics); the per-element bound holds."""
+    args, w13, w2 = make_problem(16, 4, M, 512, 256, 128, False, BF16, "cuda")
+    op = torch.ops.sailfish.moe_w4a16
+    eager = op(*args)
+    assert torch.equal(op(*args), eager)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        op(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    ref, bound = moe_bound(args[0].cpu(), args[1].cpu(), args[2].cpu(), w13.dequantize().cpu(),
+                           w2.dequantize().cpu(), BF16)
+    assert_moe_close(eager.cpu(), ref, bound)

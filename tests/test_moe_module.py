@@ -124,3 +124,12 @@ def test_quant_experts_refuses():
     assert layer.dtype == F16
     with pytest.raises(ValueError, match="top_k_index must have shape"):
         layer(torch.randn(3, 64).half(), torch.zeros(2, 2, dtype=torch.long), torch.ones(3, 2))
+
+
+def test_quant_experts_state_dict_round_trip(device):
+    layer = QuantExperts.from_experts(tiny_block("qwen3_moe").experts.to(F16), group_size=32, sym=False).to(device)
+    fresh = QuantExperts(E, H, I, group_size=32, sym=False, dtype=F16, device=device)
+    fresh.load_state_dict(layer.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(fresh.dequantize(), layer.dequantize()))
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        QuantExperts(E, H, I, group_size=64, sym=False, dtype=F16, device=device).load_state_dict(layer.state_dict())
