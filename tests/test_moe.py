@@ -239,7 +239,7 @@ def zero_problem(E=4, topk=2, M=3, H=128, I=64, gs=64, dtype=F16):
     (lambda a: a.__setitem__(0, torch.zeros(3, 128)), TypeError, "x dtype torch.float32"),
     (lambda a: a.__setitem__(9, 48), ValueError, "group_size=48"),
     (lambda a: a.__setitem__(4, a[4].bfloat16()), ValueError, "w13_scales must be torch.float16"),
-    (lambda a: a.__setitem__(3, a[3][:0]), ValueError, "expert count E=0"),
+    (lambda a: a.__setitem__(3, a[3][:0]), ValueError, r"expert count E=0 .* \[1, 1024\]"),
     (lambda a: a.__setitem__(6, a[6][:, :, :4]), ValueError, "w2_qweight must be int32"),
     (lambda a: a.__setitem__(4, a[4].transpose(1, 2).contiguous().transpose(1, 2)), ValueError,
      "w13_scales must be contiguous"),
@@ -249,6 +249,11 @@ def test_op_bad_input(change, error, match):
     change(args)
     with pytest.raises(error, match=match):
         torch.ops.sailfish.moe_w4a16(*args)
+
+
+def test_op_expert_count_limit():
+    with pytest.raises(ValueError, match=r"expert count E=1025 \(w13_qweight.shape\[0\]\) must lie in \[1, 1024\]"):
+        torch.ops.sailfish.moe_w4a16(*zero_problem(E=1025, I=16))
 
 
 def test_op_top_k_limit():

@@ -31,6 +31,9 @@ from .launch import Launch, aligned
 from .w4a16 import _has_bf16x2, acc_fence  # (device facts and the Triton-version rule of the dense path)
 
 MAX_TOPK = 32  # the top-k sum is unrolled (kernels/moe._topk_sum_kernel)
+# the routing kernels hold a (slots x experts) one-hot tile in registers (Router); the largest
+# MoE models published have 512 routed experts (Qwen3-Next), DeepSeek-V3 256, Kimi-K2 384
+MAX_EXPERTS = 1024
 _REDUCE_BLOCK = 1024
 
 
@@ -293,8 +296,8 @@ def validate(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_q
     if w13_qweight.dtype != torch.int32 or w13_qweight.dim() != 3:
         raise ValueError(f"w13_qweight must be int32 (E, 2I, Kp/8), got {w13_qweight.dtype} {tuple(w13_qweight.shape)}")
     E, two_i, kw13 = w13_qweight.shape
-    if E < 1:
-        raise ValueError(f"the expert count E={E} (w13_qweight.shape[0]) must be at least 1")
+    if not 1 <= E <= MAX_EXPERTS:
+        raise ValueError(f"the expert count E={E} (w13_qweight.shape[0]) must lie in [1, {MAX_EXPERTS}]")
     if not 1 <= topk <= min(E, MAX_TOPK):
         raise ValueError(f"top_k={topk} (topk_ids.shape[1]) must lie in [1, min(E={E}, {MAX_TOPK})]")
     if two_i < 2 or two_i % 2:
