@@ -97,8 +97,8 @@ def test_align_routing(M, topk, E, bm):
 @pytest.mark.parametrize("M,topk,E,bm", [(1, 2, 4, 16), (7, 3, 5, 16), (40, 2, 3, 32), (9, 4, 8, 16),
                                          (300, 8, 128, 16), (64, 6, 64, 64), (3, 1, 700, 16)])
 def test_routing_kernels_match_torch(M, topk, E, bm, device):
-    """The two routing kernels (several chunks, one-hot tiles of 16-128 slots) give align_routing's
-    integers exactly, ids outside [0, E) included."""
+    """The routing kernels (one chunk: the single-launch form; several chunks, one-hot tiles of
+    16-128 slots) give align_routing's integers exactly, ids outside [0, E) included."""
     ids = torch.stack([torch.randperm(E)[:topk] for _ in range(M)])
     ids[0, 0] = E
     ids[-1, -1] = -1
@@ -327,7 +327,9 @@ from sailfish.kernels.moe import _route_count_kernel, _route_place_kernel
 for ep, bt in ((128, 64), (16, 128), (1024, 16)):
     for fn, sig, consts in ((_route_count_kernel, ("hist_ptr", "sorted_ptr", "T", "E", "S"), {}),
                             (_route_place_kernel, ("hist_ptr", "sorted_ptr", "bexp_ptr", "T", "E", "NB"),
-                             {"BLOCK_M": 16})):
+                             {"BLOCK_M": 16}),
+                            (_route_place_kernel, ("hist_ptr", "sorted_ptr", "bexp_ptr", "T", "E", "NB"),
+                             {"BLOCK_M": 16, "ONE_CHUNK": True})):
         sig = {"ids_ptr": "*i64", **{a: ("*i32" if a.endswith("ptr") else "i32") for a in sig}}
         triton.compile(ast_source(fn, sig, dict(E_POW2=ep, BLOCK_T=bt, **consts)), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 4})

@@ -200,22 +200,32 @@ def _route_count_kernel(ids_ptr, hist_ptr, sorted_ptr, T, E, S, E_POW2: tl.const
 
 @triton.jit
 def _route_place_kernel(ids_ptr, hist_ptr, sorted_ptr, bexp_ptr, T, E, NB, BLOCK_M: tl.constexpr,
-                        E_POW2: tl.constexpr, BLOCK_T: tl.constexpr):
+                        E_POW2: tl.constexpr, BLOCK_T: tl.constexpr, ONE_CHUNK: tl.constexpr = False):
     """Place chunk c's slots: slot t of expert e goes to starts[e] + (slots of e before it), starts
     the exclusive prefix sum of the experts' counts padded to whole BLOCK_M blocks; and the experts
-    of the blocks b = c, c + chunks, ... (-1 past the last used block)."""
+    of the blocks b = c, c + chunks, ... (-1 past the last used block).
+    ONE_CHUNK (all slots in one chunk: decode): one program does the counting kernel's work too
+    (no hist; sorted_slots filled with T first, a CTA barrier before the placing): one launch less."""
     c = tl.program_id(0)
     chunks = tl.num_programs(0)
     e_idx = tl.arange(0, E_POW2)
-    counts = tl.zeros((E_POW2,), tl.int32)
-    before = tl.zeros((E_POW2,), tl.int32)  # slots of each expert in chunks < c
-    for j in range(0, chunks):
-        h = tl.load(hist_ptr + j * E_POW2 + e_idx)
-        counts += h
-        before += tl.where(j < c, h, 0)
+    offs, live, onehot = _onehot(ids_ptr, c * BLOCK_T, T, E, E_POW2, BLOCK_T)
+    if ONE_CHUNK:
+        counts = tl.sum(onehot, axis=0)
+        before = counts * 0
+        for s0 in range(0, NB * BLOCK_M, BLOCK_T):
+            so = s0 + tl.arange(0, BLOCK_T)
+            tl.store(sorted_ptr + so, so * 0 + T, mask=so < NB * BLOCK_M)
+        tl.debug_barrier()  # (the fill and the placing below may touch one address from two threads)
+    else:
+        counts = tl.zeros((E_POW2,), tl.int32)
+        before = tl.zeros((E_POW2,), tl.int32)  # slots of each expert in chunks < c
+        for j in range(0, chunks):
+            h = tl.load(hist_ptr + j * E_POW2 + e_idx)
+            counts += h
+            before += tl.where(j < c, h, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
-    offs, live, onehot = _onehot(ids_ptr, c * BLOCK_T, T, E, E_POW2, BLOCK_T)
     rank = tl.sum((tl.cumsum(onehot, 0) - 1) * onehot, axis=1)  # earlier slots of its expert in the chunk
     dest = tl.sum(onehot * (ends - padded + before)[None, :], axis=1) + rank
     tl.store(sorted_ptr + dest, offs, mask=live)

@@ -104,8 +104,9 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Tup
 
 
 class Router:
-    """align_routing in two Triton launches (kernels/moe._route_count_kernel, _route_place_kernel):
-    the same outputs, bit for bit, as the PyTorch twin above, which is its reference."""
+    """align_routing in two Triton launches (kernels/moe._route_count_kernel, _route_place_kernel;
+    one when the slots fit one chunk): the same outputs, bit for bit, as the PyTorch twin above,
+    which is its reference."""
 
     def __init__(self, num_experts: int, block_m: int, device_index: int):
         from ..kernels.moe import _route_count_kernel, _route_place_kernel
@@ -116,6 +117,8 @@ class Router:
         self.count = Launch(_route_count_kernel, dict(E_POW2=ep, BLOCK_T=self.block_t, num_warps=4), device_index)
         self.place = Launch(_route_place_kernel, dict(BLOCK_M=block_m, E_POW2=ep, BLOCK_T=self.block_t,
                                                       num_warps=4), device_index)
+        self.place_one = Launch(_route_place_kernel, dict(BLOCK_M=block_m, E_POW2=ep, BLOCK_T=self.block_t,
+                                                          ONE_CHUNK=True, num_warps=4), device_index)
         self.e_pow2 = ep
 
     def __call__(self, topk_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -124,11 +127,14 @@ class Router:
         chunks = -(-T // self.block_t)
         nb = max_blocks(T, E, bm)
         dev = ids.device
-        hist = torch.empty((chunks, self.e_pow2), dtype=torch.int32, device=dev)
         sorted_slots = torch.empty(nb * bm, dtype=torch.int32, device=dev)
         block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
-        self.count((chunks, 1), ids, hist, sorted_slots, T, E, nb * bm)
-        self.place((chunks, 1), ids, hist, sorted_slots, block_expert, T, E, nb)
+        if chunks == 1:  # decode: one launch
+            self.place_one((1, 1), ids, None, sorted_slots, block_expert, T, E, nb)
+        else:
+            hist = torch.empty((chunks, self.e_pow2), dtype=torch.int32, device=dev)
+            self.count((chunks, 1), ids, hist, sorted_slots, T, E, nb * bm)
+            self.place((chunks, 1), ids, hist, sorted_slots, block_expert, T, E, nb)
         return sorted_slots, block_expert
 
 
