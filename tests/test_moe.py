@@ -275,15 +275,16 @@ def test_bench_moe_smoke(tmp_path):
 
     out = tmp_path / "moe.json"
     assert bench.main(["--smoke", "--routing", "skewed", "--kernels", "sailfish-moe-w4a16,grouped",
-                       "--out", str(out)]) == 0
+                       "--models", "tiny-shared", "--m", "3", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert {r["kernel"] for r in doc["rows"]} == {"sailfish-moe-w4a16", "bf16-grouped"}
-    assert {r["M"] for r in doc["rows"]} == {1, 3} and all(c["ok"] for c in doc["checks"])
+    assert {r["M"] for r in doc["rows"]} == {3} and all(c["ok"] for c in doc["checks"])
     for r in doc["rows"]:
         assert set(r) == {"model", "kernel", "M", "time_us", "limit_fraction", "dtype", "group_size"}
         assert r["time_us"] > 0 and r["limit_fraction"] is None and r["model"].endswith("skewed")
     # a second run into the same file replaces its own rows and keeps the others
-    assert bench.main(["--smoke", "--routing", "skewed", "--kernels", "grouped", "--out", str(out)]) == 0
+    assert bench.main(["--smoke", "--routing", "skewed", "--kernels", "grouped", "--models", "tiny-shared", "--m",
+                       "3", "--out", str(out)]) == 0
     again = json.loads(out.read_text())
     assert len(again["runs"]) == 2 and len(again["rows"]) == len(doc["rows"])
     assert [r for r in again["rows"] if r["kernel"] != "bf16-grouped"] == \

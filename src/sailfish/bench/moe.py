@@ -203,8 +203,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sailfish.bench.moe", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.split("\n")[2:]))
-    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated, from: " + ", ".join(MODELS))
-    ap.add_argument("--m", default=",".join(map(str, M_LIST)), help="token counts M")
+    ap.add_argument("--models", help="comma-separated, from: " + ", ".join(MODELS) + " (default: all; --smoke: "
+                                     + ", ".join(SMOKE_MODELS) + ")")
+    ap.add_argument("--m", help="token counts M (default: " + ",".join(map(str, M_LIST)) + "; --smoke: 1,3)")
     ap.add_argument("--kernels", default=",".join(KERNELS), help="from: " + ", ".join(KERNELS))
     ap.add_argument("--routing", default="uniform,skewed", help="uniform, skewed or both")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
@@ -223,8 +224,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     cuda = torch.cuda.is_available() and not args.smoke
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    models = SMOKE_MODELS if args.smoke else {k: MODELS[k] for k in args.models.split(",")}
-    ms = (1, 3) if args.smoke else tuple(int(m) for m in args.m.split(","))
+    table = SMOKE_MODELS if args.smoke else MODELS
+    names = list(table) if args.models is None else args.models.split(",")
+    for n in names:
+        if n not in table:
+            ap.error(f"--models: {n!r} is not one of {', '.join(table)}")
+    models = {n: table[n] for n in names}
+    ms = tuple(int(m) for m in args.m.split(",")) if args.m else (1, 3) if args.smoke else M_LIST
     kernels = args.kernels.split(",")
     for k in kernels:
         if k not in KERNELS:
