@@ -56,7 +56,7 @@ def check_against_transformers(experts_fp32, layer, x, ids, weights):
     """layer(x, ids, weights) against transformers' experts module (float32, the layer's
     dequantized weights), per element: the bound of test_moe.moe_bound for the layer plus the
     float32 module's own."""
-    gate_up, down = layer.dequantize()
+    gate_up, down = (w.cpu() for w in layer.dequantize())  # (the reference runs on the CPU)
     with torch.no_grad():
         experts_fp32.gate_up_proj.copy_(gate_up)
         experts_fp32.down_proj.copy_(down)

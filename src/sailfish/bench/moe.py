@@ -241,7 +241,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows, checks = [], []
     for name, (H, I, E, topk, shared) in models.items():
         one = make_experts(H, I, E, shared, dtype, args.group_size, device, "sailfish-quantlinear-loop" in kernels, 0)
-        nbytes = one.q13.qweight.numel() * 4 * 2 + one.w13.numel() * 2 * 2
+        # copies from the bytes a call reads at the smallest M (its routed experts, 4-bit): a
+        # Qwen3 M = 1 call reads 18 MiB, so two copies would both stay in the H100's 50 MB L2
+        per_expert = (one.q13.qweight[0].numel() + one.q2.qweight[0].numel()) * 4
+        nbytes = min(E, min(ms) * topk) * per_expert
         copies = timing.copies_needed(nbytes) if cuda else 1
         exs = [one] + [make_experts(H, I, E, shared, dtype, args.group_size, device,
                                     "sailfish-quantlinear-loop" in kernels, r) for r in range(1, copies)]
