@@ -187,9 +187,9 @@ def reference_ops(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
-def _tiny_llama():
+def _tiny_llama(hidden=128, intermediate=256):
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
                                       pad_token_id=0, eos_token_id=None, bos_token_id=None)
     torch.manual_seed(0)
@@ -254,7 +254,7 @@ def test_quantize_model_gptq_bad_input(reference_ops):
                       (dict(calibration=tokens), "calibration belong to method='gptq'"),
                       (dict(act_order=True), "act_order belong to method='gptq'"),
                       (dict(method="gptq"), "needs calibration="),
-                      (dict(method="gptq", calibration=tokens, act_bits=8, group_size=128), "act_bits=8"),
+                      (dict(progress=True), "progress belong to method='gptq'"),
                       (dict(method="gptq", calibration=[]), "calibration is empty"),
                       (dict(method="gptq", calibration=[torch.randn(1, 8)]), "calibration batch 0 does not run"),
                       (dict(method="gptq", calibration=tokens, percdamp=-1), "percdamp=-1")):
@@ -262,6 +262,8 @@ def test_quantize_model_gptq_bad_input(reference_ops):
             sailfish.quantize_model(model, **kw)
     with pytest.raises(TypeError, match="calibration must be an iterable of batches"):
         sailfish.quantize_model(model, method="gptq", calibration=tokens[0])
+    with pytest.raises(TypeError, match="progress=1 must be a bool"):
+        sailfish.quantize_model(model, method="gptq", calibration=tokens, progress=1)
     with pytest.raises(TypeError, match="calibration batch 0 is a list"):
         sailfish.quantize_model(model, method="gptq", calibration=[[1, 2, 3]])
     assert not any(isinstance(m, sailfish.QuantLinear) for m in model.modules())  # refused before any change
