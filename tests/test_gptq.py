@@ -306,3 +306,21 @@ def test_quantize_model_gptq_unreached_linear_rounds_to_nearest(reference_ops):
     assert len(model.sailfish_report["quantized"]) == 4
     rtn = sailfish.QuantLinear.from_quantized(sailfish.quantize(unused))
     assert torch.equal(model.layers[1].unused.qweight, rtn.qweight)
+
+
+def test_quantize_model_gptq_progress(reference_ops, capsys, monkeypatch):
+    """progress=True: a bar per decoder layer (tqdm), or a line per layer without tqdm;
+    progress=False and the default off a terminal: nothing on stderr."""
+    import sys
+
+    import sailfish
+    tokens = [torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(0))]
+    for progress, want in ((True, "sailfish gptq: 100%"), (False, None), (None, None)):
+        torch.manual_seed(0)
+        sailfish.quantize_model(_Toy().half(), method="gptq", calibration=tokens, progress=progress)
+        err = capsys.readouterr().err
+        assert (want in err and "2/2" in err) if want else "sailfish gptq" not in err, (progress, err)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # tqdm not installed
+    sailfish.quantize_model(_Toy().half(), method="gptq", calibration=tokens, progress=True)
+    err = capsys.readouterr().err
+    assert "sailfish gptq: decoder layer 1/2:" in err and "decoder layer 2/2:" in err, err

@@ -268,10 +268,8 @@ def _feed(layer, module, batches, take) -> None:
         handle.remove()
 
 
-def _rows(layer, module, hidden, inputs) -> torch.Tensor:
-    """Up to smooth.SEARCH_ROWS rows of `module`'s input on the calibration batches, evenly strided."""
-    total = sum(h.numel() // h.shape[-1] for h in hidden)
-    stride = -(-total // smooth.SEARCH_ROWS)
+def _rows(layer, module, hidden, inputs, stride: int) -> torch.Tensor:
+    """Every stride-th row of `module`'s input on the calibration batches."""
     rows = []
     _feed(layer, module, zip(hidden, inputs), lambda x: rows.append(x.reshape(-1, x.shape[-1])[::stride].float()))
     return torch.cat(rows)
@@ -287,7 +285,8 @@ def _smooth_layer(layer, hidden, inputs, targets, group_size, stats) -> None:
         if not quantized or producer is None:
             continue
         start = time.perf_counter()
-        x = _rows(layer, group[0], hidden, inputs)
+        stride = -(-sum(h.numel() // h.shape[-1] for h in hidden) // smooth.SEARCH_ROWS)  # <= SEARCH_ROWS rows
+        x = _rows(layer, group[0], hidden, inputs, stride)
         weight = torch.cat([m.weight for m in quantized])
         s, before, after = smooth.search_scales(x, weight, group_size, repeat=repeat, head_dim=head_dim)
         if bool((s == 1).all()):
@@ -300,7 +299,8 @@ def _smooth_layer(layer, hidden, inputs, targets, group_size, stats) -> None:
                 smooth.fold_into_rows(producer, group[0], scales, repeat, head_dim)
 
         fold(s)
-        if not smooth.exact_within(x, _rows(layer, group[0], hidden, inputs), smooth.expand_heads(s, repeat, head_dim)):
+        after = _rows(layer, group[0], hidden[:1], inputs[:1], stride)  # the first batch's rows come first in x
+        if not smooth.exact_within(x[:len(after)], after, smooth.expand_heads(s, repeat, head_dim)):
             log.info("sailfish: smoothing the input of %s does not fold into %s exactly; left unsmoothed",
                      names[group[0]], names[producer])
             fold(1 / s)
