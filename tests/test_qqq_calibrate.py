@@ -207,3 +207,37 @@ def test_quantize_model_qqq(reference_ops, tmp_path, group_size):  # noqa: F811
         assert torch.equal(loaded(x).logits.float(), q)
     with pytest.raises(TypeError, match="format='gptq' holds QuantLinear layers only"):
         sailfish.save_quantized(qqq, str(tmp_path / "w4a16"))
+
+
+def test_true_sequential_with_int8_inputs(reference_ops, monkeypatch):  # noqa: F811
+    """Each Linear's Hessian is that of its inputs in the model whose Linears quantized before it
+    hold their W4A8 weights and read their inputs per-token int8 quantized (smoothing off
+    here, so the model's weights are the original ones)."""
+    import sailfish
+    from sailfish.fuse import unfused_layers
+    fp = _tiny_llama()
+    tokens = [torch.randint(1, 256, (2, 16), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    monkeypatch.setattr(smooth, "search_scales", lambda x, w, gs, **kw: (torch.ones(x.shape[1] // kw["repeat"]),
+                                                                          1.0, 1.0))
+    seen = []
+    monkeypatch.setattr(driver, "gptq_quantize_qqq", lambda w, h, **kw: seen.append(h) or gptq_quantize_qqq(w, h, **kw))
+    qqq = sailfish.quantize_model(copy.deepcopy(fp), act_bits=8, group_size=-1, method="gptq", calibration=tokens)
+    layers = unfused_layers(qqq)
+    names = [n for n, m in fp.named_modules() if n.endswith("_proj")]
+    assert len(seen) == len(names)
+
+    def quantized_input(module, args):
+        q, s = quantize_activations(args[0].reshape(-1, args[0].shape[-1]))
+        return ((q.float() * s[:, None]).half().reshape(args[0].shape),)
+
+    for i, (name, h) in enumerate(zip(names, seen)):
+        model = copy.deepcopy(fp)
+        for before in names[:i]:
+            model.get_submodule(before).weight.data = layers[before].dequantize().half()
+            model.get_submodule(before).register_forward_pre_hook(quantized_input)
+        acc = Hessian(h.shape[0])
+        model.get_submodule(name).register_forward_pre_hook(lambda m, args: acc.add(args[0]))
+        with torch.no_grad():
+            for t in tokens:
+                model(t)
+        assert float((acc.value() - h).norm() / h.norm()) < 1e-3, name

@@ -19,7 +19,7 @@ Sailfish rounds each s_j to a power of two, so the folds below are exact in any 
 same function as the original.
 
 1 / s goes into the module that produces X: the RMSNorm weight before q/k/v and gate/up
-(RMSNorm(x) = w * x / rms(x)), v_proj's output rows before o_proj (attention outputs are
+(RMSNorm(x) = w * x / rms(x); a LayerNorm's weight and bias), v_proj's output rows before o_proj (attention outputs are
 convex combinations of v rows; with grouped-query attention one scale per v row serves all
 the query heads that read it), up_proj's output rows before down_proj (act(gate) * up), as
 in QQQ's export. Every fold is checked on the calibration data (the producer's new output
@@ -82,9 +82,11 @@ def search_scales(x: torch.Tensor, weight: torch.Tensor, group_size: int, *, rep
 
 
 def fold_into_norm(norm: nn.Module, consumers: List[nn.Linear], s: torch.Tensor) -> None:
-    """norm.weight /= s, consumer weight columns *= s (exact: s powers of two)."""
+    """norm.weight (and a LayerNorm's bias) /= s, consumer weight columns *= s (exact: s powers of two)."""
     with torch.no_grad():
         norm.weight.div_(s.to(norm.weight))
+        if isinstance(getattr(norm, "bias", None), torch.Tensor):
+            norm.bias.div_(s.to(norm.bias))
         for m in consumers:
             m.weight.mul_(s.to(m.weight))
 
