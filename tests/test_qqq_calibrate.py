@@ -15,15 +15,30 @@ from sailfish.formats.qqq import from_qqq, quantize_activations, quantize_qqq, t
 
 
 @pytest.mark.parametrize("group_size", [-1, 128])
-@pytest.mark.parametrize("act_order", [False, True])
-def test_identity_hessian_gives_rtn(group_size, act_order):
+@pytest.mark.parametrize("act_order,static_groups", [(False, False), (True, False), (False, True)])
+def test_identity_hessian_gives_rtn(group_size, act_order, static_groups):
     """With H = I no column's error reaches another: GPTQ is round to nearest, bit for bit
     (K = 320: a ragged last group)."""
     w = torch.randn(64, 320, generator=torch.Generator().manual_seed(0))
-    got, want = gptq_quantize_qqq(w, torch.eye(320), group_size=group_size, act_order=act_order), \
-        quantize_qqq(w, group_size)
+    got = gptq_quantize_qqq(w, torch.eye(320), group_size=group_size, act_order=act_order,
+                            static_groups=static_groups)
+    want = quantize_qqq(w, group_size)
     assert torch.equal(got.qweight, want.qweight) and torch.equal(got.s_ch, want.s_ch)
     assert (got.s_g is None and want.s_g is None) or torch.equal(got.s_g, want.s_g)
+
+
+def test_static_groups_take_the_original_grid():
+    """static_groups (and act_order, which implies them for W4A8) fix every group scale from the
+    original weight, RTN's scales; without them a group's scale follows GPTQ's updates."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(64, 256, generator=g), torch.randn(512, 256, generator=g) @ torch.randn(256, 256, generator=g)
+    h = Hessian(256)
+    h.add(x)
+    rtn = quantize_qqq(w, 128)
+    for act_order, static_groups in ((True, False), (False, True), (False, False)):
+        got = gptq_quantize_qqq(w, h.value(), group_size=128, act_order=act_order, static_groups=static_groups)
+        assert torch.equal(got.s_ch, rtn.s_ch)
+        assert torch.equal(got.s_g, rtn.s_g) == (act_order or static_groups), (act_order, static_groups)
 
 
 def _dequantized_inputs(x):

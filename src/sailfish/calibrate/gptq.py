@@ -240,20 +240,22 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, *, bits: int = 4,
 
 
 def gptq_quantize_qqq(weight: torch.Tensor, hessian: torch.Tensor, *, group_size: int = -1,
-                      act_order: bool = False, percdamp: float = 0.01, block_size: int = 128) -> QQQWeight:
+                      act_order: bool = False, static_groups: bool = False, percdamp: float = 0.01,
+                      block_size: int = 128) -> QQQWeight:
     """GPTQ onto the W4A8 (QQQ) weight format (formats.qqq): the effective weight the error
     is fed back against is exactly the kernels' s_ch * w8.
 
     group_size=-1: s_ch = max|W[n]| / 7.5 from the original row, codes as quantize_qqq.
     group_size=128 (two levels): s_ch = max|W[n]| / 119 from the original row; each group's
     fp16 scale s_g from its int8 levels clamp(rne(w / s_ch), +-119) when GPTQ reaches the
-    group (with act_order: from the original weight, i.e. static groups, since the W4A8
-    kernels take no g_idx); a column's code from its int8 level, w8 = clamp(rne(s_g (q - 8)),
+    group (static_groups, and always with act_order since the W4A8 kernels take no g_idx: from
+    the original weight); a column's code from its int8 level, w8 = clamp(rne(s_g (q - 8)),
     +-127). With H = I (no cross-column update) this is quantize_qqq exactly.
     act_order, percdamp, block_size, dead channels, errors: as gptq_quantize."""
     check_group_size_w4a8(group_size)
     check_weight_arg(weight)
     check_flag("act_order", act_order)
+    check_flag("static_groups", static_groups)
     _check_percdamp(percdamp)
     _check_block_size(block_size, group_size)
     n, k = weight.shape
@@ -262,7 +264,7 @@ def gptq_quantize_qqq(weight: torch.Tensor, hessian: torch.Tensor, *, group_size
     gs = k if group_size == -1 else group_size
     n_groups = num_groups_w4a8(k, group_size)
     static = None
-    if group_size != -1 and act_order:
+    if group_size != -1 and (act_order or static_groups):
         static = group_scales(_padded_groups(int8_levels(_channel_order(w, perm), s_ch), n_groups, gs))  # (N, G)
     s_g = [None] * n_groups
     static_group = _static_order(k, gs, perm)

@@ -116,7 +116,7 @@ def gptq_model(model: nn.Module, calibration: Iterable, targets: Dict[nn.Linear,
                act_bits: int = 16, progress: Optional[bool] = None, **options):
     """GPTQ-quantize the `targets` (Linear -> name) inside the model's decoder layers, layer by
     layer; options go to gptq_quantize (act_bits=8: smoothing, then gptq_quantize_qqq with
-    group_size, act_order, percdamp). Returns (Linear -> QuantizedWeight (QQQWeight for W4A8),
+    group_size, act_order, static_groups, percdamp). Returns (Linear -> QuantizedWeight (QQQWeight for W4A8),
     on the Linear's device, for those the calibration reached: each of them then holds its
     effective weight; the caller rounds the rest to nearest), and name -> {"seconds", "error"}
     of each (error: the mean squared output error per calibration token, summed over the
@@ -131,7 +131,7 @@ def gptq_model(model: nn.Module, calibration: Iterable, targets: Dict[nn.Linear,
     device = home if device is None else torch.device(device)
     if act_bits == 8:
         solver = gptq_quantize_qqq
-        options = {k: options[k] for k in ("group_size", "act_order", "percdamp") if k in options}
+        options = {k: options[k] for k in ("group_size", "act_order", "static_groups", "percdamp") if k in options}
     else:
         solver = gptq_quantize
     inputs = capture_inputs(model, layers[0], calibration, device)
