@@ -200,7 +200,10 @@ def test_quantize_model_qqq(reference_ops, tmp_path, group_size):  # noqa: F811
     assert sum(isinstance(m, FusedQuantLinearW4A8) for m in qqq.modules()) == 4  # q/k/v, gate/up per layer
     report = qqq.sailfish_report["gptq"]
     assert all(v["seconds"] >= 0 and v["error"] >= 0 for v in report.values()) and len(report) == len(layers)
-    assert report["model.layers.0.self_attn.q_proj"]["smoothing"]["into"] == "input_layernorm"
+    smoothing = report["model.layers.0.self_attn.q_proj"]["smoothing"]
+    assert smoothing["into"] == "input_layernorm" and smoothing["max_scale"] > 1
+    assert [type(e) for e in smoothing["search_error"]] == [float, float]
+    assert smoothing["search_error"][1] < smoothing["search_error"][0]
     if len(runs) == 2:
         a, b = (m.state_dict() for m in runs)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

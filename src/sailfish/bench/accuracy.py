@@ -21,7 +21,7 @@ measured on the held-out files' first --eval-windows non-overlapping windows:
 
 Writes --out (JSON: environment, corpus, model, training, and per variant the perplexity, its
 ratio to fp16's, the quantization and evaluation seconds, and for the calibrated variants the
-summed per-Linear output error of the report) and prints a table and per-phase timings.
+summed per-Linear output error of the report and how many Linears had their inputs smoothed) and prints a table and per-phase timings.
 """
 from __future__ import annotations
 
@@ -209,6 +209,7 @@ def main(argv=None) -> dict:
         report = getattr(m, "sailfish_report", {}).get("gptq")
         if report:
             row["gptq_error_sum"] = sum(v["error"] for v in report.values())
+            row["smoothed_linears"] = sum("smoothing" in v for v in report.values())
         results.append(row)
         phases[f"{name}_s"] = quantize_s + eval_s
         print(f"  {name:18s} ppl {ppl:8.4f}   quantize {quantize_s:6.1f} s   eval {eval_s:5.1f} s", flush=True)

@@ -299,8 +299,9 @@ def _smooth_layer(layer, hidden, inputs, targets, group_size, stats) -> None:
                 smooth.fold_into_rows(producer, group[0], scales, repeat, head_dim)
 
         fold(s)
-        after = _rows(layer, group[0], hidden[:1], inputs[:1], stride)  # the first batch's rows come first in x
-        if not smooth.exact_within(x[:len(after)], after, smooth.expand_heads(s, repeat, head_dim)):
+        check = _rows(layer, group[0], hidden[:1], inputs[:1], stride)  # the first batch's rows come first in x
+        if not smooth.exact_within(x[:len(check)], check, smooth.expand_heads(s, repeat, head_dim),
+                                   group[0].weight.dtype):
             log.info("sailfish: smoothing the input of %s does not fold into %s exactly; left unsmoothed",
                      names[group[0]], names[producer])
             fold(1 / s)

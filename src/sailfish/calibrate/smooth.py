@@ -28,7 +28,6 @@ form (1 + w) * x.
 """
 from __future__ import annotations
 
-import math
 from typing import List, Optional
 
 import torch
@@ -119,9 +118,11 @@ def shared_over_heads(cmax: torch.Tensor, repeat: int, head_dim: Optional[int]) 
     return cmax.reshape(-1, repeat, head_dim).amax(dim=1).reshape(-1)
 
 
-def exact_within(before: torch.Tensor, after: torch.Tensor, s: torch.Tensor) -> bool:
-    """Whether a fold held: after * s reproduces before (to a few units of the dtype's rounding,
-    as the producer's own arithmetic may round differently around a scaled value)."""
+def exact_within(before: torch.Tensor, after: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a fold held: after * s reproduces before (float32 copies of tensors computed in
+    `dtype`) to a few units of dtype's rounding of each row's largest value (the producer's
+    arithmetic may round a value near the subnormal range differently; a fold that does not
+    hold is off by a factor of s)."""
     b, a = before.float(), after.float() * s
-    tol = 8 * torch.finfo(before.dtype).eps * b.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
-    return bool(((a - b).abs() <= tol).all()) and math.isfinite(float(a.abs().max()))
+    tol = 8 * torch.finfo(dtype).eps * b.abs().amax(dim=-1, keepdim=True)
+    return bool(((a - b).abs() <= tol).all())
