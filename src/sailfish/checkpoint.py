@@ -32,7 +32,7 @@ from .formats.awq import from_awq, to_awq
 from .formats.compressed_tensors import from_compressed_tensors, to_compressed_tensors
 from .formats.gptq import CHECKPOINT_FORMATS, from_gptq, to_gptq
 from .formats.marlin import GROUP_SIZES_MARLIN, from_marlin
-from .formats.qqq import from_qqq
+from .formats.qqq import from_qqq, to_qqq
 from .formats.int4 import (GROUP_SIZES, HALF_DTYPES, QuantizedWeight, cast_scales, checked_cast, num_groups,
                            relative_change, warn_lossy_cast)
 from .formats.shard import _group_rows, slice_weight
@@ -44,7 +44,7 @@ SUPPORTED = ('quant_method "gptq" (bits 4, checkpoint_format "gptq", "gptq_v2" o
              '(format "pack-quantized", 4-bit int weights only), "marlin" (group_size 128 or -1) or "qqq" '
              '(wbits 4, group_size 128 or -1)')
 TILED = ("marlin", "qqq")  # Marlin's tile order (formats/marlin.py): B + scales per layer
-SAVE_FORMATS = ("gptq", "awq", "compressed-tensors")
+SAVE_FORMATS = ("gptq", "awq", "compressed-tensors", "qqq")
 CT = "compressed-tensors"
 _CT_ACTORDER = {None: False, False: False, True: True, "group": True, "dynamic": True, "weight": False,
                 "static": False}  # True: a weight_g_idx per layer ("dynamic" / "static" are aliases)
@@ -784,13 +784,20 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
     actorder "group" if any layer has act-order, ignore: the other Linear layers}, per layer
     weight_packed / weight_scale / weight_shape (/ weight_zero_point / weight_g_idx)
     (formats.compressed_tensors.to_compressed_tensors).
+    format="qqq" (QQQ W4A8: the QQQ repository, vLLM's quant_method "qqq"; the model's
+    QuantLinearW4A8 layers): {quant_method "qqq", wbits 4, group_size}, per layer B /
+    s_channel / s_group in Marlin's tile order (formats.qqq.to_qqq); out_features a multiple
+    of 64 and in_features of 128 (not 128 itself with group size 128), lm_head not quantized.
+    A model quantized with quantize_model(act_bits=8, method="gptq") holds its smoothing in
+    its norm and projection weights, which are saved as they are.
 
     All QuantLinear layers must share one group size and one dtype (the config has one of
     each); sym / zero_point false are written only if every layer is symmetric (a symmetric
     layer is stored with zero point 8, which reads back as symmetric), desc_act true if any
-    layer has act-order. A zero point of 16 (no format stores it) and QuantLinearW4A8 layers
-    (no standard checkpoint format holds them) are refused. `path` is created if needed and
-    must not already hold *.safetensors files; nothing is written when a layer is refused.
+    layer has act-order. A zero point of 16 (no format stores it) and a layer of the other
+    kind (QuantLinearW4A8 in a W4A16 format, QuantLinear in "qqq") are refused. `path` is
+    created if needed and must not already hold *.safetensors files; nothing is written when
+    a layer is refused.
     """
     _require_hf()
     from safetensors.torch import save_file
@@ -802,15 +809,20 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
         raise ValueError(f"max_shard_size={max_shard_size!r} must be a positive number of bytes")
     if format not in SAVE_FORMATS:
         raise ValueError(f"format={format!r} is not supported; allowed: {SAVE_FORMATS}")
-    w4a8 = [n for n, m in model.named_modules() if isinstance(m, QuantLinearW4A8)]
-    if w4a8:
-        raise TypeError(f"{w4a8[0]} is a QuantLinearW4A8: W4A8 (QQQ) layers have no standard checkpoint "
-                        f"format, so save_quantized cannot write them ({len(w4a8)} such layers)")
-    layers = {n: m for n, m in unfused_layers(model).items() if isinstance(m, QuantLinear)}  # fused: per projection
+    kind, other = (QuantLinearW4A8, QuantLinear) if format == "qqq" else (QuantLinear, QuantLinearW4A8)
+    wrong = [n for n, m in unfused_layers(model).items() if isinstance(m, other)]
+    if wrong:
+        raise TypeError(f"{wrong[0]} is a {other.__name__}: format={format!r} holds {kind.__name__} layers only "
+                        f"({len(wrong)} such layers; W4A8 layers save with format='qqq', W4A16 ones with 'gptq', "
+                        f"'awq' or 'compressed-tensors')")
+    layers = {n: m for n, m in unfused_layers(model).items() if isinstance(m, kind)}  # fused: per projection
     if not layers:
-        raise ValueError("model has no QuantLinear layer to save (quantize it with sailfish.quantize_model)")
-    for what, values in (("group sizes", {n: m.group_size for n, m in layers.items()}),
-                         ("dtypes", {n: m.dtype for n, m in layers.items()})):
+        raise ValueError(f"model has no {kind.__name__} layer to save (quantize it with sailfish.quantize_model)")
+    if format == "qqq" and _output_layer_name(model) in layers:
+        raise ValueError(f"{_output_layer_name(model)} is quantized, but a QQQ checkpoint keeps the output layer in "
+                         f"fp16 (quantize_model's default skip=('lm_head',) leaves it so)")
+    dtypes = {} if format == "qqq" else {n: m.dtype for n, m in layers.items()}
+    for what, values in (("group sizes", {n: m.group_size for n, m in layers.items()}), ("dtypes", dtypes)):
         distinct = sorted(set(values.values()), key=str)
         if len(distinct) > 1:
             example = {v: next(n for n in values if values[n] == v) for v in distinct}
@@ -821,10 +833,11 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
         raise FileExistsError(f"{path} already holds *.safetensors files; save into an empty directory")
 
     weights = {name: layer.quantized_weight() for name, layer in layers.items()}
-    zero_0 = [n for n, qw in weights.items() if qw.zeros is not None and bool((qw.zeros == 0).any())]
+    zero_0 = [n for n, qw in weights.items() if getattr(qw, "zeros", None) is not None and bool((qw.zeros == 0).any())]
     checkpoint_format = "gptq_v2" if zero_0 else "gptq"
-    sym, act_order = all(m.sym for m in layers.values()), any(m.act_order for m in layers.values())
-    write = {"gptq": lambda qw: to_gptq(qw, checkpoint_format), "awq": to_awq,
+    sym = all(getattr(m, "sym", True) for m in layers.values())
+    act_order = any(getattr(m, "act_order", False) for m in layers.values())
+    write = {"gptq": lambda qw: to_gptq(qw, checkpoint_format), "awq": to_awq, "qqq": to_qqq,
              CT: lambda qw: to_compressed_tensors(qw, symmetric=sym, actorder=act_order)}[format]
     tensors: Dict[str, torch.Tensor] = {}
     for name, layer in layers.items():
@@ -866,8 +879,12 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
 
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in layers]
     cfg = config.to_dict()
-    cfg["dtype" if "dtype" in cfg else "torch_dtype"] = str(first.dtype).removeprefix("torch.")
-    if format == "gptq":
+    dtype = getattr(model, "dtype", torch.float16) if format == "qqq" else first.dtype  # W4A8 takes either
+    cfg["dtype" if "dtype" in cfg else "torch_dtype"] = str(dtype).removeprefix("torch.")
+    if format == "qqq":  # the QQQ repository's quant_config (vLLM's "qqq")
+        qc = {"quant_method": "qqq", "wbits": 4, "group_size": first.group_size,
+              "modules_to_not_convert": linears or None}
+    elif format == "gptq":
         qc = {"quant_method": "gptq", "bits": 4, "group_size": first.group_size, "desc_act": act_order,
               "sym": sym, "checkpoint_format": checkpoint_format, "lm_head": "lm_head" in layers,
               "modules_to_not_convert": linears or None}
