@@ -144,27 +144,42 @@ class Router:
 # ----------------------------------------------------------------------------------
 def moe_block_m(M: int, topk: int, num_experts: int) -> int:
     """BLOCK_M of both GEMMs (one routing serves both), from the average slots per routed expert.
-    Decode (<= 16 slots per expert): 16, the smallest tl.dot tile, GEMV-like; prefill 64-128."""
+    Decode (<= 16 slots per expert): 16, the smallest tl.dot tile, GEMV-like; prefill 32-128
+    (H100 sweep, docs/perf_log.md v39: DeepSeek-V2-Lite M = 1024, 96 slots per expert, 380 us
+    at 128 against 436 at 64)."""
     T = M * topk
     per = T / min(num_experts, T)
-    return 16 if per <= 16 else 32 if per <= 48 else 64 if per <= 96 else 128
+    return 16 if per <= 16 else 32 if per <= 48 else 64 if per < 96 else 128
 
 
 def moe_config(M: int, topk: int, num_experts: int, N: int, Kp: int, gated: bool, sms: int) -> Config:
     """The tile of one GEMM of the block (N output columns, Kp padded K; gated: gate_up, whose
-    program holds two weight tiles and accumulators, so half the BLOCK_N). Unmeasured."""
+    program holds a gate and an up tile of BLOCK_N columns each). From the H100 sweep of the
+    three benchmark models at M = 1, 16, 256, 1024 (benchmarks/probes/moe_config_sweep.py,
+    docs/perf_log.md v39); other GPUs take the same rules."""
     bm = moe_block_m(M, topk, num_experts)
-    if bm == 16:  # decode: wide N, split-K over the expert's K until the SMs are filled twice
-        bn, warps, stages = (64 if gated else 128), 4, 3
-    elif bm <= 64:  # (sm_90 compile, Triton 3.9: BM 64 / BN 128 over 4 warps took 255 registers)
-        bn, warps, stages = (64, 4, 3) if gated else (128, 8, 3)
-    else:
-        bn, warps, stages = 64 if gated else 128, 8, 3
-    bk = 256 if (bm <= 32 and not gated and Kp % 256 == 0) else K_CHUNK
     T = M * topk
     blocks = max(min(num_experts, T), -(-T // bm))  # the blocks a uniform routing fills
-    split = split_k_for(blocks * -(-N // bn), Kp // bk, sms) if bm <= 32 else 1
-    return Config(bm, bn, bk, split, 8, warps, stages, kernel="moe")
+    bk256 = 256 if Kp % 256 == 0 else K_CHUNK
+    if bm == 16:  # decode
+        if gated:  # 128 columns of each; 64 (and BLOCK_K 128) where even that leaves most SMs idle
+            bn, bk = (128, bk256) if blocks * -(-N // 128) >= sms // 2 else (64, K_CHUNK)
+        else:  # 256 columns where they still give every SM a tile
+            bn, bk = (256, K_CHUNK) if blocks * -(-N // 256) >= sms else (128, bk256)
+        warps = 4
+    elif bm == 32:
+        bn, bk, warps = (64, K_CHUNK, 4) if gated else (256, K_CHUNK, 4)
+    elif bm == 64:  # (sm_90 compile, Triton 3.9: BM 64 / BN 128 over 4 warps took 255 registers)
+        bn, bk, warps = (128, bk256, 8) if gated else (256, K_CHUNK, 8)
+    else:
+        bn, bk, warps = (128, K_CHUNK, 8) if gated else ((128, 256, 8) if Kp % 256 == 0 else (256, K_CHUNK, 8))
+    split = 1
+    tiles = blocks * -(-N // bn)
+    if bm == 16 and tiles < sms:  # split K until every SM has a program (twice, for the gate_up)
+        want = 2 * sms if gated else sms
+        while tiles * split < want and split * 2 <= Kp // bk and split < 16:
+            split *= 2
+    return Config(bm, bn, bk, split, 8, warps, 3, kernel="moe")
 
 
 # ----------------------------------------------------------------------------------
