@@ -222,9 +222,29 @@ class _Entry:
     file: str
     shape: Tuple[int, ...]
     dtype: str  # safetensors dtype name: "I32", "F16", ...
+    key: str  # the tensor's name in the file
 
 
-def _read_headers(path: str) -> Dict[str, _Entry]:
+class _Entries(dict):
+    """The checkpoint's tensors by the model's names for them (transformers' key renamings
+    applied, checkpoint_moe.KeyNames): name -> _Entry."""
+
+    def __init__(self, entries: Dict[str, _Entry], names=None):
+        super().__init__()
+        self.names = names
+        for key, e in entries.items():
+            name = names.to_model(key) if names is not None else key
+            if name in self:
+                raise ValueError(f"tensors {self[name].key} and {key} both load into {name}")
+            self[name] = e
+
+    def stored(self, name: str) -> str:
+        """The key the files use (or would use) for the model's tensor `name`: for messages."""
+        e = self.get(name)
+        return e.key if e is not None else self.names.to_checkpoint(name) if self.names is not None else name
+
+
+def _read_headers(path: str) -> _Entries:
     """Every tensor of the checkpoint: name -> (file, shape, dtype), from the headers only."""
     from safetensors import safe_open
 
@@ -252,20 +272,20 @@ def _read_headers(path: str) -> Dict[str, _Entry]:
                 if key in entries:
                     raise ValueError(f"tensor {key} is in both {entries[key].file} and {file}")
                 s = f.get_slice(key)
-                entries[key] = _Entry(file, tuple(s.get_shape()), s.get_dtype())
+                entries[key] = _Entry(file, tuple(s.get_shape()), s.get_dtype(), key)
     if weight_map is not None:
         missing = sorted(set(weight_map) - set(entries))
         if missing:
             raise ValueError(f"{index_file} lists tensors that its shards do not hold: {missing[:5]}")
-    return entries
+    return _Entries(entries)
 
 
 def _check_tensor(entries, key: str, shape, dtypes) -> None:
     e = entries.get(key)
     if e is None:
-        raise ValueError(f"the checkpoint has no tensor {key}")
+        raise ValueError(f"the checkpoint has no tensor {entries.stored(key)}")
     if e.shape != tuple(shape) or e.dtype not in dtypes:
-        raise ValueError(f"{key} must be {' or '.join(dtypes)} of shape {tuple(shape)}, "
+        raise ValueError(f"{e.key} must be {' or '.join(dtypes)} of shape {tuple(shape)}, "
                          f"got {e.dtype} {e.shape}")
 
 
@@ -331,10 +351,14 @@ class _Plan:
     params: Dict[str, list]  # checkpoint key -> every parameter name it fills (ties)
     buffers: list  # buffers the checkpoint stores (else they keep their computed values)
     zero_biases: list  # bias tensors of bias-free layers: must hold zeros (checked on load)
+    experts: dict  # experts module name -> checkpoint_moe.ExpertsPlan (quantized MoE experts)
 
 
-def _plan(model: nn.Module, entries: Dict[str, _Entry], spec: _Spec) -> _Plan:
+def _plan(model: nn.Module, entries: _Entries, spec: _Spec, names) -> _Plan:
     """Match the checkpoint's tensors to the model; raise on anything that does not fit."""
+    from .checkpoint_moe import plan_experts
+    experts, zero_biases = plan_experts(model, entries, spec, names)
+    claimed = {key for p in experts.values() for key in p.keys}
     modules = dict(model.named_modules())
     field = "ignore" if spec.method == CT else "modules_to_not_convert"
     for entry in spec.not_convert if spec.method != CT else ():  # CT's patterns may name none
@@ -344,7 +368,7 @@ def _plan(model: nn.Module, entries: Dict[str, _Entry], spec: _Spec) -> _Plan:
     head = _output_layer_name(model)
     layers: Dict[str, nn.Linear] = {}
     for key in entries:
-        if not key.endswith(marker):
+        if not key.endswith(marker) or key in claimed:
             continue
         name = key[: -len(marker)]
         module = modules.get(name)
@@ -367,13 +391,13 @@ def _plan(model: nn.Module, entries: Dict[str, _Entry], spec: _Spec) -> _Plan:
             raise ValueError(f"{name} is quantized in the checkpoint (it has {key}) but "
                              f"quantization_config.lm_head is false (or absent); allowed: lm_head true")
         layers[name] = module
-    if not layers:
+    if not layers and not experts:
         raise ValueError(f"the checkpoint has no quantized layer (no tensor named *{marker})")
     if spec.lm_head and head not in layers:
         raise ValueError(f"quantization_config.lm_head=True but the checkpoint has no {head}{marker}; "
                          f"allowed: lm_head false for a checkpoint whose {head} is not quantized")
 
-    used, zero_biases = set(), []
+    used = set(claimed)
     for name, linear in layers.items():
         for suffix, (shape, dtypes) in _layer_tensors(spec, linear).items():
             _check_tensor(entries, f"{name}.{suffix}", shape, dtypes)
@@ -395,7 +419,7 @@ def _plan(model: nn.Module, entries: Dict[str, _Entry], spec: _Spec) -> _Plan:
             used.add(bias)
 
     # Every other parameter: tied parameters (one object under several names) need one key.
-    inside = tuple(f"{name}." for name in layers)
+    inside = tuple(f"{name}." for name in (*layers, *experts))
     groups: Dict[int, list] = {}
     for pname, p in model.named_parameters(remove_duplicate=False):
         if not pname.startswith(inside):
@@ -404,19 +428,19 @@ def _plan(model: nn.Module, entries: Dict[str, _Entry], spec: _Spec) -> _Plan:
     for group in groups.values():
         present = [pname for pname, _ in group if pname in entries]
         if not present:
-            raise ValueError(f"the checkpoint has no tensor {group[0][0]}")
+            raise ValueError(f"the checkpoint has no tensor {entries.stored(group[0][0])}")
         key, shape = present[0], tuple(group[0][1].shape)
         if entries[key].shape != shape:
-            raise ValueError(f"{key} has shape {entries[key].shape}, the model expects {shape}")
+            raise ValueError(f"{entries.stored(key)} has shape {entries[key].shape}, the model expects {shape}")
         params[key] = [pname for pname, _ in group]
         used.update(present)
     buffers = [b for b, _ in model.named_buffers() if b in entries and not b.startswith(inside)]
     used.update(buffers)
-    unexpected = sorted(set(entries) - used)
+    unexpected = sorted(entries.stored(k) for k in set(entries) - used)
     if unexpected:
         raise ValueError(f"the checkpoint holds {len(unexpected)} tensor(s) the model has no place for: "
                          f"{unexpected[:5]}")
-    return _Plan(layers, params, buffers, zero_biases)
+    return _Plan(layers, params, buffers, zero_biases, experts)
 
 
 def _output_layer_name(model: nn.Module) -> Optional[str]:
@@ -435,11 +459,11 @@ class _Reader:
     def __call__(self, key: str, index: Optional[tuple] = None) -> torch.Tensor:
         """Tensor `key`, or its part `index` (one slice per dim): safetensors reads only that part."""
         from safetensors import safe_open
-        file = self.entries[key].file
-        if file not in self.files:
-            self.files[file] = self.stack.enter_context(safe_open(file, framework="pt"))
-        f = self.files[file]
-        return f.get_tensor(key) if index is None else f.get_slice(key)[index]
+        e = self.entries[key]
+        if e.file not in self.files:
+            self.files[e.file] = self.stack.enter_context(safe_open(e.file, framework="pt"))
+        f = self.files[e.file]
+        return f.get_tensor(e.key) if index is None else f.get_slice(e.key)[index]
 
 
 # What each axis of a layer's tensors indexes: (feature, elements per feature as num / den);
@@ -701,15 +725,26 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()  # ties (e.g. lm_head to the embedding) decide which keys are needed
-    plan = _plan(model, entries, spec)
+    from .checkpoint_moe import KeyNames, read_experts
+    names = KeyNames(model)
+    entries = _Entries(entries, names)  # the checkpoint's keys as transformers renames them
+    plan = _plan(model, entries, spec, names)
 
     with contextlib.ExitStack() as stack:
         read = _Reader(entries, stack)
         tp, rank, world = _tensor_parallel(model, plan, spec, read, device_mesh, tp_plan)
         for key in plan.zero_biases:
             if bool(read(key).any()):
-                raise ValueError(f"{key} is not zero, but the model's layer has no bias")
+                raise ValueError(f"{entries.stored(key)} is not zero, but the model's layer has no bias")
         lossy = {}  # layer -> (largest relative change of a weight, of a bias value)
+        for name, experts in plan.experts.items():  # MoE experts: QuantExperts, read expert by expert
+            src = _DTYPES[experts.scale_dtype]
+            how = f"load_quantized(..., allow_lossy_scales=True) (dtype={src} keeps them exact)"
+            layer, change = read_experts(read, spec, name, experts, dtype, device,
+                                         allow_lossy_scales=allow_lossy_scales, how=how)
+            if change:
+                lossy[name] = (change, 0.0)
+            model.set_submodule(name, layer)
         for name, linear in plan.layers.items():
             try:
                 split = (tp[name][0], rank, world, tp[name][2]) if name in tp else None
@@ -744,7 +779,8 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
     if lossy:
         worst = max(lossy, key=lambda n: lossy[n][0])
         warn_lossy_cast("load_quantized", src, dtype, lossy[worst][0], max(b for _, b in lossy.values()),
-                        f" in {len(lossy)} of {len(plan.layers)} quantized layers (largest in {worst})")
+                        f" in {len(lossy)} of {len(plan.layers) + len(plan.experts)} quantized layers"
+                        f"{' and experts modules' if plan.experts else ''} (largest in {worst})")
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:  # _plan accounts for every parameter; this guards against a model that re-creates some
         raise RuntimeError(f"parameters left unloaded: {left[:5]}")
@@ -753,6 +789,8 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
         # (generate, resize_token_embeddings) from hanging the embedding on it
         model.config.tie_word_embeddings = False
     model = model.to(device).eval()
+    if plan.experts:
+        model.sailfish_report = {"experts": list(plan.experts)}
     if fuse:  # a rank's q / k / v shards fuse into the shard of the fused layer (fuse.shard_fused)
         model = fuse_projections(model)
     for name, (dim, style, _) in tp.items():
@@ -806,36 +844,43 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
     if w4a8:
         raise TypeError(f"{w4a8[0]} is a QuantLinearW4A8: W4A8 (QQQ) layers have no standard checkpoint "
                         f"format, so save_quantized cannot write them ({len(w4a8)} such layers)")
+    from .checkpoint_moe import KeyNames, experts_weights
+    from .moe import QuantExperts
     layers = {n: m for n, m in unfused_layers(model).items() if isinstance(m, QuantLinear)}  # fused: per projection
-    if not layers:
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, QuantExperts)}
+    if not layers and not experts:
         raise ValueError("model has no QuantLinear layer to save (quantize it with sailfish.quantize_model)")
-    for what, values in (("group sizes", {n: m.group_size for n, m in layers.items()}),
-                         ("dtypes", {n: m.dtype for n, m in layers.items()})):
+    quantized = {**layers, **experts}
+    for what, values in (("group sizes", {n: m.group_size for n, m in quantized.items()}),
+                         ("dtypes", {n: m.dtype for n, m in quantized.items()})):
         distinct = sorted(set(values.values()), key=str)
         if len(distinct) > 1:
             example = {v: next(n for n in values if values[n] == v) for v in distinct}
-            raise ValueError(f"the QuantLinear layers have different {what} {distinct} (e.g. {example}); "
-                             f"a {format} checkpoint has one for the whole model")
-    first = next(iter(layers.values()))
+            raise ValueError(f"the QuantLinear layers and QuantExperts have different {what} {distinct} (e.g. "
+                             f"{example}); a {format} checkpoint has one for the whole model")
+    first = next(iter(quantized.values()))
     if os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path)):
         raise FileExistsError(f"{path} already holds *.safetensors files; save into an empty directory")
 
+    names = KeyNames(model)
     weights = {name: layer.quantized_weight() for name, layer in layers.items()}
+    weights.update(experts_weights(model, names))  # every expert's gate, up and down as a layer
     zero_0 = [n for n, qw in weights.items() if qw.zeros is not None and bool((qw.zeros == 0).any())]
     checkpoint_format = "gptq_v2" if zero_0 else "gptq"
-    sym, act_order = all(m.sym for m in layers.values()), any(m.act_order for m in layers.values())
+    sym = all(m.sym for m in layers.values()) and all(m.w13_zeros is None for m in experts.values())
+    act_order = any(m.act_order for m in layers.values())
     write = {"gptq": lambda qw: to_gptq(qw, checkpoint_format), "awq": to_awq,
              CT: lambda qw: to_compressed_tensors(qw, symmetric=sym, actorder=act_order)}[format]
     tensors: Dict[str, torch.Tensor] = {}
-    for name, layer in layers.items():
+    for name, qw in weights.items():
         try:
-            packed = write(weights[name])
+            packed = write(qw)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from e
-        if layer.bias is not None:
-            packed["bias"] = layer.bias
+        if name in layers and layers[name].bias is not None:
+            packed["bias"] = layers[name].bias
         tensors.update({f"{name}.{k}": v for k, v in packed.items()})
-    inside = tuple(f"{name}." for name in layers)
+    inside = tuple(f"{name}." for name in quantized)
     seen = set()
     for key, t in model.state_dict().items():
         ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
@@ -843,7 +888,8 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
             continue  # quantized layers are written above; tied weights once (the loader re-ties)
         seen.add(ident)
         tensors[key] = t
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    # under the keys transformers' save_pretrained writes (Mixtral: block_sparse_moe, not mlp)
+    tensors = {names.to_checkpoint(k): v.detach().to("cpu").contiguous() for k, v in tensors.items()}
 
     shards, size = [{}], 0
     for key, t in tensors.items():
