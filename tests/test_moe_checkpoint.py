@@ -20,6 +20,7 @@ from test_formats import gptq_dequant, gptq_pack
 from helpers import desc_act_g_idx
 import sailfish
 from sailfish import QuantExperts, QuantLinear, load_quantized, save_quantized
+from sailfish.formats.int4 import QuantizedWeight
 from sailfish.fuse import unfused_layers
 
 transformers = pytest.importorskip("transformers")
@@ -52,9 +53,9 @@ def experts_prefix(arch, layer):
     return f"model.layers.{layer}.{block}.experts"
 
 
-def tiny_model(arch, seed=0):
+def tiny_model(arch, seed=0, dtype=F16):
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch), dtype=F16).eval()
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch), dtype=dtype).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.05)
@@ -70,12 +71,13 @@ def logits(model):
 # ----------------------------------------------------------------------------------
 # Round trip: quantize_model -> save_quantized -> load_quantized
 # ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("arch,fmt,gs,sym", [
-    ("mixtral", "gptq", 32, False), ("mixtral", "awq", 32, True), ("qwen3_moe", "gptq", -1, True),
-    ("qwen3_moe", "awq", 32, False), ("qwen2_moe", "gptq", 32, False), ("qwen2_moe", "compressed-tensors", 32, True),
-])
-def test_roundtrip(tmp_path, reference_path, arch, fmt, gs, sym):  # noqa: F811
-    model = tiny_model(arch)
+@pytest.mark.parametrize("arch,fmt,gs,sym,dtype", [
+    ("mixtral", "gptq", 32, False, F16), ("mixtral", "awq", 32, True, F16), ("qwen3_moe", "gptq", -1, True, F16),
+    ("qwen3_moe", "awq", 32, False, torch.bfloat16), ("qwen2_moe", "gptq", 32, False, F16),
+    ("qwen2_moe", "compressed-tensors", 32, True, F16),
+], ids=lambda v: str(v).removeprefix("torch."))
+def test_roundtrip(tmp_path, reference_path, arch, fmt, gs, sym, dtype):  # noqa: F811
+    model = tiny_model(arch, dtype=dtype)
     sailfish.quantize_model(model, group_size=gs, sym=sym)
     assert len(model.sailfish_report["experts"]) == LAYERS
     save_quantized(model, str(tmp_path), format=fmt)
@@ -311,3 +313,66 @@ def test_lossy_expert_scales(tmp_path):
     with pytest.warns(UserWarning, match=rf"in {LAYERS} of {LAYERS} quantized layers and experts modules"):
         model = load_quantized(str(tmp_path), dtype=torch.bfloat16, allow_lossy_scales=True)
     assert model.model.layers[0].mlp.experts.dtype == torch.bfloat16
+
+
+def test_load_reads_no_float_weights(tmp_path, monkeypatch):
+    """Experts go from the file's packed words to the stacked layout without a float weight:
+    loading never dequantizes (the scales are exact in the model dtype, so nothing asks to)."""
+    experts, _ = write_moe_checkpoint(tmp_path, "mixtral", "gptq", 32, False, "gptq_v2")
+
+    def refuse(self, rounded=True):
+        raise AssertionError("load_quantized dequantized a weight")
+
+    monkeypatch.setattr(QuantizedWeight, "dequantize", refuse)
+    model = load_quantized(str(tmp_path), fuse=False)
+    monkeypatch.undo()
+    gate_up, down = model.model.layers[1].mlp.experts.dequantize()
+    assert torch.equal(gate_up, experts["model.layers.1.mlp.experts"][0])
+
+
+def test_tensor_parallel_load_keeps_experts_whole(tmp_path):
+    """With a device mesh, the plan's layers (here the shared expert's) are split and the experts
+    load whole."""
+    from test_tp_load import StandInMesh
+    from sailfish.parallel import SailfishColwiseParallel, SailfishRowwiseParallel
+
+    write_moe_checkpoint(tmp_path, "qwen2_moe", "gptq", 32, False)
+    plan = {**{f"model.layers.*.mlp.shared_expert.{p}_proj": SailfishColwiseParallel() for p in ("gate", "up")},
+            "model.layers.*.mlp.shared_expert.down_proj": SailfishRowwiseParallel()}
+    whole = load_quantized(str(tmp_path), fuse=False)
+    part = load_quantized(str(tmp_path), fuse=False, device_mesh=StandInMesh(1, 2), tp_plan=plan)
+    assert part.model.layers[0].mlp.shared_expert.gate_proj.out_features == 2 * I // 2
+    for name in whole.sailfish_report["experts"]:
+        ours, theirs = dict(whole.get_submodule(name).named_buffers()), dict(part.get_submodule(name).named_buffers())
+        assert ours.keys() == theirs.keys() and all(torch.equal(v, theirs[k]) for k, v in ours.items())
+
+
+def test_pack_into():
+    """pack_into (one expert at a time into a preallocated stack) gives formats.experts.stack's
+    bits; a symmetric weight in a stack with zero points gets zero point 8; refusals."""
+    from dataclasses import replace
+    from sailfish.formats.experts import PackedExperts, pack_into, stack
+    from sailfish.formats.int4 import quantize
+    from sailfish.formats.shard import slice_weight
+
+    weights = [quantize(torch.randn(2 * I, H), group_size=32, sym=False) for _ in range(3)]
+    ref = stack(weights)
+    out = PackedExperts(torch.zeros_like(ref.qweight), torch.zeros_like(ref.scales), torch.zeros_like(ref.zeros),
+                        H, 32)
+    for e, w in enumerate(weights):  # gate rows, then up rows, as the loader fills them
+        pack_into(out, e, 0, slice_weight(w, 0, 0, I))
+        pack_into(out, e, I, slice_weight(w, 0, I, 2 * I))
+    for part in ("qweight", "scales", "zeros"):
+        assert torch.equal(getattr(out, part), getattr(ref, part)), part
+    sym = quantize(torch.randn(2 * I, H), group_size=32, sym=True)
+    pack_into(out, 1, 0, sym)
+    eights = stack([replace(sym, zeros=torch.full_like(sym.scales, 8, dtype=torch.uint8))])
+    assert torch.equal(out.zeros[1], eights.zeros[0]) and torch.equal(out.qweight[1], eights.qweight[0])
+    with pytest.raises(ValueError, match=r"act-order weight \(g_idx\) cannot be stacked"):
+        pack_into(out, 0, 0, replace(sym, g_idx=desc_act_g_idx(H, 32)))
+    with pytest.raises(ValueError, match=r"weight \(K=32, group_size=32, torch.float16\) does not fit the stack "
+                                         r"\(K=64, group_size=32, torch.float16\)"):
+        pack_into(out, 0, 0, quantize(torch.randn(8, 32), group_size=32))
+    sym_stack = PackedExperts(out.qweight, out.scales, None, H, 32)
+    with pytest.raises(ValueError, match="an asymmetric weight .* cannot go into a symmetric stack"):
+        pack_into(sym_stack, 0, 0, weights[0])
