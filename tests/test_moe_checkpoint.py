@@ -376,3 +376,31 @@ def test_pack_into():
     sym_stack = PackedExperts(out.qweight, out.scales, None, H, 32)
     with pytest.raises(ValueError, match="an asymmetric weight .* cannot go into a symmetric stack"):
         pack_into(sym_stack, 0, 0, weights[0])
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_16bit_experts(tmp_path, reference_path, fmt):  # noqa: F811
+    """Experts left in 16 bits are saved per expert ({e}.gate_proj.weight, as transformers writes
+    them) and listed in modules_to_not_convert; they load back into transformers' own experts
+    module, also under an AWQ config that lists them vLLM-style with trailing dots."""
+    model = tiny_model("qwen3_moe")
+    kept = "model.layers.1.mlp.experts"
+    sailfish.quantize_model(model, group_size=32, skip=["lm_head", kept])
+    save_quantized(model, str(tmp_path), format=fmt)
+    keys = load_file(str(tmp_path / "model.safetensors")).keys()
+    assert {f"{kept}.{e}.{p}.weight" for e in range(E) for p in QWEN[1]} <= set(keys)
+    assert not any(k.startswith(f"{kept}.") and not k.endswith(".weight") for k in keys)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert kept in cfg["quantization_config"]["modules_to_not_convert"]
+    if fmt == "awq":  # DeepSeek-V3.2-Exp-AWQ style entries (vLLM matches them as substrings)
+        cfg["quantization_config"]["modules_to_not_convert"] = ["mlp.gate.", "model.layers.1.mlp.experts.", "lm_head"]
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+    loaded = load_quantized(str(tmp_path), fuse=False)
+    assert loaded.sailfish_report["experts"] == ["model.layers.0.mlp.experts"]
+    assert type(loaded.get_submodule(kept)) is type(model.get_submodule(kept))
+    ours, theirs = model.state_dict(), loaded.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(v, theirs[k]) for k, v in ours.items())
+    assert torch.equal(logits(model), logits(loaded))
+    _edit(tmp_path, lambda t: t.pop(f"{kept}.2.up_proj.weight"))
+    with pytest.raises(ValueError, match=rf"the checkpoint has no tensor {kept}.2.up_proj.weight"):
+        load_quantized(str(tmp_path))

@@ -212,8 +212,9 @@ def _ct_ignores(module_name: str, module: nn.Module, entry: str) -> bool:
 
 def _matches(module_name: str, entry: str) -> bool:
     """entry names the module or one of its ancestors, as whole dotted components anywhere in
-    the name ("lm_head", "mlp.gate", "model.layers.0")."""
-    return f".{entry}." in f".{module_name}."
+    the name ("lm_head", "mlp.gate", "model.layers.0"; outer dots are dropped: AWQ checkpoints
+    write "mlp.gate." and "model.layers.0." for vLLM's substring match)."""
+    return f".{entry.strip('.')}." in f".{module_name}."
 
 
 # -- safetensors headers ---------------------------------------------------------------
@@ -391,7 +392,7 @@ def _plan(model: nn.Module, entries: _Entries, spec: _Spec, names) -> _Plan:
             raise ValueError(f"{name} is quantized in the checkpoint (it has {key}) but "
                              f"quantization_config.lm_head is false (or absent); allowed: lm_head true")
         layers[name] = module
-    if not layers and not experts:
+    if not layers and not any(p.quantized for p in experts.values()):
         raise ValueError(f"the checkpoint has no quantized layer (no tensor named *{marker})")
     if spec.lm_head and head not in layers:
         raise ValueError(f"quantization_config.lm_head=True but the checkpoint has no {head}{marker}; "
@@ -725,10 +726,11 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()  # ties (e.g. lm_head to the embedding) decide which keys are needed
-    from .checkpoint_moe import KeyNames, read_experts
+    from .checkpoint_moe import KeyNames, read_experts, read_float_experts
     names = KeyNames(model)
     entries = _Entries(entries, names)  # the checkpoint's keys as transformers renames them
     plan = _plan(model, entries, spec, names)
+    converted = [name for name, experts in plan.experts.items() if experts.quantized]  # -> QuantExperts
 
     with contextlib.ExitStack() as stack:
         read = _Reader(entries, stack)
@@ -737,7 +739,10 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
             if bool(read(key).any()):
                 raise ValueError(f"{entries.stored(key)} is not zero, but the model's layer has no bias")
         lossy = {}  # layer -> (largest relative change of a weight, of a bias value)
-        for name, experts in plan.experts.items():  # MoE experts: QuantExperts, read expert by expert
+        for name, experts in plan.experts.items():  # MoE experts, read expert by expert
+            if not experts.quantized:
+                read_float_experts(read, name, experts, model.get_submodule(name), device)
+                continue
             src = _DTYPES[experts.scale_dtype]
             how = f"load_quantized(..., allow_lossy_scales=True) (dtype={src} keeps them exact)"
             layer, change = read_experts(read, spec, name, experts, dtype, device,
@@ -779,8 +784,8 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
     if lossy:
         worst = max(lossy, key=lambda n: lossy[n][0])
         warn_lossy_cast("load_quantized", src, dtype, lossy[worst][0], max(b for _, b in lossy.values()),
-                        f" in {len(lossy)} of {len(plan.layers) + len(plan.experts)} quantized layers"
-                        f"{' and experts modules' if plan.experts else ''} (largest in {worst})")
+                        f" in {len(lossy)} of {len(plan.layers) + len(converted)} quantized layers"
+                        f"{' and experts modules' if converted else ''} (largest in {worst})")
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:  # _plan accounts for every parameter; this guards against a model that re-creates some
         raise RuntimeError(f"parameters left unloaded: {left[:5]}")
@@ -789,8 +794,8 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
         # (generate, resize_token_embeddings) from hanging the embedding on it
         model.config.tie_word_embeddings = False
     model = model.to(device).eval()
-    if plan.experts:
-        model.sailfish_report = {"experts": list(plan.experts)}
+    if converted:
+        model.sailfish_report = {"experts": converted}
     if fuse:  # a rank's q / k / v shards fuse into the shard of the fused layer (fuse.shard_fused)
         model = fuse_projections(model)
     for name, (dim, style, _) in tp.items():
@@ -844,7 +849,7 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
     if w4a8:
         raise TypeError(f"{w4a8[0]} is a QuantLinearW4A8: W4A8 (QQQ) layers have no standard checkpoint "
                         f"format, so save_quantized cannot write them ({len(w4a8)} such layers)")
-    from .checkpoint_moe import KeyNames, experts_weights
+    from .checkpoint_moe import KeyNames, experts_weights, float_experts_weights
     from .moe import QuantExperts
     layers = {n: m for n, m in unfused_layers(model).items() if isinstance(m, QuantLinear)}  # fused: per projection
     experts = {n: m for n, m in model.named_modules() if isinstance(m, QuantExperts)}
@@ -871,7 +876,7 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
     act_order = any(m.act_order for m in layers.values())
     write = {"gptq": lambda qw: to_gptq(qw, checkpoint_format), "awq": to_awq,
              CT: lambda qw: to_compressed_tensors(qw, symmetric=sym, actorder=act_order)}[format]
-    tensors: Dict[str, torch.Tensor] = {}
+    tensors, float_experts = float_experts_weights(model, names)  # 16-bit experts, per expert too
     for name, qw in weights.items():
         try:
             packed = write(qw)
@@ -880,7 +885,7 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
         if name in layers and layers[name].bias is not None:
             packed["bias"] = layers[name].bias
         tensors.update({f"{name}.{k}": v for k, v in packed.items()})
-    inside = tuple(f"{name}." for name in quantized)
+    inside = tuple(f"{name}." for name in (*quantized, *float_experts))
     seen = set()
     for key, t in model.state_dict().items():
         ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
@@ -911,6 +916,7 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
             json.dump(index, f, indent=2)
 
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in layers]
+    linears += float_experts
     cfg = config.to_dict()
     cfg["dtype" if "dtype" in cfg else "torch_dtype"] = str(first.dtype).removeprefix("torch.")
     if format == "gptq":

@@ -21,7 +21,7 @@ transformers' save_pretrained does.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
 import torch
@@ -92,13 +92,16 @@ class _Dims:
 
 @dataclass
 class ExpertsPlan:
-    """One experts module whose experts the checkpoint stores quantized."""
+    """One experts module whose experts the checkpoint stores per expert: quantized (a
+    QuantExperts), or 16-bit `.weight`s (left unquantized, e.g. by modules_to_not_convert),
+    which load into the module's own 3-D parameters."""
     num_experts: int
     hidden: int
     inter: int
     projections: Tuple[str, str, str]  # the checkpoint's gate, up, down names
-    keys: List[str]  # every checkpoint tensor its experts use (model names)
-    scale_dtype: str = ""  # safetensors dtype of every expert's scales
+    quantized: bool
+    keys: List[str] = field(default_factory=list)  # every checkpoint tensor its experts use (model names)
+    scale_dtype: str = ""  # safetensors dtype of every expert's scales (quantized)
 
     def dims(self) -> Dict[str, _Dims]:
         gate, up, down = self.projections
@@ -108,9 +111,10 @@ class ExpertsPlan:
 
 def plan_experts(model: nn.Module, entries, spec, names: KeyNames) -> Tuple[Dict[str, ExpertsPlan], list]:
     """({experts module name: plan}, zero bias keys) for every transformers experts module whose
-    experts the checkpoint stores quantized, every tensor checked from the headers: each
-    expert present, with the shapes and dtypes the format gives its projections, one scale
-    dtype for all. Raise ValueError naming the key otherwise."""
+    experts the checkpoint stores per expert, every tensor checked from the headers: each
+    expert present, with the shapes and dtypes the format gives its projections (16-bit:
+    (I, H) gate / up and (H, I) down weights), one scale dtype for all. Raise ValueError
+    naming the key otherwise."""
     modules = {n: m for n, m in model.named_modules() if n and is_experts_module(m)}
     found: Dict[str, list] = {}
     for key in entries:
@@ -120,26 +124,32 @@ def plan_experts(model: nn.Module, entries, spec, names: KeyNames) -> Tuple[Dict
     marker = {CT: "weight_packed", "marlin": "B", "qqq": "B"}.get(spec.method, "qweight")
     plans, zero_biases = {}, []
     for name, matches in found.items():
-        if not any(m.group(4) == marker for m in matches):
-            continue  # 16-bit experts: the dense plan loads (or refuses) them
         module = modules[name]
-        first = entries.stored(next(m.group(0) for m in matches if m.group(4) == marker))
-        if spec.method not in _METHODS:
+        quantized = [m.group(0) for m in matches if m.group(4) == marker]
+        first = entries.stored((quantized or [matches[0].group(0)])[0])
+        if quantized and spec.method not in _METHODS:
             raise _field_error("quant_method", spec.method, f"MoE experts (such as {first}) from quant_method "
                                f"{_METHODS}")
         reason = experts_reason(module)
         if reason:
-            raise ValueError(f"{first}: the checkpoint holds quantized experts, but {name} "
-                             f"({type(module).__name__}) cannot become a QuantExperts: {reason}")
+            raise ValueError(f"{first}: the checkpoint stores {name}'s experts one by one, but its "
+                             f"{type(module).__name__} cannot take them (as a QuantExperts or stacked): {reason}")
         e_count, two_i, hidden = module.gate_up_proj.shape
-        plan = ExpertsPlan(e_count, hidden, two_i // 2, names.projections, [])
+        plan = plans[name] = ExpertsPlan(e_count, hidden, two_i // 2, names.projections, bool(quantized))
         dims = plan.dims()
         for m in matches:
             e, proj = int(m.group(2)), m.group(3)
             if e >= e_count or proj not in dims:
                 raise ValueError(f"{entries.stored(m.group(0))}: {name} has experts 0..{e_count - 1} with "
                                  f"projections {tuple(dims)}; the checkpoint holds expert {e}, projection {proj!r}")
-        field = "ignore" if spec.method == CT else "modules_to_not_convert"
+        if not quantized:
+            for e in range(e_count):
+                for proj, d in dims.items():
+                    key = f"{name}.{e}.{proj}.weight"
+                    _check_tensor(entries, key, (d.out_features, d.in_features), _HALF + ("F32",))
+                    plan.keys.append(key)
+            continue
+        where = "ignore" if spec.method == CT else "modules_to_not_convert"
         for e in range(e_count):
             for proj, d in dims.items():
                 base = f"{name}.{e}.{proj}"
@@ -147,7 +157,7 @@ def plan_experts(model: nn.Module, entries, spec, names: KeyNames) -> Tuple[Dict
                            if (_ct_ignores(base, None, s) if spec.method == CT else _matches(base, s))]
                 if skipped:
                     raise ValueError(f"{entries.stored(base)} is quantized in the checkpoint but "
-                                     f"quantization_config.{field} lists {skipped[0]!r}")
+                                     f"quantization_config.{where} lists {skipped[0]!r}")
                 for suffix, (shape, dtypes) in _layer_tensors(spec, d).items():
                     _check_tensor(entries, f"{base}.{suffix}", shape, dtypes)
                     plan.keys.append(f"{base}.{suffix}")
@@ -165,8 +175,22 @@ def plan_experts(model: nn.Module, entries, spec, names: KeyNames) -> Tuple[Dict
             raise ValueError(f"{entries.stored(odd[0])} is {entries[odd[0]].dtype} but {entries.stored(scales[0])} "
                              f"is {entries[scales[0]].dtype}; allowed: one scale dtype for all experts of {name}")
         plan.scale_dtype = entries[scales[0]].dtype
-        plans[name] = plan
     return plans, zero_biases
+
+
+def read_float_experts(read, name: str, plan: ExpertsPlan, module: nn.Module, device) -> None:
+    """16-bit per-expert weights into the module's own gate_up_proj (E, 2I, H; gate rows first)
+    and down_proj (E, H, I), expert by expert, in the dtype transformers gave them."""
+    gate, up, down = plan.projections
+    like = module.gate_up_proj
+    gate_up = torch.empty(like.shape, dtype=like.dtype, device=device)
+    down_proj = torch.empty(module.down_proj.shape, dtype=module.down_proj.dtype, device=device)
+    for e in range(plan.num_experts):
+        for proj, out, rows in ((gate, gate_up, slice(0, plan.inter)), (up, gate_up, slice(plan.inter, None)),
+                                (down, down_proj, slice(None))):
+            out[e, rows] = read(f"{name}.{e}.{proj}.weight").to(device=device, dtype=out.dtype)
+    for attr, value in (("gate_up_proj", gate_up), ("down_proj", down_proj)):
+        module._parameters[attr] = nn.Parameter(value, requires_grad=False)
 
 
 def read_experts(read, spec, name: str, plan: ExpertsPlan, dtype: torch.dtype, device, *,
@@ -217,3 +241,21 @@ def experts_weights(model: nn.Module, names: KeyNames) -> Dict[str, QuantizedWei
             out[f"{name}.{e}.{up}"] = slice_weight(gate_up, 0, i, 2 * i)
             out[f"{name}.{e}.{down}"] = unpack(w2.expert(e))
     return out
+
+
+def float_experts_weights(model: nn.Module, names: KeyNames) -> Tuple[Dict[str, torch.Tensor], List[str]]:
+    """({model name of an expert's weight ({experts}.{e}.{proj}.weight): the weight}, [module
+    names]) of the experts modules left in 16 bits that load_quantized can read back per
+    expert: save_quantized writes them per expert, as transformers' save_pretrained does."""
+    out, modules = {}, []
+    gate, up, down = names.projections
+    for name, module in model.named_modules():
+        if not (is_experts_module(module) and experts_reason(module) is None):
+            continue  # (a module of another layout keeps its own parameters in the file)
+        modules.append(name)
+        i = module.down_proj.shape[2]
+        for e in range(module.gate_up_proj.shape[0]):
+            out[f"{name}.{e}.{gate}.weight"] = module.gate_up_proj[e, :i]
+            out[f"{name}.{e}.{up}.weight"] = module.gate_up_proj[e, i:]
+            out[f"{name}.{e}.{down}.weight"] = module.down_proj[e]
+    return out, modules
