@@ -35,6 +35,11 @@ def tiny_config(arch: str):
                   vocab_size=64, max_position_embeddings=64, dtype="float16", num_experts_per_tok=2)
     if arch == "mixtral":
         return transformers.MixtralConfig(intermediate_size=I, num_local_experts=E, **common)
+    if arch == "deepseek_v2":  # layer 0 dense (first_k_dense_replace), layer 1 MoE with shared experts
+        return transformers.DeepseekV2Config(moe_intermediate_size=I, intermediate_size=2 * I, n_routed_experts=E,
+                                             n_shared_experts=2, first_k_dense_replace=1, kv_lora_rank=32,
+                                             q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                                             **common)
     if arch == "qwen3_moe":
         return transformers.Qwen3MoeConfig(moe_intermediate_size=I, intermediate_size=2 * I, num_experts=E,
                                            head_dim=16, **common)
@@ -74,27 +79,31 @@ def logits(model):
 @pytest.mark.parametrize("arch,fmt,gs,sym,dtype", [
     ("mixtral", "gptq", 32, False, F16), ("mixtral", "awq", 32, True, F16), ("qwen3_moe", "gptq", -1, True, F16),
     ("qwen3_moe", "awq", 32, False, torch.bfloat16), ("qwen2_moe", "gptq", 32, False, F16),
-    ("qwen2_moe", "compressed-tensors", 32, True, F16),
+    ("qwen2_moe", "compressed-tensors", 32, True, F16), ("deepseek_v2", "awq", 32, False, F16),
 ], ids=lambda v: str(v).removeprefix("torch."))
 def test_roundtrip(tmp_path, reference_path, arch, fmt, gs, sym, dtype):  # noqa: F811
     model = tiny_model(arch, dtype=dtype)
     sailfish.quantize_model(model, group_size=gs, sym=sym)
-    assert len(model.sailfish_report["experts"]) == LAYERS
+    converted = model.sailfish_report["experts"]
+    moe_layers = [1] if arch == "deepseek_v2" else range(LAYERS)
+    assert converted == [f"model.layers.{i}.mlp.experts" for i in moe_layers]
     save_quantized(model, str(tmp_path), format=fmt)
     keys = load_file(str(tmp_path / "model.safetensors")).keys()
     block, (gate, up, down) = CKPT.get(arch, QWEN)
     marker = "weight_packed" if fmt == "compressed-tensors" else "qweight"
-    for layer in range(LAYERS):  # per expert, under the names other loaders read
+    for layer in moe_layers:  # per expert, under the names other loaders read
         prefix = experts_prefix(arch, layer)
         assert {f"{prefix}.{e}.{p}.{marker}" for e in range(E) for p in (gate, up, down)} <= set(keys)
         assert f"model.layers.{layer}.{block}.gate.weight" in keys  # the router, 16-bit
     assert not any(k.endswith(("gate_up_proj", "w13_qweight")) for k in keys)
     loaded = load_quantized(str(tmp_path), fuse=False)
-    assert loaded.sailfish_report["experts"] == [f"model.layers.{i}.mlp.experts" for i in range(LAYERS)]
-    assert all(isinstance(loaded.get_submodule(n), QuantExperts) for n in loaded.sailfish_report["experts"])
+    assert loaded.sailfish_report["experts"] == converted
+    assert all(isinstance(loaded.get_submodule(n), QuantExperts) for n in converted)
     if arch == "qwen2_moe":  # the shared expert: ordinary QuantLinears; its gate and the router 16-bit
         assert isinstance(loaded.model.layers[0].mlp.shared_expert.down_proj, QuantLinear)
         assert type(loaded.model.layers[0].mlp.shared_expert_gate) is torch.nn.Linear
+    if arch == "deepseek_v2":
+        assert isinstance(loaded.model.layers[1].mlp.shared_experts.up_proj, QuantLinear)
     ours, theirs = model.state_dict(), loaded.state_dict()
     assert ours.keys() == theirs.keys()
     for key, value in ours.items():

@@ -211,8 +211,10 @@ def read_experts(read, spec, name: str, plan: ExpertsPlan, dtype: torch.dtype, d
             try:
                 qw, _ = _read_layer(read, spec, base, dims[proj], device)
                 if qw.g_idx is not None:
-                    raise ValueError(f"act-order (a g_idx other than k // group_size) is not supported for MoE "
-                                     f"experts (the grouped kernel has none); allowed: desc_act false")
+                    raise ValueError("act-order (a g_idx other than k // group_size) is not supported for MoE "
+                                     "experts (the grouped kernel has none); allowed: desc_act false (GPTQ), "
+                                     "actorder none or \"weight\" (compressed-tensors), or a g_idx equal to "
+                                     "k // group_size")
                 qw, c = cast_scales(qw, dtype, allow_lossy_scales=allow_lossy_scales, how=how)
             except (ValueError, TypeError) as err:
                 raise type(err)(f"{read.entries.stored(base)} (experts {name}): {err}") from err
