@@ -743,7 +743,7 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
             if not experts.quantized:
                 read_float_experts(read, name, experts, model.get_submodule(name), device)
                 continue
-            src = _DTYPES[experts.scale_dtype]
+            src = experts.scale_dtype
             how = f"load_quantized(..., allow_lossy_scales=True) (dtype={src} keeps them exact)"
             layer, change = read_experts(read, spec, name, experts, dtype, device,
                                          allow_lossy_scales=allow_lossy_scales, how=how)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -101,7 +101,7 @@ class ExpertsPlan:
     projections: Tuple[str, str, str]  # the checkpoint's gate, up, down names
     quantized: bool
     keys: List[str] = field(default_factory=list)  # every checkpoint tensor its experts use (model names)
-    scale_dtype: str = ""  # safetensors dtype of every expert's scales (quantized)
+    scale_dtype: Optional[torch.dtype] = None  # every expert's scales' (quantized)
 
     def dims(self) -> Dict[str, _Dims]:
         gate, up, down = self.projections
@@ -174,7 +174,7 @@ def plan_experts(model: nn.Module, entries, spec, names: KeyNames) -> Tuple[Dict
         if odd:
             raise ValueError(f"{entries.stored(odd[0])} is {entries[odd[0]].dtype} but {entries.stored(scales[0])} "
                              f"is {entries[scales[0]].dtype}; allowed: one scale dtype for all experts of {name}")
-        plan.scale_dtype = entries[scales[0]].dtype
+        plan.scale_dtype = {"F16": torch.float16, "BF16": torch.bfloat16}[entries[scales[0]].dtype]
     return plans, zero_biases
 
 
