@@ -747,7 +747,7 @@ def test_save_quantized_errors(tmp_path):
         with pytest.raises(ValueError, match=f"model.layers.0.mlp.up_proj: a zero point of 16 cannot be stored in "
                                              f"{fmt.upper()} format .* allowed 0..15"):
             save_quantized(model, str(tmp_path), format=fmt)
-    with pytest.raises(ValueError, match=r"format='exl2' is not supported; allowed: \('gptq', 'awq', 'compressed-tensors'\)"):
+    with pytest.raises(ValueError, match=r"format='exl2' is not supported; allowed: \('gptq', 'awq', 'compressed-tensors', 'qqq'\)"):
         save_quantized(model, str(tmp_path), format="exl2")
     model.model.layers[0].mlp.up_proj = sailfish_model().model.layers[1].mlp.down_proj  # act-order
     with pytest.raises(ValueError, match=r"up_proj: an act-order weight \(g_idx\) cannot be stored in AWQ"):

@@ -381,3 +381,44 @@ def test_tiny_model_all_modes_on_gpu(tmp_path, capsys):
     assert all(r["transient_bytes"] is not None for r in doc["decode"] if r["mode"] == "eager")
     assert all(r["compile_s"] > 0 for r in doc["decode"] if r["mode"] == "compile")
     assert all(r["compiled_by_generate"] and r["step_us"] > 0 for r in doc["decode"] if r["mode"] == "generate")
+
+
+def test_moe_model_cpu_check(tmp_path, capsys):
+    """The Qwen3-MoE-shaped model: bf16 against W4A16 bf16 by default, every experts module a
+    QuantExperts, and the correctness line against transformers' own experts code holding the
+    dequantized experts."""
+    rc = E.main(["--device", "cpu", "--model", "tiny-moe", "--batches", "1", "--prefill", "0",
+                 "--check-steps", "1", "--out-dir", str(tmp_path), "--name", "moe", "--no-plots"])
+    out = capsys.readouterr().out
+    assert rc == 0, out[-3000:]
+    doc = json.loads((tmp_path / "moe.json").read_text())
+    assert doc["settings"]["variants"] == list(L.MOE_DEFAULT_VARIANTS)
+    assert doc["variants"]["w4a16-bf16"]["experts_modules"] == L.MODELS["tiny-moe"].layers
+    check = next(c for c in doc["correctness"] if c["variant"] == "w4a16-bf16")
+    assert check["ok"] and check["agreement"] >= 0.9 and check["logits_rel_err"] < 1e-2
+    assert "vs bf16" in out
+
+
+def test_moe_split_times_the_experts(monkeypatch):
+    from sailfish.bench import timing as T
+    from sailfish.moe import QuantExperts
+
+    timed = []
+
+    def fake_graph_time_us(calls, replays=20, warmup=2):
+        for c in calls:
+            c()
+        timed.append(len(calls))
+        return 10.0
+
+    monkeypatch.setattr(T, "graph_time_us", fake_graph_time_us)
+    s = _settings(["--model", "tiny-moe", "--batches", "2", "--variants", "bf16,w4a16-bf16", "--context", "40",
+                   "--replays", "3"], cuda=True)
+    runner = E.Runner(s, CPU, RP.Progress(1, stream=io.StringIO()), save=lambda: None)
+    base = L.build_model(L.MODELS["tiny-moe"], 2, CPU, seed=0).to(torch.bfloat16)
+    q = L.make_variant(base, L.VARIANTS["w4a16-bf16"])
+    assert len(L.decoder_experts(q)) == 2 and all(isinstance(m, QuantExperts) for m in L.decoder_experts(q))
+    with torch.no_grad():
+        out = runner.split(q, 2)
+    assert out["experts_calls"] == 2 and out["experts_us"] == 20.0 and timed[1] == 2
+    E.derive(E.Results(split=[dict(variant="w4a16-bf16", batch=2, **out)]), s)  # (no graph row: no rest)

@@ -187,9 +187,9 @@ def reference_ops(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
-def _tiny_llama():
+def _tiny_llama(hidden=128, intermediate=256):
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
                                       pad_token_id=0, eos_token_id=None, bos_token_id=None)
     torch.manual_seed(0)
@@ -254,7 +254,7 @@ def test_quantize_model_gptq_bad_input(reference_ops):
                       (dict(calibration=tokens), "calibration belong to method='gptq'"),
                       (dict(act_order=True), "act_order belong to method='gptq'"),
                       (dict(method="gptq"), "needs calibration="),
-                      (dict(method="gptq", calibration=tokens, act_bits=8, group_size=128), "act_bits=8"),
+                      (dict(progress=True), "progress belong to method='gptq'"),
                       (dict(method="gptq", calibration=[]), "calibration is empty"),
                       (dict(method="gptq", calibration=[torch.randn(1, 8)]), "calibration batch 0 does not run"),
                       (dict(method="gptq", calibration=tokens, percdamp=-1), "percdamp=-1")):
@@ -262,6 +262,8 @@ def test_quantize_model_gptq_bad_input(reference_ops):
             sailfish.quantize_model(model, **kw)
     with pytest.raises(TypeError, match="calibration must be an iterable of batches"):
         sailfish.quantize_model(model, method="gptq", calibration=tokens[0])
+    with pytest.raises(TypeError, match="progress=1 must be a bool"):
+        sailfish.quantize_model(model, method="gptq", calibration=tokens, progress=1)
     with pytest.raises(TypeError, match="calibration batch 0 is a list"):
         sailfish.quantize_model(model, method="gptq", calibration=[[1, 2, 3]])
     assert not any(isinstance(m, sailfish.QuantLinear) for m in model.modules())  # refused before any change
@@ -304,3 +306,21 @@ def test_quantize_model_gptq_unreached_linear_rounds_to_nearest(reference_ops):
     assert len(model.sailfish_report["quantized"]) == 4
     rtn = sailfish.QuantLinear.from_quantized(sailfish.quantize(unused))
     assert torch.equal(model.layers[1].unused.qweight, rtn.qweight)
+
+
+def test_quantize_model_gptq_progress(reference_ops, capsys, monkeypatch):
+    """progress=True: a bar per decoder layer (tqdm), or a line per layer without tqdm;
+    progress=False and the default off a terminal: nothing on stderr."""
+    import sys
+
+    import sailfish
+    tokens = [torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(0))]
+    for progress, want in ((True, "sailfish gptq: 100%"), (False, None), (None, None)):
+        torch.manual_seed(0)
+        sailfish.quantize_model(_Toy().half(), method="gptq", calibration=tokens, progress=progress)
+        err = capsys.readouterr().err
+        assert (want in err and "2/2" in err) if want else "sailfish gptq" not in err, (progress, err)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # tqdm not installed
+    sailfish.quantize_model(_Toy().half(), method="gptq", calibration=tokens, progress=True)
+    err = capsys.readouterr().err
+    assert "sailfish gptq: decoder layer 1/2:" in err and "decoder layer 2/2:" in err, err

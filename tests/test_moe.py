@@ -8,7 +8,7 @@ from helpers import DTYPE_NAMES, U32, UNIT_ROUNDOFF, accumulation_constant, rand
 from sailfish import Config
 from sailfish.formats.experts import PackedExperts, padded_k_experts, quantize_experts, stack
 from sailfish.formats.int4 import QuantizedWeight, quantize
-from sailfish.ops.moe import align_routing, max_blocks, moe_w4a16_launch, moe_w4a16_reference
+from sailfish.ops.moe import Router, align_routing, max_blocks, moe_w4a16_launch, moe_w4a16_reference
 
 F16, BF16 = torch.float16, torch.bfloat16
 SILU_SLOPE = 1.1  # max |silu'(x)| = 1.0998...: a gate error d moves silu(gate) by at most 1.1 |d|
@@ -92,6 +92,19 @@ def test_align_routing(M, topk, E, bm):
     assert bool((used[1:] >= used[:-1]).all()) and bool((bexp[len(used):] == -1).all())
     again = align_routing(ids, E, bm)
     assert torch.equal(again[0], slots) and torch.equal(again[1], bexp)
+
+
+@pytest.mark.parametrize("M,topk,E,bm", [(1, 2, 4, 16), (7, 3, 5, 16), (40, 2, 3, 32), (9, 4, 8, 16),
+                                         (300, 8, 128, 16), (64, 6, 64, 64), (3, 1, 700, 16)])
+def test_routing_kernels_match_torch(M, topk, E, bm, device):
+    """The routing kernels (one chunk: the single-launch form; several chunks, one-hot tiles of
+    16-128 slots) give align_routing's integers exactly, ids outside [0, E) included."""
+    ids = torch.stack([torch.randperm(E)[:topk] for _ in range(M)])
+    ids[0, 0] = E
+    ids[-1, -1] = -1
+    want = align_routing(ids, E, bm)
+    got = Router(E, bm, -1 if device == "cpu" else 0)(ids.to(device).int())
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
 
 
 # ----------------------------------------------------------------------------------
@@ -226,7 +239,7 @@ def zero_problem(E=4, topk=2, M=3, H=128, I=64, gs=64, dtype=F16):
     (lambda a: a.__setitem__(0, torch.zeros(3, 128)), TypeError, "x dtype torch.float32"),
     (lambda a: a.__setitem__(9, 48), ValueError, "group_size=48"),
     (lambda a: a.__setitem__(4, a[4].bfloat16()), ValueError, "w13_scales must be torch.float16"),
-    (lambda a: a.__setitem__(3, a[3][:0]), ValueError, "expert count E=0"),
+    (lambda a: a.__setitem__(3, a[3][:0]), ValueError, r"expert count E=0 .* \[1, 1024\]"),
     (lambda a: a.__setitem__(6, a[6][:, :, :4]), ValueError, "w2_qweight must be int32"),
     (lambda a: a.__setitem__(4, a[4].transpose(1, 2).contiguous().transpose(1, 2)), ValueError,
      "w13_scales must be contiguous"),
@@ -236,6 +249,11 @@ def test_op_bad_input(change, error, match):
     change(args)
     with pytest.raises(error, match=match):
         torch.ops.sailfish.moe_w4a16(*args)
+
+
+def test_op_expert_count_limit():
+    with pytest.raises(ValueError, match=r"expert count E=1025 \(w13_qweight.shape\[0\]\) must lie in \[1, 1024\]"):
+        torch.ops.sailfish.moe_w4a16(*zero_problem(E=1025, I=16))
 
 
 def test_op_top_k_limit():
@@ -257,13 +275,20 @@ def test_bench_moe_smoke(tmp_path):
 
     out = tmp_path / "moe.json"
     assert bench.main(["--smoke", "--routing", "skewed", "--kernels", "sailfish-moe-w4a16,grouped",
-                       "--out", str(out)]) == 0
+                       "--models", "tiny-shared", "--m", "3", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert {r["kernel"] for r in doc["rows"]} == {"sailfish-moe-w4a16", "bf16-grouped"}
-    assert {r["M"] for r in doc["rows"]} == {1, 3} and all(c["ok"] for c in doc["checks"])
+    assert {r["M"] for r in doc["rows"]} == {3} and all(c["ok"] for c in doc["checks"])
     for r in doc["rows"]:
         assert set(r) == {"model", "kernel", "M", "time_us", "limit_fraction", "dtype", "group_size"}
         assert r["time_us"] > 0 and r["limit_fraction"] is None and r["model"].endswith("skewed")
+    # a second run into the same file replaces its own rows and keeps the others
+    assert bench.main(["--smoke", "--routing", "skewed", "--kernels", "grouped", "--models", "tiny-shared", "--m",
+                       "3", "--out", str(out)]) == 0
+    again = json.loads(out.read_text())
+    assert len(again["runs"]) == 2 and len(again["rows"]) == len(doc["rows"])
+    assert [r for r in again["rows"] if r["kernel"] != "bf16-grouped"] == \
+        [r for r in doc["rows"] if r["kernel"] != "bf16-grouped"]
 
 
 _SM90_CHILD = r"""
@@ -298,6 +323,18 @@ for gated, cfg in sorted(tiles, key=str):
         n += 1
         if st is None or not st.wgmma_a_in_registers or wgmma_register_hazard(sass(k.asm["cubin"])):
             bad.append((gated, cfg, dtype, zeros, gs, st))
+# the routing kernels, as Router sizes them for 128 / 16 / 1024 experts (they must compile)
+from sailfish.kernels.moe import _route_count_kernel, _route_place_kernel
+for ep, bt in ((128, 64), (16, 128), (1024, 16)):
+    for fn, sig, consts in ((_route_count_kernel, ("hist_ptr", "sorted_ptr", "T", "E", "S"), {}),
+                            (_route_place_kernel, ("hist_ptr", "sorted_ptr", "bexp_ptr", "T", "E", "NB"),
+                             {"BLOCK_M": 16}),
+                            (_route_place_kernel, ("hist_ptr", "sorted_ptr", "bexp_ptr", "T", "E", "NB"),
+                             {"BLOCK_M": 16, "ONE_CHUNK": True})):
+        sig = {"ids_ptr": "*i64", **{a: ("*i32" if a.endswith("ptr") else "i32") for a in sig}}
+        triton.compile(ast_source(fn, sig, dict(E_POW2=ep, BLOCK_T=bt, **consts)), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4})
+        n += 1
 print("checked", n)
 raise SystemExit(f"not wgmma from registers, or a register hazard: {bad}" if bad else 0)
 """
@@ -311,3 +348,28 @@ def test_moe_kernel_compiles_for_hopper(tmp_path):
     from helpers import run_compile_child
 
     run_compile_child(_SM90_CHILD, tmp_path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("M", [1, 16, 300])
+def test_moe_cuda_graph_and_determinism(M):
+    """On the GPU: the block replayed from a CUDA graph gives the eager bits, and repeated eager
+    calls give the same bits (no atomics); the per-element bound holds."""
+    args, w13, w2 = make_problem(16, 4, M, 512, 256, 128, False, BF16, "cuda")
+    op = torch.ops.sailfish.moe_w4a16
+    eager = op(*args)
+    assert torch.equal(op(*args), eager)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        op(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    ref, bound = moe_bound(args[0].cpu(), args[1].cpu(), args[2].cpu(), w13.dequantize().cpu(),
+                           w2.dequantize().cpu(), BF16)
+    assert_moe_close(eager.cpu(), ref, bound)

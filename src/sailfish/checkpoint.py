@@ -32,7 +32,7 @@ from .formats.awq import from_awq, to_awq
 from .formats.compressed_tensors import from_compressed_tensors, to_compressed_tensors
 from .formats.gptq import CHECKPOINT_FORMATS, from_gptq, to_gptq
 from .formats.marlin import GROUP_SIZES_MARLIN, from_marlin
-from .formats.qqq import from_qqq
+from .formats.qqq import from_qqq, to_qqq
 from .formats.int4 import (GROUP_SIZES, HALF_DTYPES, QuantizedWeight, cast_scales, checked_cast, num_groups,
                            relative_change, warn_lossy_cast)
 from .formats.shard import _group_rows, slice_weight
@@ -44,7 +44,7 @@ SUPPORTED = ('quant_method "gptq" (bits 4, checkpoint_format "gptq", "gptq_v2" o
              '(format "pack-quantized", 4-bit int weights only), "marlin" (group_size 128 or -1) or "qqq" '
              '(wbits 4, group_size 128 or -1)')
 TILED = ("marlin", "qqq")  # Marlin's tile order (formats/marlin.py): B + scales per layer
-SAVE_FORMATS = ("gptq", "awq", "compressed-tensors")
+SAVE_FORMATS = ("gptq", "awq", "compressed-tensors", "qqq")
 CT = "compressed-tensors"
 _CT_ACTORDER = {None: False, False: False, True: True, "group": True, "dynamic": True, "weight": False,
                 "static": False}  # True: a weight_g_idx per layer ("dynamic" / "static" are aliases)
@@ -230,11 +230,11 @@ class _Entries(dict):
     """The checkpoint's tensors by the model's names for them (transformers' key renamings
     applied, checkpoint_moe.KeyNames): name -> _Entry."""
 
-    def __init__(self, entries: Dict[str, _Entry], names=None):
+    def __init__(self, entries: Dict[str, _Entry], naming=None):
         super().__init__()
-        self.names = names
+        self.naming = naming
         for key, e in entries.items():
-            name = names.to_model(key) if names is not None else key
+            name = naming.to_model(key) if naming is not None else key
             if name in self:
                 raise ValueError(f"tensors {self[name].key} and {key} both load into {name}")
             self[name] = e
@@ -242,7 +242,7 @@ class _Entries(dict):
     def stored(self, name: str) -> str:
         """The key the files use (or would use) for the model's tensor `name`: for messages."""
         e = self.get(name)
-        return e.key if e is not None else self.names.to_checkpoint(name) if self.names is not None else name
+        return e.key if e is not None else self.naming.to_checkpoint(name) if self.naming is not None else name
 
 
 def _read_headers(path: str) -> _Entries:
@@ -355,10 +355,10 @@ class _Plan:
     experts: dict  # experts module name -> checkpoint_moe.ExpertsPlan (quantized MoE experts)
 
 
-def _plan(model: nn.Module, entries: _Entries, spec: _Spec, names) -> _Plan:
+def _plan(model: nn.Module, entries: _Entries, spec: _Spec, naming) -> _Plan:
     """Match the checkpoint's tensors to the model; raise on anything that does not fit."""
     from .checkpoint_moe import plan_experts
-    experts, zero_biases = plan_experts(model, entries, spec, names)
+    experts, zero_biases = plan_experts(model, entries, spec, naming)
     claimed = {key for p in experts.values() for key in p.keys}
     modules = dict(model.named_modules())
     field = "ignore" if spec.method == CT else "modules_to_not_convert"
@@ -727,9 +727,9 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()  # ties (e.g. lm_head to the embedding) decide which keys are needed
     from .checkpoint_moe import KeyNames, read_experts, read_float_experts
-    names = KeyNames(model)
-    entries = _Entries(entries, names)  # the checkpoint's keys as transformers renames them
-    plan = _plan(model, entries, spec, names)
+    naming = KeyNames(model)
+    entries = _Entries(entries, naming)  # the checkpoint's keys as transformers renames them
+    plan = _plan(model, entries, spec, naming)
     converted = [name for name, experts in plan.experts.items() if experts.quantized]  # -> QuantExperts
 
     with contextlib.ExitStack() as stack:
@@ -827,13 +827,20 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
     actorder "group" if any layer has act-order, ignore: the other Linear layers}, per layer
     weight_packed / weight_scale / weight_shape (/ weight_zero_point / weight_g_idx)
     (formats.compressed_tensors.to_compressed_tensors).
+    format="qqq" (QQQ W4A8: the QQQ repository, vLLM's quant_method "qqq"; the model's
+    QuantLinearW4A8 layers): {quant_method "qqq", wbits 4, group_size}, per layer B /
+    s_channel / s_group in Marlin's tile order (formats.qqq.to_qqq); out_features a multiple
+    of 64 and in_features of 128 (not 128 itself with group size 128), lm_head not quantized.
+    A model quantized with quantize_model(act_bits=8, method="gptq") holds its smoothing in
+    its norm and projection weights, which are saved as they are.
 
     All QuantLinear layers must share one group size and one dtype (the config has one of
     each); sym / zero_point false are written only if every layer is symmetric (a symmetric
     layer is stored with zero point 8, which reads back as symmetric), desc_act true if any
-    layer has act-order. A zero point of 16 (no format stores it) and QuantLinearW4A8 layers
-    (no standard checkpoint format holds them) are refused. `path` is created if needed and
-    must not already hold *.safetensors files; nothing is written when a layer is refused.
+    layer has act-order. A zero point of 16 (no format stores it) and a layer of the other
+    kind (QuantLinearW4A8 in a W4A16 format, QuantLinear in "qqq") are refused. `path` is
+    created if needed and must not already hold *.safetensors files; nothing is written when
+    a layer is refused.
     """
     _require_hf()
     from safetensors.torch import save_file
@@ -845,38 +852,46 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
         raise ValueError(f"max_shard_size={max_shard_size!r} must be a positive number of bytes")
     if format not in SAVE_FORMATS:
         raise ValueError(f"format={format!r} is not supported; allowed: {SAVE_FORMATS}")
-    w4a8 = [n for n, m in model.named_modules() if isinstance(m, QuantLinearW4A8)]
-    if w4a8:
-        raise TypeError(f"{w4a8[0]} is a QuantLinearW4A8: W4A8 (QQQ) layers have no standard checkpoint "
-                        f"format, so save_quantized cannot write them ({len(w4a8)} such layers)")
     from .checkpoint_moe import KeyNames, experts_weights, float_experts_weights
     from .moe import QuantExperts
-    layers = {n: m for n, m in unfused_layers(model).items() if isinstance(m, QuantLinear)}  # fused: per projection
+    kind, other = (QuantLinearW4A8, QuantLinear) if format == "qqq" else (QuantLinear, QuantLinearW4A8)
+    wrong = [n for n, m in unfused_layers(model).items() if isinstance(m, other)]
+    if wrong:
+        raise TypeError(f"{wrong[0]} is a {other.__name__}: format={format!r} holds {kind.__name__} layers only "
+                        f"({len(wrong)} such layers; W4A8 layers save with format='qqq', W4A16 ones with 'gptq', "
+                        f"'awq' or 'compressed-tensors')")
     experts = {n: m for n, m in model.named_modules() if isinstance(m, QuantExperts)}
+    if experts and format == "qqq":
+        raise TypeError(f"{next(iter(experts))} is a QuantExperts (W4A16 experts): format='qqq' holds "
+                        f"QuantLinearW4A8 layers only; W4A16 experts save with 'gptq', 'awq' or 'compressed-tensors'")
+    layers = {n: m for n, m in unfused_layers(model).items() if isinstance(m, kind)}  # fused: per projection
     if not layers and not experts:
-        raise ValueError("model has no QuantLinear layer to save (quantize it with sailfish.quantize_model)")
+        raise ValueError(f"model has no {kind.__name__} layer to save (quantize it with sailfish.quantize_model)")
+    if format == "qqq" and _output_layer_name(model) in layers:
+        raise ValueError(f"{_output_layer_name(model)} is quantized, but a QQQ checkpoint keeps the output layer in "
+                         f"fp16 (quantize_model's default skip=('lm_head',) leaves it so)")
     quantized = {**layers, **experts}
-    for what, values in (("group sizes", {n: m.group_size for n, m in quantized.items()}),
-                         ("dtypes", {n: m.dtype for n, m in quantized.items()})):
+    dtypes = {} if format == "qqq" else {n: m.dtype for n, m in quantized.items()}
+    for what, values in (("group sizes", {n: m.group_size for n, m in quantized.items()}), ("dtypes", dtypes)):
         distinct = sorted(set(values.values()), key=str)
         if len(distinct) > 1:
             example = {v: next(n for n in values if values[n] == v) for v in distinct}
-            raise ValueError(f"the QuantLinear layers and QuantExperts have different {what} {distinct} (e.g. "
-                             f"{example}); a {format} checkpoint has one for the whole model")
+            raise ValueError(f"the quantized layers have different {what} {distinct} (e.g. {example}); "
+                             f"a {format} checkpoint has one for the whole model")
     first = next(iter(quantized.values()))
     if os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path)):
         raise FileExistsError(f"{path} already holds *.safetensors files; save into an empty directory")
 
-    names = KeyNames(model)
+    naming = KeyNames(model)
     weights = {name: layer.quantized_weight() for name, layer in layers.items()}
-    weights.update(experts_weights(model, names))  # every expert's gate, up and down as a layer
-    zero_0 = [n for n, qw in weights.items() if qw.zeros is not None and bool((qw.zeros == 0).any())]
+    weights.update(experts_weights(model, naming))  # every expert's gate, up and down as a layer
+    zero_0 = [n for n, qw in weights.items() if getattr(qw, "zeros", None) is not None and bool((qw.zeros == 0).any())]
     checkpoint_format = "gptq_v2" if zero_0 else "gptq"
-    sym = all(m.sym for m in layers.values()) and all(m.w13_zeros is None for m in experts.values())
-    act_order = any(m.act_order for m in layers.values())
-    write = {"gptq": lambda qw: to_gptq(qw, checkpoint_format), "awq": to_awq,
+    sym = all(getattr(m, "sym", True) for m in layers.values()) and all(m.w13_zeros is None for m in experts.values())
+    act_order = any(getattr(m, "act_order", False) for m in layers.values())
+    write = {"gptq": lambda qw: to_gptq(qw, checkpoint_format), "awq": to_awq, "qqq": to_qqq,
              CT: lambda qw: to_compressed_tensors(qw, symmetric=sym, actorder=act_order)}[format]
-    tensors, float_experts = float_experts_weights(model, names)  # 16-bit experts, per expert too
+    tensors, float_experts = float_experts_weights(model, naming)  # 16-bit experts, per expert too
     for name, qw in weights.items():
         try:
             packed = write(qw)
@@ -894,7 +909,7 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
         seen.add(ident)
         tensors[key] = t
     # under the keys transformers' save_pretrained writes (Mixtral: block_sparse_moe, not mlp)
-    tensors = {names.to_checkpoint(k): v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    tensors = {naming.to_checkpoint(k): v.detach().to("cpu").contiguous() for k, v in tensors.items()}
 
     shards, size = [{}], 0
     for key, t in tensors.items():
@@ -918,8 +933,12 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in layers]
     linears += float_experts
     cfg = config.to_dict()
-    cfg["dtype" if "dtype" in cfg else "torch_dtype"] = str(first.dtype).removeprefix("torch.")
-    if format == "gptq":
+    dtype = getattr(model, "dtype", torch.float16) if format == "qqq" else first.dtype  # W4A8 takes either
+    cfg["dtype" if "dtype" in cfg else "torch_dtype"] = str(dtype).removeprefix("torch.")
+    if format == "qqq":  # the QQQ repository's quant_config (vLLM's "qqq")
+        qc = {"quant_method": "qqq", "wbits": 4, "group_size": first.group_size,
+              "modules_to_not_convert": linears or None}
+    elif format == "gptq":
         qc = {"quant_method": "gptq", "bits": 4, "group_size": first.group_size, "desc_act": act_order,
               "sym": sym, "checkpoint_format": checkpoint_format, "lm_head": "lm_head" in layers,
               "modules_to_not_convert": linears or None}

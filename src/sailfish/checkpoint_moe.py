@@ -109,7 +109,7 @@ class ExpertsPlan:
                 down: _Dims(self.inter, self.hidden)}
 
 
-def plan_experts(model: nn.Module, entries, spec, names: KeyNames) -> Tuple[Dict[str, ExpertsPlan], list]:
+def plan_experts(model: nn.Module, entries, spec, naming: KeyNames) -> Tuple[Dict[str, ExpertsPlan], list]:
     """({experts module name: plan}, zero bias keys) for every transformers experts module whose
     experts the checkpoint stores per expert, every tensor checked from the headers: each
     expert present, with the shapes and dtypes the format gives its projections (16-bit:
@@ -135,7 +135,7 @@ def plan_experts(model: nn.Module, entries, spec, names: KeyNames) -> Tuple[Dict
             raise ValueError(f"{first}: the checkpoint stores {name}'s experts one by one, but its "
                              f"{type(module).__name__} cannot take them (as a QuantExperts or stacked): {reason}")
         e_count, two_i, hidden = module.gate_up_proj.shape
-        plan = plans[name] = ExpertsPlan(e_count, hidden, two_i // 2, names.projections, bool(quantized))
+        plan = plans[name] = ExpertsPlan(e_count, hidden, two_i // 2, naming.projections, bool(quantized))
         dims = plan.dims()
         for m in matches:
             e, proj = int(m.group(2)), m.group(3)
@@ -226,12 +226,12 @@ def read_experts(read, spec, name: str, plan: ExpertsPlan, dtype: torch.dtype, d
     return layer, change
 
 
-def experts_weights(model: nn.Module, names: KeyNames) -> Dict[str, QuantizedWeight]:
+def experts_weights(model: nn.Module, naming: KeyNames) -> Dict[str, QuantizedWeight]:
     """{model name of an expert projection ({experts}.{e}.{proj}): its QuantizedWeight} for every
     QuantExperts of `model` (formats.experts' exact unstacking): save_quantized writes each
     as a layer, under the projection names transformers reads."""
     out = {}
-    gate, up, down = names.projections
+    gate, up, down = naming.projections
     for name, layer in model.named_modules():
         if not isinstance(layer, QuantExperts):
             continue
@@ -245,12 +245,12 @@ def experts_weights(model: nn.Module, names: KeyNames) -> Dict[str, QuantizedWei
     return out
 
 
-def float_experts_weights(model: nn.Module, names: KeyNames) -> Tuple[Dict[str, torch.Tensor], List[str]]:
+def float_experts_weights(model: nn.Module, naming: KeyNames) -> Tuple[Dict[str, torch.Tensor], List[str]]:
     """({model name of an expert's weight ({experts}.{e}.{proj}.weight): the weight}, [module
     names]) of the experts modules left in 16 bits that load_quantized can read back per
     expert: save_quantized writes them per expert, as transformers' save_pretrained does."""
     out, modules = {}, []
-    gate, up, down = names.projections
+    gate, up, down = naming.projections
     for name, module in model.named_modules():
         if not (is_experts_module(module) and experts_reason(module) is None):
             continue  # (a module of another layout keeps its own parameters in the file)

@@ -650,18 +650,28 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
                    skip: Iterable[str] = ("lm_head",), act_bits: int = 16,
                    dtype: Optional[torch.dtype] = None, fuse: bool = True, method: str = "rtn",
                    calibration=None, act_order: bool = False, static_groups: bool = False,
-                   percdamp: float = 0.01, device=None) -> nn.Module:
+                   percdamp: float = 0.01, device=None, progress: Optional[bool] = None) -> nn.Module:
     """Replace, in place, every nn.Linear whose shape Sailfish supports.
 
-    method="rtn" (default): round to nearest. method="gptq" (W4A16 only): GPTQ with the
-    `calibration` batches (an iterable of input_ids tensors or dicts of model inputs),
-    decoder layer by decoder layer (sailfish.calibrate.model: true sequential, each layer
-    processed on `device`, default where it is, then moved back); act_order, static_groups,
-    percdamp as calibrate.gptq_quantize. Linears outside the decoder layers (lm_head when not
-    skipped) or never reached by the calibration are rounded to nearest. The report (below)
-    gains "gptq": {name: {"seconds", "error"}} (error: mean squared output error per
-    calibration token, summed over outputs); progress is logged per Linear and layer. If GPTQ
-    fails (ValueError naming the module), the Linears it finished hold their quantized weights.
+    method="rtn" (default): round to nearest. method="gptq": GPTQ with the `calibration`
+    batches (an iterable of input_ids tensors or dicts of model inputs), decoder layer by
+    decoder layer (sailfish.calibrate.model: true sequential, each layer processed on
+    `device`, default where it is, then moved back); act_order, static_groups, percdamp as
+    calibrate.gptq_quantize. With act_bits=8 it is QQQ's method: each decoder layer's Linear
+    inputs are first smoothed (per-channel scales searched on the calibration activations and
+    folded exactly into the RMSNorm weights, and into v_proj / up_proj rows for o_proj /
+    down_proj: sailfish.calibrate.smooth; the model's norm and projection weights change, its
+    function does not), then GPTQ onto the W4A8 format (calibrate.gptq_quantize_qqq;
+    act_order with group_size=128 uses static groups), with each quantized Linear's input
+    quantized per token to int8 in the later passes, as QuantLinearW4A8 does. Linears
+    outside the decoder layers (lm_head when not skipped) or never reached by the calibration
+    are rounded to nearest. The report (below) gains "gptq": {name: {"seconds", "error",
+    and for W4A8 "smoothing"}} (error: mean squared output error per calibration token,
+    summed over outputs; calibrate.model.gptq_model). progress: a progress bar per decoder
+    layer (tqdm if installed, else a line per layer on stderr); default None shows it only
+    when stderr is a terminal, False never; per-Linear progress is logged (logger
+    "sailfish", INFO) either way. If GPTQ fails (ValueError naming the module), the Linears
+    it finished hold their quantized weights.
 
     act_bits=16: QuantLinear (W4A16); act_bits=8: QuantLinearW4A8 (group_size -1 or 128).
     dtype (W4A16 only): the layers' dtype, float16 or bfloat16; default, as in
@@ -697,7 +707,7 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
     else:
         _check_group_size(group_size)
     _check_layer_dtype(dtype, act_bits)
-    gptq = gptq_options(method, calibration, act_bits, act_order, static_groups, percdamp, device)
+    gptq = gptq_options(method, calibration, act_bits, act_order, static_groups, percdamp, device, progress)
     skip = module_names(skip, "skip")
     if not isinstance(model, nn.Module) or isinstance(model, nn.Linear):
         # (a Linear cannot replace itself in place: it would be returned unchanged)
@@ -730,7 +740,8 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
     for module, name in targets.items():
         others = names[module][1:]
         try:
-            layer = QuantLinear.from_quantized(solved[module], module.bias) if module in solved else \
+            layer = (QuantLinearW4A8 if act_bits == 8 else QuantLinear).from_quantized(solved[module], module.bias) \
+                if module in solved else \
                 QuantLinear.from_linear(module, bits=bits, group_size=group_size, sym=sym, dtype=dtype,
                                         act_bits=act_bits)
         except ValueError as e:

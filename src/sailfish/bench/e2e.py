@@ -5,11 +5,14 @@
     python -m sailfish.bench.e2e --batches 1,16 --variants fp16,w4a16,w4a8    # --budget-s 400: ~7-8 min
     python -m sailfish.bench.e2e --batches 1,16 --variants fp16,w4a16,w4a16-unfused,w4a8,w4a8-unfused  # fusion's gain
     python -m sailfish.bench.e2e --model 70b --layers 8        # 70B layer shapes, 8 of its 80 layers
+    python -m sailfish.bench.e2e --model qwen3-moe             # Qwen3-30B-A3B shapes (MoE), 8 of 48 layers, bf16
     python -m sailfish.bench.e2e --quick                       # 4 layers of the 8B, batches 1,16
     python -m sailfish.bench.e2e --device cpu                  # tiny model: every code path, times meaningless
 
-Models: transformers' LlamaForCausalLM from a LlamaConfig with random weights (nothing is
-downloaded), sdpa attention, transformers' StaticCache. Variants, converted with
+Models: transformers' LlamaForCausalLM from a LlamaConfig (Qwen3MoeForCausalLM for qwen3-moe and
+tiny-moe: 128 experts of width 768, top-8, experts run by transformers' grouped_mm; quantized:
+sailfish.QuantExperts) with random weights (nothing is downloaded), sdpa attention,
+transformers' StaticCache. Variants, converted with
 sailfish.quantize_model (lm_head stays in the model dtype, except in w4a16-lmhead): fp16, bf16,
 w4a16 (sym, group 128, fp16), w4a16-asym-bf16 (asym, group 128, bf16: the GPTQ format), w4a8 (int8 per-token
 activations, group 128, fp16). The quantized variants run q/k/v and gate/up fused (one layer
@@ -73,7 +76,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .__main__ import parse_ints
-from .llama import DEFAULT_VARIANTS, MODELS, VARIANTS
+from .llama import DEFAULT_VARIANTS, MODELS, MOE_DEFAULT_VARIANTS, VARIANTS
 
 MODES = ("eager", "graph", "compile", "generate")
 DEFAULT_MODES = MODES[:3]
@@ -84,6 +87,7 @@ GEN_PROMPT = 16  # prompt tokens of the generate mode (CPU: 4)
 GEN_SHORT = 4  # new tokens of its short call
 DEFAULT_BATCHES = (1, 4, 16, 64)
 DEFAULT_70B_LAYERS = 8
+DEFAULT_LAYERS = {"70b": DEFAULT_70B_LAYERS, "qwen3-moe": 8}  # models run extrapolated by default
 QUICK = dict(layers=4, batches=(1, 16), variants=("fp16", "w4a16", "w4a8"), prefill=512)
 CPU = dict(model="tiny", context=32, batches=(1, 2), prefill=16, warmup=0, steps=1, prefill_reps=1, gen_tokens=2,
            check_batch=2, check_steps=2, check_prompt=8)
@@ -97,6 +101,12 @@ MIN_AGREEMENT_W4A16 = 0.9
 # ----------------------------------------------------------------------------------
 # arguments
 # ----------------------------------------------------------------------------------
+def default_variants(model: str):
+    """What runs without --variants: the MoE models run bf16 (transformers' grouped_mm experts
+    kernels are bf16 ones) against W4A16 in bf16."""
+    return MOE_DEFAULT_VARIANTS if MODELS[model].moe else DEFAULT_VARIANTS
+
+
 def parse_names(text: str, allowed: Sequence[str], what: str) -> List[str]:
     """'all' or a comma list of names from `allowed`; returned in `allowed` order."""
     items = [t.strip().lower() for t in text.split(",") if t.strip()]
@@ -113,9 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(MODELS), default=None, help="default 8b (CPU: tiny)")
     ap.add_argument("--layers", type=int, default=None,
-                    help=f"decoder layers to build (default all; 70b: {DEFAULT_70B_LAYERS}); fewer than the "
+                    help="decoder layers to build (default all; " + ", ".join(f"{m}: {n}" for m, n in DEFAULT_LAYERS.items())
+                         + "); fewer than the "
                          "model's: whole-model numbers are extrapolated")
-    ap.add_argument("--variants", default=None, help="comma list or all (default: all but the -unfused ones and w4a16-lmhead): "
+    ap.add_argument("--variants", default=None, help="comma list or all (default: all but the -unfused ones, w4a16-lmhead and w4a16-bf16; "
+                    "MoE models: bf16,w4a16-bf16): "
                     + ", ".join(VARIANTS))
     ap.add_argument("--modes", default=None,
                     help="comma list of eager, graph, compile, generate, or all (default eager, graph, compile; "
@@ -201,10 +213,10 @@ def resolve(args, cuda: bool, ap: argparse.ArgumentParser) -> Settings:
     model = args.model or cpu.get("model", "8b")
     full = MODELS[model].layers
     layers = args.layers if args.layers is not None else (
-        min(full, QUICK["layers"]) if q else (DEFAULT_70B_LAYERS if model == "70b" else full))
+        min(full, QUICK["layers"]) if q else DEFAULT_LAYERS.get(model, full))
     try:
         variants = parse_names(args.variants, list(VARIANTS), "variant") if args.variants else (
-            list(QUICK["variants"]) if q else list(DEFAULT_VARIANTS))
+            list(QUICK["variants"]) if q else list(default_variants(model)))
         modes = parse_names(args.modes, MODES, "mode") if args.modes else (list(DEFAULT_MODES) if cuda else ["eager"])
         batches = parse_ints(args.batches, "batch", ", comma separated") if args.batches else list(
             cpu.get("batches") or (QUICK["batches"] if q else DEFAULT_BATCHES))
@@ -361,6 +373,7 @@ class Runner:
                 "build_s": round(time.monotonic() - t0, 3), "weight_bytes": tensor_bytes(model),
                 "decoder_linear_bytes": sum(tensor_bytes(m) for _, m in decoder_linears(model)),
                 "quantized_layers": None if report is None else len(report["quantized"]),
+                "experts_modules": None if report is None else len(report.get("experts", [])),
                 "skipped_layers": None if report is None else report["skipped"],
                 "fused_layers": None if report is None else sorted(report.get("fused", {})),
                 "not_fused": None if report is None else report.get("not_fused", {})}
@@ -480,7 +493,7 @@ class Runner:
         """Decoder linear layers alone, and the head alone, each in its own CUDA graph."""
         import torch
 
-        from .llama import base_dtype, decoder_linears
+        from .llama import base_dtype, decoder_experts, decoder_linears
         from .timing import graph_time_us
 
         dtype = base_dtype(model)
@@ -490,6 +503,18 @@ class Runner:
         for c in calls:
             c()
         linears_us = graph_time_us(calls, replays=self.s.replays) * len(calls)
+        experts = decoder_experts(model)
+        experts_us = None
+        if experts:  # every MoE block's experts on one fixed uniform routing (the router is a linear above)
+            shape = MODELS[self.s.model]
+            gen = torch.Generator().manual_seed(self.s.seed)
+            ids = torch.rand(batch, shape.experts, generator=gen).topk(shape.topk, dim=1).indices.to(self.device)
+            w = torch.softmax(torch.randn(batch, shape.topk, generator=gen), -1).to(self.device, dtype)
+            x = torch.randn(batch, shape.hidden, dtype=dtype, device=self.device)
+            calls = [functools.partial(m, x, ids, w) for m in experts]
+            for c in calls:
+                c()
+            experts_us = graph_time_us(calls, replays=self.s.replays) * len(calls)
         ids = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         emb, norm, head = model.get_input_embeddings(), model.model.norm, model.lm_head
 
@@ -498,7 +523,8 @@ class Runner:
 
         head_fn()
         head_us = graph_time_us([head_fn], replays=self.s.replays)
-        return {"linears_us": linears_us, "linear_calls": len(calls), "head_us": head_us}
+        return {"linears_us": linears_us, "linear_calls": len(lins), "head_us": head_us,
+                **({"experts_us": experts_us, "experts_calls": len(experts)} if experts else {})}
 
     def prefill(self, model) -> dict:
         import torch
@@ -530,7 +556,7 @@ class Runner:
         from .llama import dequantized_reference, greedy_agreement
 
         v = VARIANTS[name]
-        ref = dequantized_reference(model) if v.quant is not None else None
+        ref = dequantized_reference(model, self.base_in(v.dtype)) if v.quant is not None else None
         try:
             out = greedy_agreement(model, ref, batch=self.s.check_batch, prompt=self.s.check_prompt,
                                    steps=self.s.check_steps, seed=self.s.seed)
@@ -609,9 +635,10 @@ class Runner:
             return
         row = dict(variant=name, mode=mode, batch=batch, **out)
         self.res.decode.append(row)
-        base = next((r for r in self.res.decode if r["variant"] == "fp16" and r["mode"] == mode
+        ref = "fp16" if "fp16" in self.s.variants or "bf16" not in self.s.variants else "bf16"
+        base = next((r for r in self.res.decode if r["variant"] == ref and r["mode"] == mode
                      and r["batch"] == batch), None)
-        vs = f"  {base['step_us'] / row['step_us']:5.2f}x fp16" if base is not None and name != "fp16" else ""
+        vs = f"  {base['step_us'] / row['step_us']:5.2f}x {ref}" if base is not None and name != ref else ""
         self.prog.line(f"{name:<16} {mode:<8} batch {batch:<4} step {row['step_us'] / 1e3:9.3f} ms{vs}"
                        + (f"  (compiled in {row['compile_s']:.0f} s)" if "compile_s" in row else ""), counted=True)
 
@@ -666,7 +693,7 @@ def derive(res: Results, s: Settings) -> None:
     for r in res.split:
         step = graph.get((r["variant"], r["batch"]))
         r["step_graph_us"] = step
-        r["rest_us"] = None if step is None else step - r["linears_us"] - r["head_us"]
+        r["rest_us"] = None if step is None else step - r["linears_us"] - r["head_us"] - r.get("experts_us", 0.0)
 
 
 def _ms(us) -> str:
@@ -693,9 +720,10 @@ def _pct(part, whole) -> str:
 def summary(res: Results, s: Settings) -> str:
     """Markdown tables: decode, split, prefill, memory."""
     out = []
+    base = "fp16" if "fp16" in s.variants or "bf16" not in s.variants else "bf16"  # the MoE runs: bf16
     modes = [m for m in MODES if any(r["mode"] == m for r in res.decode)]
     if modes:
-        head = ["variant", "batch"] + [f"{m}: ms, tok/s, vs fp16" for m in modes]
+        head = ["variant", "batch"] + [f"{m}: ms, tok/s, vs {base}" for m in modes]
         out += ["Decode step" + (f" (whole model extrapolated from {s.layers} of {s.full_layers} layers)"
                                  if s.extrapolated else "") + ":",
                 "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -705,28 +733,33 @@ def summary(res: Results, s: Settings) -> str:
                 for m in modes:
                     r = next((x for x in res.decode if (x["variant"], x["mode"], x["batch"]) == (name, m, b)), None)
                     cells.append("-" if r is None else
-                                 f"{_ms(r['whole_model_us'])} ms, {r['tokens_per_s']:.0f}, {_x(r['speedup_vs_fp16'])}")
+                                 f"{_ms(r['whole_model_us'])} ms, {r['tokens_per_s']:.0f}, {_x(r[f'speedup_vs_{base}'])}")
                 if any(c != "-" for c in cells):
                     out.append(f"| {name} | {b} | " + " | ".join(cells) + " |")
     if res.split:
-        out += ["", f"Split of the graph step ({s.layers} layers; parts timed in their own CUDA graphs):",
-                "| variant | batch | step ms | decoder linears | embed+norm+lm_head+argmax | rest: attention, norms, rotary, cache |",
-                "|---|---|---|---|---|---|"]
+        moe = any("experts_us" in r for r in res.split)
+        out += ["", f"Split of the graph step ({s.layers} layers; parts timed in their own CUDA graphs"
+                + ("; experts: one fixed uniform routing" if moe else "") + "):",
+                "| variant | batch | step ms | decoder linears | " + ("MoE experts | " if moe else "")
+                + "embed+norm+lm_head+argmax | rest: attention, norms, rotary, cache" + (", routing" if moe else "")
+                + " |", "|---|---|---|---|---|---|" + ("---|" if moe else "")]
         for r in res.split:
             st = r["step_graph_us"]
+            ex = f"{_ms(r['experts_us'])} ms ({_pct(r['experts_us'], st)}) | " if moe else ""
             out.append(f"| {r['variant']} | {r['batch']} | {_ms(st)} | {_ms(r['linears_us'])} ms ({_pct(r['linears_us'], st)}) "
-                       f"| {_ms(r['head_us'])} ms ({_pct(r['head_us'], st)}) | {_ms(r['rest_us'])} ms ({_pct(r['rest_us'], st)}) |")
+                       f"| {ex}{_ms(r['head_us'])} ms ({_pct(r['head_us'], st)}) | {_ms(r['rest_us'])} ms ({_pct(r['rest_us'], st)}) |")
         minor = [f"{r['variant']} b={r['batch']}" for r in res.split
-                 if r["step_graph_us"] and r["linears_us"] < 0.5 * r["step_graph_us"]]
+                 if r["step_graph_us"] and r["linears_us"] + r.get("experts_us", 0.0) < 0.5 * r["step_graph_us"]]
         if minor:
-            out.append("The decoder's linear layers are under half of the step (the rest dominates) for: "
+            out.append("The decoder's linear layers" + (" and experts" if moe else "")
+                       + " are under half of the step (the rest dominates) for: "
                        + ", ".join(minor))
     if res.prefill:
         out += ["", "Prefill (batch 1, no graph" + (f", {s.layers} layers" if s.extrapolated else "") + "):",
-                "| variant | tokens | ms | tokens/s | vs fp16 |", "|---|---|---|---|---|"]
+                f"| variant | tokens | ms | tokens/s | vs {base} |", "|---|---|---|---|---|"]
         for r in res.prefill:
             out.append(f"| {r['variant']} | {r['tokens']} | {_ms(r['time_us'])} | {r['tokens_per_s']:.0f} "
-                       f"| {_x(r['speedup_vs_fp16'])} |")
+                       f"| {_x(r[f'speedup_vs_{base}'])} |")
     if res.variants:
         out += ["", "Memory" + (f" ({s.layers} layers)" if s.extrapolated else "") +
                 ": weights, and the transient of one step (peak minus resident):",
@@ -775,7 +808,7 @@ def default_name(key: str, s: Settings) -> str:
     """e2e_<gpu>_<model>[_L<layers>][_<variants>][_<modes>]: runs with different subsets do
     not overwrite each other."""
     parts = [f"e2e_{key}_{s.model}"] + ([f"L{s.layers}"] if s.extrapolated else [])
-    parts += ["-".join(s.variants)] if s.variants != list(DEFAULT_VARIANTS) else []
+    parts += ["-".join(s.variants)] if s.variants != list(default_variants(s.model)) else []
     parts += ["-".join(s.modes)] if s.modes != list(DEFAULT_MODES) and s.cuda else []
     return "_".join(parts)
 

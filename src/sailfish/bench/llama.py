@@ -1,6 +1,8 @@
-"""Llama-3-shaped `transformers` models for the end-to-end benchmark (bench/e2e.py).
+"""Llama-3- and Qwen3-MoE-shaped `transformers` models for the end-to-end benchmark (bench/e2e.py).
 
-The models are transformers' own LlamaForCausalLM with random weights (nothing is downloaded)
+The models are transformers' own LlamaForCausalLM / Qwen3MoeForCausalLM (its experts run by
+transformers' default experts implementation, grouped_mm in transformers 5) with random weights
+(nothing is downloaded)
 and its own StaticCache, so a decode step here is the step a transformers user runs. That needs
 transformers >= 5, whose StaticCache layers keep their write position in a device tensor
 (`cumulative_length`) and whose Llama derives the token positions from it: a step then has no
@@ -17,6 +19,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..moe import QuantExperts, is_experts_module
 from ..nn import QuantLinear, QuantLinearW4A8, quantize_model
 
 
@@ -29,6 +32,16 @@ class ModelShape:
     heads: int
     kv_heads: int
     vocab: int
+    # mixture of experts (Qwen3-MoE architecture) when experts > 0: every decoder layer's MLP is
+    # `experts` experts of width moe_intermediate, top-k routed (intermediate is then unused)
+    experts: int = 0
+    topk: int = 0
+    moe_intermediate: int = 0
+    head_dim: int = 0  # 0: hidden // heads
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
 
 
 MODELS: Dict[str, ModelShape] = {
@@ -37,6 +50,10 @@ MODELS: Dict[str, ModelShape] = {
     # The CPU check: every code path at a size the Triton interpreter gets through in seconds
     # (K = 128 and 256 keep group size 128 legal).
     "tiny": ModelShape("tiny Llama (CPU check)", 128, 256, 2, 4, 2, 512),
+    "qwen3-moe": ModelShape("Qwen3-30B-A3B", 2048, 6144, 48, 32, 4, 151936, experts=128, topk=8,
+                            moe_intermediate=768, head_dim=128),
+    "tiny-moe": ModelShape("tiny Qwen3-MoE (CPU check)", 128, 256, 2, 4, 2, 512, experts=4, topk=2,
+                           moe_intermediate=128, head_dim=32),
 }
 
 
@@ -63,12 +80,16 @@ VARIANTS: Dict[str, Variant] = {v.name: v for v in (
     Variant("w4a16-lmhead", "W4A16 sym g128 fp16, lm_head quantized", torch.float16,
             dict(group_size=128, sym=True, skip=())),
     Variant("bf16", "bf16", torch.bfloat16, None),
+    Variant("w4a16-bf16", "W4A16 sym g128 bf16", torch.bfloat16, dict(group_size=128, sym=True)),
     Variant("w4a16-asym-bf16", "W4A16 asym g128 bf16 (GPTQ-style)", torch.bfloat16,
             dict(group_size=128, sym=False)),
 )}
-# What runs without --variants: all but the unfused twins and the quantized lm_head.
+# What runs without --variants: all but the unfused twins, the quantized lm_head and the sym
+# bf16 W4A16 (the MoE models' variant: transformers' grouped_mm experts are bf16 kernels).
 DEFAULT_VARIANTS = tuple(n for n, v in VARIANTS.items()
-                         if (v.quant or {}).get("fuse", True) and "skip" not in (v.quant or {}))
+                         if (v.quant or {}).get("fuse", True) and "skip" not in (v.quant or {})
+                         and n != "w4a16-bf16")
+MOE_DEFAULT_VARIANTS = ("bf16", "w4a16-bf16")
 
 
 def require_transformers() -> str:
@@ -90,6 +111,19 @@ def require_transformers() -> str:
 
 
 def llama_config(shape: ModelShape, layers: int):
+    if shape.moe:
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+            moe_intermediate_size=shape.moe_intermediate, num_experts=shape.experts,
+            num_experts_per_tok=shape.topk, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+            num_hidden_layers=layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+            head_dim=shape.head_dim or shape.hidden // shape.heads, hidden_act="silu",
+            max_position_embeddings=8192, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+            attention_bias=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+            attn_implementation="sdpa")
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -112,13 +146,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(shape: ModelShape, layers: int, device: torch.device, seed: int = 0) -> nn.Module:
-    """A float16 LlamaForCausalLM with `layers` decoder layers and transformers' random init
-    (normal, std 0.02), created directly on `device` in float16 (no float32 copy)."""
-    from transformers import LlamaForCausalLM
+    """A float16 LlamaForCausalLM (Qwen3MoeForCausalLM for a MoE shape) with `layers` decoder
+    layers and transformers' random init (normal, std 0.02), created directly on `device` in
+    float16 (no float32 copy)."""
+    from transformers import LlamaForCausalLM, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
     with _default_dtype(torch.float16), torch.device(device):
-        model = LlamaForCausalLM(llama_config(shape, layers))
+        model = (Qwen3MoeForCausalLM if shape.moe else LlamaForCausalLM)(llama_config(shape, layers))
     return model.eval().requires_grad_(False)
 
 
@@ -145,13 +180,27 @@ def base_dtype(model: nn.Module) -> torch.dtype:
     return model.get_input_embeddings().weight.dtype
 
 
-def dequantized_reference(model: nn.Module) -> nn.Module:
+def dequantized_reference(model: nn.Module, base: Optional[nn.Module] = None) -> nn.Module:
     """A copy of `model` with every Sailfish layer replaced by an nn.Linear (model dtype)
     holding layer.dequantize(): the weights the kernels multiply by, so the two models differ
-    only in how the products are computed (and, W4A8, in the int8 activations)."""
+    only in how the products are computed (and, W4A8, in the int8 activations). A QuantExperts
+    becomes a copy of the experts module of the same name in `base` (the model it was quantized
+    from: transformers' own experts code) holding the dequantized experts."""
     ref = shared_copy(model)
     dtype = base_dtype(model)
     for name, mod in list(ref.named_modules()):
+        if isinstance(mod, QuantExperts):
+            if base is None:
+                raise ValueError(f"{name} is a QuantExperts: pass the base model it was quantized from")
+            orig = base.get_submodule(name)
+            twin = copy.copy(orig)  # transformers' module, its own parameter dict (base keeps its own)
+            twin._parameters = dict(orig._parameters)
+            w13, w2 = mod.dequantize()
+            twin.gate_up_proj = nn.Parameter(w13.to(dtype), requires_grad=False)
+            twin.down_proj = nn.Parameter(w2.to(dtype), requires_grad=False)
+            parent, _, child = name.rpartition(".")
+            setattr(ref.get_submodule(parent) if parent else ref, child, twin)
+            continue
         if not isinstance(mod, (QuantLinear, QuantLinearW4A8)):
             continue
         lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None,
@@ -173,6 +222,11 @@ def tensor_bytes(module: nn.Module) -> int:
             seen.add(key)
             total += t.untyped_storage().nbytes()
     return total
+
+
+def decoder_experts(model: nn.Module) -> List[nn.Module]:
+    """The MoE experts modules (transformers' or QuantExperts) of the decoder layers."""
+    return [m for _, m in model.model.layers.named_modules() if isinstance(m, QuantExperts) or is_experts_module(m)]
 
 
 def decoder_linears(model: nn.Module) -> List[Tuple[str, nn.Module]]:

@@ -178,18 +178,42 @@ def limit_us(M, H, I, E, topk, shared, ids, kernel, dtype_bytes, group_size, hbm
     return t
 
 
+def merge_previous(path: str, doc: dict) -> dict:
+    """An existing result file at `path` from the same GPU keeps its rows and checks that this
+    run did not measure (same model, kernel, M, dtype, group size: replaced), and its runs: so
+    the models can be run one command each (a device call's time limit) into one file."""
+    import json
+
+    if not os.path.exists(path):
+        return doc
+    with open(path) as f:
+        old = json.load(f)
+    if old.get("gpu") != doc["gpu"]:
+        return doc
+    key = lambda r: (r["model"], r["kernel"], r["M"], r.get("dtype"), r.get("group_size"))  # noqa: E731
+    new = {key(r) for r in doc["rows"]}
+    ckey = lambda c: (c["model"], c["kernel"], c["M"])  # noqa: E731
+    cnew = {ckey(c) for c in doc["checks"]}
+    return {**doc, "runs": old.get("runs", []) + doc["runs"],
+            "rows": [r for r in old.get("rows", []) if key(r) not in new] + doc["rows"],
+            "checks": [c for c in old.get("checks", []) if ckey(c) not in cnew] + doc["checks"]}
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sailfish.bench.moe", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.split("\n")[2:]))
-    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated, from: " + ", ".join(MODELS))
-    ap.add_argument("--m", default=",".join(map(str, M_LIST)), help="token counts M")
+    ap.add_argument("--models", help="comma-separated, from: " + ", ".join(MODELS) + " (default: all; --smoke: "
+                                     + ", ".join(SMOKE_MODELS) + ")")
+    ap.add_argument("--m", help="token counts M (default: " + ",".join(map(str, M_LIST)) + "; --smoke: 1,3)")
     ap.add_argument("--kernels", default=",".join(KERNELS), help="from: " + ", ".join(KERNELS))
     ap.add_argument("--routing", default="uniform,skewed", help="uniform, skewed or both")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--out", required=True, help="JSON result path (e.g. benchmarks/results/moe_h100.json)")
+    ap.add_argument("--out", required=True, help="JSON result path (e.g. benchmarks/results/moe_h100.json); an "
+                                                 "existing file of the same GPU keeps the rows this run does not "
+                                                 "measure")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes and M = 1, 3: checks the code path "
                                                          "(times meaningless, limit_fraction null)")
     args = ap.parse_args(argv)
@@ -200,8 +224,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     cuda = torch.cuda.is_available() and not args.smoke
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    models = SMOKE_MODELS if args.smoke else {k: MODELS[k] for k in args.models.split(",")}
-    ms = (1, 3) if args.smoke else tuple(int(m) for m in args.m.split(","))
+    table = SMOKE_MODELS if args.smoke else MODELS
+    names = list(table) if args.models is None else args.models.split(",")
+    for n in names:
+        if n not in table:
+            ap.error(f"--models: {n!r} is not one of {', '.join(table)}")
+    models = {n: table[n] for n in names}
+    ms = tuple(int(m) for m in args.m.split(",")) if args.m else (1, 3) if args.smoke else M_LIST
     kernels = args.kernels.split(",")
     for k in kernels:
         if k not in KERNELS:
@@ -212,7 +241,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows, checks = [], []
     for name, (H, I, E, topk, shared) in models.items():
         one = make_experts(H, I, E, shared, dtype, args.group_size, device, "sailfish-quantlinear-loop" in kernels, 0)
-        nbytes = one.q13.qweight.numel() * 4 * 2 + one.w13.numel() * 2 * 2
+        # copies from the bytes a call reads at the smallest M (its routed experts, 4-bit): a
+        # Qwen3 M = 1 call reads 18 MiB, so two copies would both stay in the H100's 50 MB L2
+        per_expert = (one.q13.qweight[0].numel() + one.q2.qweight[0].numel()) * 4
+        nbytes = min(E, min(ms) * topk) * per_expert
         copies = timing.copies_needed(nbytes) if cuda else 1
         exs = [one] + [make_experts(H, I, E, shared, dtype, args.group_size, device,
                                     "sailfish-quantlinear-loop" in kernels, r) for r in range(1, copies)]
@@ -262,13 +294,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         if cuda:
             torch.cuda.empty_cache()
     import triton
-    doc = {"gpu": torch.cuda.get_device_name() if cuda else "cpu (smoke: times meaningless)",
-           "torch": torch.__version__, "triton": triton.__version__, "hbm_gbps": hbm, "half_flop_per_us": peak,
-           "command": " ".join(["python -m sailfish.bench.moe"] + (argv if argv is not None else sys.argv[1:])),
+    run = {"command": " ".join(["python -m sailfish.bench.moe"] + (argv if argv is not None else sys.argv[1:])),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "env": {k: v for k, v in os.environ.items() if k.startswith("SAILFISH_")},
-           "rows": rows, "checks": checks}
-    report.write_json(args.out, doc)
+           "hbm_gbps": hbm, "half_flop_per_us": peak,
+           "env": {k: v for k, v in os.environ.items() if k.startswith("SAILFISH_")}}
+    doc = {"gpu": torch.cuda.get_device_name() if cuda else "cpu (smoke: times meaningless)",
+           "torch": torch.__version__, "triton": triton.__version__, "runs": [run], "rows": rows, "checks": checks}
+    report.write_json(args.out, merge_previous(args.out, doc))
     bad = [c for c in checks if not c["ok"]]
     for c in bad:
         print(f"CHECK FAILED: {c}", file=sys.stderr)

@@ -32,7 +32,7 @@ import torch
 
 from .gptq import check_scales
 from .int4 import QuantizedWeight
-from .nibbles import unpack_nibbles
+from .nibbles import pack_nibbles, unpack_nibbles
 
 TILE = 16
 PERM_LEN = 1024  # elements of one permuted run: 4 tiles of 16 x 16
@@ -80,6 +80,21 @@ def tile_codes(B: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     return tiles.permute(1, 3, 0, 2).reshape(n, kt * TILE).contiguous()  # (j, c, t, r) = (n, k)
 
 
+def pack_tiles(codes: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """uint8 codes (N, K) (the nibbles to store) -> int32 B (K / 16, 2 N): the exact inverse of
+    tile_codes. N must be a multiple of 64, K of 16."""
+    n, k = codes.shape
+    tiles = codes.reshape(n // TILE, TILE, k // TILE, TILE).permute(2, 0, 3, 1)  # (t, j, r, c)
+    runs = tiles.reshape(k // TILE, -1, PERM_LEN)[..., perm.to(codes.device)]  # position p holds element perm[p]
+    return pack_nibbles(runs.reshape(k // TILE, -1, 8)).contiguous()
+
+
+def permute_scales(s: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """Natural (G, N) scales -> Marlin's order: the exact inverse of unpermute_scales."""
+    perm = scale_perm(grouped)
+    return s.reshape(-1, perm.numel())[:, perm.to(s.device)].reshape(s.shape).contiguous()
+
+
 def check_tile_shapes(B: torch.Tensor, s: torch.Tensor, group_size: int, name: str = "s") -> Tuple[int, int]:
     """Shapes of a Marlin-order weight: B (K/16, 2N) int32 and scales (G, N); return (K, N)."""
     if group_size not in GROUP_SIZES_MARLIN:
@@ -117,4 +132,4 @@ def from_marlin(B: torch.Tensor, s: torch.Tensor, *, group_size: int = 128,
     return QuantizedWeight(q, scales, None, None, group_size)
 
 
-__all__ = ["GROUP_SIZES_MARLIN", "from_marlin", "tile_codes", "unpermute_scales", "weight_perm", "scale_perm"]
+__all__ = ["GROUP_SIZES_MARLIN", "from_marlin", "pack_tiles", "permute_scales", "tile_codes", "unpermute_scales", "weight_perm", "scale_perm"]

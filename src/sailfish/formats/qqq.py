@@ -32,8 +32,8 @@ from typing import Optional, Tuple
 import torch
 
 from .int4 import K_PAD, check_int_choice, check_scales, check_weight_arg, check_weight_values, padded_k
-from .marlin import (INTERLEAVE, INTERLEAVE_QQQ_CHANNEL, QQQ_ROWS, check_tile_shapes, tile_codes,
-                     unpermute_scales, weight_perm)
+from .marlin import (INTERLEAVE, INTERLEAVE_QQQ_CHANNEL, QQQ_ROWS, check_tile_shapes, pack_tiles, permute_scales,
+                     tile_codes, unpermute_scales, weight_perm)
 from .nibbles import pack_nibbles, unpack_nibbles
 
 GROUP_SIZES_W4A8 = (-1, 128)
@@ -191,6 +191,34 @@ class QQQWeight:
         return self.s_ch[:, None] * self.int8_weight().float()
 
 
+def channel_scales(w: torch.Tensor, group_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The per-output-channel scales of a float32 (N, K) weight: (exact, s_ch) float32 (N,),
+    max|W[n]| / 7.5 per channel, max|W[n]| / INT8_LEVEL with groups (the first level); an
+    all-zero row gets s_ch = 1. The one rule of quantize_qqq and calibrate.gptq."""
+    exact = w.abs().amax(dim=1) / (7.5 if group_size == -1 else INT8_LEVEL)
+    return exact, torch.where(exact == 0, torch.ones_like(exact), exact)
+
+
+def int8_levels(w: torch.Tensor, s_ch: torch.Tensor) -> torch.Tensor:
+    """The first level of the two-level rule: w (N, ...) on the per-channel int8 grid,
+    clamp(rne(w / s_ch), -INT8_LEVEL, INT8_LEVEL) (float integers)."""
+    s = s_ch.reshape(-1, *([1] * (w.dim() - 1)))
+    return torch.round(w / s).clamp(-INT8_LEVEL, INT8_LEVEL)
+
+
+def group_scales(w_i8: torch.Tensor) -> torch.Tensor:
+    """float16 group scales of int8 levels, one group per row of the last dimension:
+    fp16(max|w_i8| / 7.5), 1 for an all-zero group (padding zeros change nothing)."""
+    a = w_i8.abs().amax(dim=-1)
+    s_g = (a / 7.5).to(torch.float16)
+    return torch.where(a == 0, torch.ones_like(s_g), s_g)
+
+
+def codes_qqq(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Codes (float, integers 0..15) of x on the symmetric grid s: clamp(rne(x / s) + 8, 0, 15)."""
+    return (torch.round(x / s.float()) + 8).clamp(0, 15)
+
+
 def quantize_qqq(weight: torch.Tensor, group_size: int = -1) -> QQQWeight:
     """Round-to-nearest (half to even) W4A8 quantization of a (N, K) weight.
 
@@ -206,26 +234,20 @@ def quantize_qqq(weight: torch.Tensor, group_size: int = -1) -> QQQWeight:
     n, k = weight.shape
     w = weight.detach().float()
     check_weight_values(w)
-    amax = w.abs().amax(dim=1)
+    exact, s_ch = channel_scales(w, group_size)
     if group_size == -1:
-        s_ch = amax / 7.5
-        s_ch = torch.where(s_ch == 0, torch.ones_like(s_ch), s_ch)
-        q = (torch.round(w / s_ch[:, None]) + 8).clamp(0, 15).to(torch.uint8)
+        q = codes_qqq(w, s_ch[:, None]).to(torch.uint8)
         qw = QQQWeight(q.contiguous(), s_ch.contiguous(), None, group_size)
-        check_scales(amax.double() / 7.5, s_ch, qw.dequantize())
+        check_scales(exact.double(), s_ch, qw.dequantize())
         return qw
-    s_ch = amax / INT8_LEVEL
-    s_ch = torch.where(s_ch == 0, torch.ones_like(s_ch), s_ch)
-    w_i8 = torch.round(w / s_ch[:, None]).clamp(-INT8_LEVEL, INT8_LEVEL)
+    w_i8 = int8_levels(w, s_ch)
     g = num_groups_w4a8(k, group_size)
     wg = torch.nn.functional.pad(w_i8, (0, g * group_size - k)).reshape(n, g, group_size)
-    a = wg.abs().amax(dim=2)  # (N, G), integers <= 119
-    s_g = (a / 7.5).to(torch.float16)
-    s_g = torch.where(a == 0, torch.ones_like(s_g), s_g)
-    q = (torch.round(wg / s_g.float()[..., None]) + 8).clamp(0, 15)
+    s_g = group_scales(wg)  # (N, G)
+    q = codes_qqq(wg, s_g[..., None])
     q = q.reshape(n, g * group_size)[:, :k].to(torch.uint8).contiguous()
     qw = QQQWeight(q, s_ch.contiguous(), s_g.T.contiguous(), group_size)
-    check_scales(amax.double() / INT8_LEVEL, s_ch, qw.dequantize())
+    check_scales(exact.double(), s_ch, qw.dequantize())
     return qw
 
 
@@ -378,6 +400,33 @@ def from_qqq(B: torch.Tensor, s_channel: torch.Tensor, s_group: Optional[torch.T
     return qw
 
 
+def to_qqq(qw: QQQWeight) -> dict:
+    """A QQQWeight as a QQQ checkpoint layer's tensors {"B", "s_channel", "s_group"}, exactly
+    (the inverse of from_qqq: from_qqq(**to_qqq(qw), group_size=qw.group_size) == qw):
+    per channel, nibbles q - 8 (two's complement) with s_channel = s_ch / 16 and an empty
+    s_group, as QQQ writes them; per group, codes q with s_channel = s_ch and s_group = s_g.
+    ValueError for shapes the format cannot hold: N not a multiple of 64 or K of 128 (whole
+    tile runs), and a group-128 layer with K = 128 (QQQ reads those per channel: its int8
+    weights rne(s_g (q - 8)) are no 4-bit values)."""
+    n, k = qw.qweight.shape
+    if n % 64 or k % 128:
+        raise ValueError(f"a QQQ checkpoint stores whole 1024-element tile runs: out_features must be a multiple "
+                         f"of 64 and in_features of 128, got {n} x {k}")
+    if qw.group_size != -1 and k == qw.group_size:
+        raise ValueError(f"in_features={k} equals group_size={qw.group_size}: QQQ reads such a layer per channel, "
+                         f"which cannot hold its two-level weights; allowed: group_size=-1 for it")
+    if qw.group_size == -1:
+        s_channel = qw.s_ch / 16  # a power of two: exact (from_qqq multiplies back)
+        if bool((s_channel * 16 != qw.s_ch).any()):
+            raise ValueError("s_ch / 16 underflows float32; allowed: per-channel scales >= 2**-122")
+        return {"B": pack_tiles(qw.qweight ^ 8, weight_perm(QQQ_ROWS, 4, INTERLEAVE_QQQ_CHANNEL)),
+                "s_channel": permute_scales(s_channel.reshape(1, n), grouped=False),
+                "s_group": torch.zeros(0, dtype=torch.float16, device=qw.s_ch.device)}
+    return {"B": pack_tiles(qw.qweight, weight_perm(QQQ_ROWS, 4, INTERLEAVE)),
+            "s_channel": permute_scales(qw.s_ch.reshape(1, n), grouped=False),
+            "s_group": permute_scales(qw.s_g, grouped=True)}
+
+
 __all__ = ["GROUP_SIZES_W4A8", "from_qqq", "INT8_LEVEL", "K_CHUNK_W4A8", "K_PAD", "LAYOUT_VERSION_W4A8", "PackedQQQ",
            "QQQWeight", "codes_to_int8", "fp8_weight", "ACT_DTYPES_W4A8", "check_act_dtype", "natural_to_fragment_order_w4a8", "pack_codes", "pack_qqq",
-           "quantize_activations", "quantize_qqq", "unpack_codes", "unpack_qqq"]
+           "quantize_activations", "quantize_qqq", "to_qqq", "unpack_codes", "unpack_qqq"]

@@ -31,32 +31,21 @@ from .w4a16 import _load_groups, _tile_operands
 
 
 @triton.jit
-def _expert_product(acc, w_ptrs, x_ptrs, s_e, z_e, rn, kt0, kt1, K, stride_sn, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                    HAS_ZEROS: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr, EMU_BF16: tl.constexpr,
-                    USE_ASM: tl.constexpr, ACC_FENCE: tl.constexpr):
-    """acc (BLOCK_N, BLOCK_M) += W[rn, K tiles kt0..kt1) @ x^T: w_ptrs (BLOCK_N, BLOCK_K // 8)
-    the words of tile kt0, x_ptrs (BLOCK_K, BLOCK_M) its x, s_e / z_e the expert's scales
-    and zero points. ACC_FENCE: the dense kernel's guard against Triton < 3.9 leaving wgmmas
-    in flight across the loop's back edge (kernels/w4a16._w4a16_kernel)."""
-    W: tl.constexpr = BLOCK_K // 8
-    offs_k = tl.arange(0, BLOCK_K)
-    for kt in range(kt0, kt1):
-        k0 = kt * BLOCK_K
-        words = tl.load(w_ptrs, eviction_policy="evict_first")
-        if EVEN_K:
-            xt = tl.load(x_ptrs)
-        else:
-            xt = tl.load(x_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0)
-        sv = _load_groups(s_e, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE)
-        zv = _load_groups(z_e, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE)
-        w, xt = _tile_operands(words, xt, sv, zv, s_e, z_e, s_e, rn, k0, stride_sn, BLOCK_N, BLOCK_K,
-                               GROUP_SIZE, HAS_ZEROS, False, DTYPE, EMU_BF16, USE_ASM, True)
-        acc = tl.dot(w, xt, acc)
-        if ACC_FENCE:
-            acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
-        w_ptrs += W
-        x_ptrs += BLOCK_K
+def _dot_tile(acc, w_ptrs, xt, s_e, z_e, rn, k0, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, DTYPE: tl.constexpr, EMU_BF16: tl.constexpr,
+              USE_ASM: tl.constexpr, ACC_FENCE: tl.constexpr):
+    """acc (BLOCK_N, BLOCK_M) += W[rn, k0 : k0 + BLOCK_K] @ xt: w_ptrs (BLOCK_N, BLOCK_K // 8) the
+    tile's packed words, xt (BLOCK_K, BLOCK_M) its x, s_e / z_e the expert's scales and zero
+    points. ACC_FENCE: the dense kernel's guard against Triton < 3.9 leaving wgmmas in flight
+    across the loop's back edge (kernels/w4a16._w4a16_kernel)."""
+    words = tl.load(w_ptrs, eviction_policy="evict_first")
+    sv = _load_groups(s_e, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE)
+    zv = _load_groups(z_e, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE)
+    w, xt = _tile_operands(words, xt, sv, zv, s_e, z_e, s_e, rn, k0, stride_sn, BLOCK_N, BLOCK_K,
+                           GROUP_SIZE, HAS_ZEROS, False, DTYPE, EMU_BF16, USE_ASM, True)
+    acc = tl.dot(w, xt, acc)
+    if ACC_FENCE:
+        acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
     return acc
 
 
@@ -93,19 +82,31 @@ def _moe_w4a16_kernel(
     z_e = z_ptr + e64 * stride_se
     wq = qw_ptr + e64 * stride_qe + (kt0 * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8))[None, :]
     x_ptrs = x_ptr + rows[None, :] * stride_xm + (kt0 * BLOCK_K + tl.arange(0, BLOCK_K))[:, None]
+    w_ptrs = wq + rn[:, None] * stride_qn
+    u_ptrs = wq + (rn + N)[:, None] * stride_qn  # GATED: the up rows I + n of the same expert
+    offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc = _expert_product(acc, wq + rn[:, None] * stride_qn, x_ptrs, s_e, z_e, rn, kt0, kt1, K, stride_sn,
-                          BLOCK_N, BLOCK_K, BLOCK_M, GROUP_SIZE, HAS_ZEROS, EVEN_K, DTYPE, EMU_BF16, USE_ASM,
-                          ACC_FENCE)
+    if GATED:
+        up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # one K loop for both tiles of a gated program: x is loaded once per K tile
+    for kt in range(kt0, kt1):
+        k0 = kt * BLOCK_K
+        if EVEN_K:
+            xt = tl.load(x_ptrs)
+        else:
+            xt = tl.load(x_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0)
+        acc = _dot_tile(acc, w_ptrs, xt, s_e, z_e, rn, k0, stride_sn, BLOCK_N, BLOCK_K, GROUP_SIZE, HAS_ZEROS,
+                        DTYPE, EMU_BF16, USE_ASM, ACC_FENCE)
+        if GATED:
+            up = _dot_tile(up, u_ptrs, xt, s_e, z_e, rn + N, k0, stride_sn, BLOCK_N, BLOCK_K, GROUP_SIZE,
+                           HAS_ZEROS, DTYPE, EMU_BF16, USE_ASM, ACC_FENCE)
+        w_ptrs += BLOCK_K // 8
+        u_ptrs += BLOCK_K // 8
+        x_ptrs += BLOCK_K
     om = slot[None, :]
     on = offs_n.to(tl.int64)[:, None]
     mask = valid[None, :] & (on < N)
-    if GATED:  # the up rows I + n of the same expert
-        ru = rn + N
-        up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        up = _expert_product(up, wq + ru[:, None] * stride_qn, x_ptrs, s_e, z_e, ru, kt0, kt1, K, stride_sn,
-                             BLOCK_N, BLOCK_K, BLOCK_M, GROUP_SIZE, HAS_ZEROS, EVEN_K, DTYPE, EMU_BF16, USE_ASM,
-                          ACC_FENCE)
+    if GATED:
         if SPLIT_K == 1:
             h = acc / (1.0 + tl.exp(-acc)) * up  # silu(gate) * up in fp32, rounded once
             tl.store(y_ptr + om * stride_ym + on, cast_out(h, DTYPE, EMU_BF16), mask=mask)
@@ -165,3 +166,70 @@ def _topk_sum_kernel(src_ptr, ids_ptr, tw_ptr, y_ptr, M, N, E, TOPK: tl.constexp
         else:
             acc += part * tl.load(tw_ptr + row, mask=mask, other=0.0)
     tl.store(y_ptr + offs, cast_out(acc, y_ptr.dtype.element_ty, EMU_BF16), mask=mask)
+
+
+# ----------------------------------------------------------------------------------
+# Routing prep in two launches (ops/moe.align_routing is the PyTorch twin): ~30 small torch
+# kernels would cost a decode step more than the experts' GEMMs (a launch is ~2-3 us even in a
+# CUDA graph, the Qwen3-30B-A3B block at its HBM limit ~6 us). Chunk c of BLOCK_T slots is
+# program c of both kernels; integer counts and fixed ranks: deterministic.
+# ----------------------------------------------------------------------------------
+@triton.jit
+def _onehot(ids_ptr, t0, T, E, E_POW2: tl.constexpr, BLOCK_T: tl.constexpr):
+    """(slots (BLOCK_T,), live (BLOCK_T,), onehot int32 (BLOCK_T, E_POW2)) of the chunk at t0:
+    live = a real slot whose id lies in [0, E)."""
+    offs = t0 + tl.arange(0, BLOCK_T)
+    ids = tl.load(ids_ptr + offs, mask=offs < T, other=-1).to(tl.int32)
+    live = (offs < T) & (ids >= 0) & (ids < E)
+    ids = tl.where(live, ids, -1)
+    return offs, live, (ids[:, None] == tl.arange(0, E_POW2)[None, :]).to(tl.int32)
+
+
+@triton.jit
+def _route_count_kernel(ids_ptr, hist_ptr, sorted_ptr, T, E, S, E_POW2: tl.constexpr, BLOCK_T: tl.constexpr):
+    """hist[c, e] = the slots of chunk c routed to expert e; and sorted_slots (S entries) filled
+    with the padding value T, a slice per program (the placing kernel runs after this one)."""
+    c = tl.program_id(0)
+    _, _, onehot = _onehot(ids_ptr, c * BLOCK_T, T, E, E_POW2, BLOCK_T)
+    tl.store(hist_ptr + c * E_POW2 + tl.arange(0, E_POW2), tl.sum(onehot, axis=0))
+    per = tl.cdiv(S, tl.num_programs(0))
+    for s0 in range(c * per, tl.minimum(S, (c + 1) * per), BLOCK_T):
+        offs = s0 + tl.arange(0, BLOCK_T)
+        tl.store(sorted_ptr + offs, offs * 0 + T, mask=offs < tl.minimum(S, (c + 1) * per))
+
+
+@triton.jit
+def _route_place_kernel(ids_ptr, hist_ptr, sorted_ptr, bexp_ptr, T, E, NB, BLOCK_M: tl.constexpr,
+                        E_POW2: tl.constexpr, BLOCK_T: tl.constexpr, ONE_CHUNK: tl.constexpr = False):
+    """Place chunk c's slots: slot t of expert e goes to starts[e] + (slots of e before it), starts
+    the exclusive prefix sum of the experts' counts padded to whole BLOCK_M blocks; and the experts
+    of the blocks b = c, c + chunks, ... (-1 past the last used block).
+    ONE_CHUNK (all slots in one chunk: decode): one program does the counting kernel's work too
+    (no hist; sorted_slots filled with T first, a CTA barrier before the placing): one launch less."""
+    c = tl.program_id(0)
+    chunks = tl.num_programs(0)
+    e_idx = tl.arange(0, E_POW2)
+    offs, live, onehot = _onehot(ids_ptr, c * BLOCK_T, T, E, E_POW2, BLOCK_T)
+    if ONE_CHUNK:
+        counts = tl.sum(onehot, axis=0)
+        before = counts * 0
+        for s0 in range(0, NB * BLOCK_M, BLOCK_T):
+            so = s0 + tl.arange(0, BLOCK_T)
+            tl.store(sorted_ptr + so, so * 0 + T, mask=so < NB * BLOCK_M)
+        tl.debug_barrier()  # (the fill and the placing below may touch one address from two threads)
+    else:
+        counts = tl.zeros((E_POW2,), tl.int32)
+        before = tl.zeros((E_POW2,), tl.int32)  # slots of each expert in chunks < c
+        for j in range(0, chunks):
+            h = tl.load(hist_ptr + j * E_POW2 + e_idx)
+            counts += h
+            before += tl.where(j < c, h, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    rank = tl.sum((tl.cumsum(onehot, 0) - 1) * onehot, axis=1)  # earlier slots of its expert in the chunk
+    dest = tl.sum(onehot * (ends - padded + before)[None, :], axis=1) + rank
+    tl.store(sorted_ptr + dest, offs, mask=live)
+    for b0 in range(c * BLOCK_T, NB, chunks * BLOCK_T):
+        b = b0 + tl.arange(0, BLOCK_T)
+        e_of = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(bexp_ptr + b, tl.where(e_of < E, e_of, -1), mask=b < NB)

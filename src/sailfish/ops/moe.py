@@ -25,12 +25,15 @@ import torch
 
 from ..formats.experts import PackedExperts, padded_k_experts
 from ..formats.int4 import GROUP_SIZES, K_CHUNK, check_int_choice, unpack
-from ..tuning import Config, sms_for, split_k_for
+from ..tuning import Config, next_pow2, sms_for, split_k_for
 from . import check_devices, define_op, device_of, use_triton
 from .launch import Launch, aligned
 from .w4a16 import _has_bf16x2, acc_fence  # (device facts and the Triton-version rule of the dense path)
 
 MAX_TOPK = 32  # the top-k sum is unrolled (kernels/moe._topk_sum_kernel)
+# the routing kernels hold a (slots x experts) one-hot tile in registers (Router); the largest
+# MoE models published have 512 routed experts (Qwen3-Next), DeepSeek-V3 256, Kimi-K2 384
+MAX_EXPERTS = 1024
 _REDUCE_BLOCK = 1024
 
 
@@ -100,33 +103,83 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Tup
     return sorted_slots[:nb * block_m], block_expert
 
 
+class Router:
+    """align_routing in two Triton launches (kernels/moe._route_count_kernel, _route_place_kernel;
+    one when the slots fit one chunk): the same outputs, bit for bit, as the PyTorch twin above,
+    which is its reference."""
+
+    def __init__(self, num_experts: int, block_m: int, device_index: int):
+        from ..kernels.moe import _route_count_kernel, _route_place_kernel
+
+        self.E, self.block_m = num_experts, block_m
+        ep = max(16, next_pow2(num_experts))
+        self.block_t = max(16, min(128, 8192 // ep))  # the (slots x experts) one-hot tile: <= 8192 entries
+        self.count = Launch(_route_count_kernel, dict(E_POW2=ep, BLOCK_T=self.block_t, num_warps=4), device_index)
+        self.place = Launch(_route_place_kernel, dict(BLOCK_M=block_m, E_POW2=ep, BLOCK_T=self.block_t,
+                                                      num_warps=4), device_index)
+        self.place_one = Launch(_route_place_kernel, dict(BLOCK_M=block_m, E_POW2=ep, BLOCK_T=self.block_t,
+                                                          ONE_CHUNK=True, num_warps=4), device_index)
+        self.e_pow2 = ep
+
+    def __call__(self, topk_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        ids = topk_ids.reshape(-1)
+        T, E, bm = ids.numel(), self.E, self.block_m
+        chunks = -(-T // self.block_t)
+        nb = max_blocks(T, E, bm)
+        dev = ids.device
+        sorted_slots = torch.empty(nb * bm, dtype=torch.int32, device=dev)
+        block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
+        if chunks == 1:  # decode: one launch
+            self.place_one((1, 1), ids, None, sorted_slots, block_expert, T, E, nb)
+        else:
+            hist = torch.empty((chunks, self.e_pow2), dtype=torch.int32, device=dev)
+            self.count((chunks, 1), ids, hist, sorted_slots, T, E, nb * bm)
+            self.place((chunks, 1), ids, hist, sorted_slots, block_expert, T, E, nb)
+        return sorted_slots, block_expert
+
+
 # ----------------------------------------------------------------------------------
 # Configs (one function per M bucket; NOT MEASURED: first guesses from the dense kernel's
 # tiles, for the lead to tune on an H100)
 # ----------------------------------------------------------------------------------
 def moe_block_m(M: int, topk: int, num_experts: int) -> int:
     """BLOCK_M of both GEMMs (one routing serves both), from the average slots per routed expert.
-    Decode (<= 16 slots per expert): 16, the smallest tl.dot tile, GEMV-like; prefill 64-128."""
+    Decode (<= 16 slots per expert): 16, the smallest tl.dot tile, GEMV-like; prefill 32-128
+    (H100 sweep, docs/perf_log.md v39: DeepSeek-V2-Lite M = 1024, 96 slots per expert, 380 us
+    at 128 against 436 at 64)."""
     T = M * topk
     per = T / min(num_experts, T)
-    return 16 if per <= 16 else 32 if per <= 48 else 64 if per <= 96 else 128
+    return 16 if per <= 16 else 32 if per <= 48 else 64 if per < 96 else 128
 
 
 def moe_config(M: int, topk: int, num_experts: int, N: int, Kp: int, gated: bool, sms: int) -> Config:
     """The tile of one GEMM of the block (N output columns, Kp padded K; gated: gate_up, whose
-    program holds two weight tiles and accumulators, so half the BLOCK_N). Unmeasured."""
+    program holds a gate and an up tile of BLOCK_N columns each). From the H100 sweep of the
+    three benchmark models at M = 1, 16, 256, 1024 (benchmarks/probes/moe_config_sweep.py,
+    docs/perf_log.md v39); other GPUs take the same rules."""
     bm = moe_block_m(M, topk, num_experts)
-    if bm == 16:  # decode: wide N, split-K over the expert's K until the SMs are filled twice
-        bn, warps, stages = (64 if gated else 128), 4, 3
-    elif bm <= 64:
-        bn, warps, stages = 64 if gated else 128, 4, 3
-    else:
-        bn, warps, stages = 64 if gated else 128, 8, 3
-    bk = 256 if (bm <= 32 and not gated and Kp % 256 == 0) else K_CHUNK
     T = M * topk
     blocks = max(min(num_experts, T), -(-T // bm))  # the blocks a uniform routing fills
-    split = split_k_for(blocks * -(-N // bn), Kp // bk, sms) if bm <= 32 else 1
-    return Config(bm, bn, bk, split, 8, warps, stages, kernel="moe")
+    bk256 = 256 if Kp % 256 == 0 else K_CHUNK
+    if bm == 16:  # decode
+        if gated:  # 128 columns of each; 64 (and BLOCK_K 128) where even that leaves most SMs idle
+            bn, bk = (128, bk256) if blocks * -(-N // 128) >= sms // 2 else (64, K_CHUNK)
+        else:  # 256 columns where they still give every SM a tile
+            bn, bk = (256, K_CHUNK) if blocks * -(-N // 256) >= sms else (128, bk256)
+        warps = 4
+    elif bm == 32:
+        bn, bk, warps = (64, K_CHUNK, 4) if gated else (256, K_CHUNK, 4)
+    elif bm == 64:  # (sm_90 compile, Triton 3.9: BM 64 / BN 128 over 4 warps took 255 registers)
+        bn, bk, warps = (128, bk256, 8) if gated else (256, K_CHUNK, 8)
+    else:
+        bn, bk, warps = (128, K_CHUNK, 8) if gated else ((128, 256, 8) if Kp % 256 == 0 else (256, K_CHUNK, 8))
+    split = 1
+    tiles = blocks * -(-N // bn)
+    if bm == 16 and tiles < sms:  # split K until every SM has a program (twice, for the gate_up)
+        want = 2 * sms if gated else sms
+        while tiles * split < want and split * 2 <= Kp // bk and split < 16:
+            split *= 2
+    return Config(bm, bn, bk, split, 8, warps, 3, kernel="moe")
 
 
 # ----------------------------------------------------------------------------------
@@ -158,6 +211,7 @@ class MoEPlan:
                 SPLIT_K=cfg.SPLIT_K, EMU_BF16=emu, USE_ASM=asm, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                 BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, ACC_FENCE=asm and acc_fence(), **cfg.launch()), dev)
 
+        self.router = Router(E, cfg13.BLOCK_M, dev)
         self.gate_up = gemm(cfg13, True, z13, H)
         self.down = gemm(cfg2, False, z2, I)
         self.gated_reduce = None if cfg13.SPLIT_K == 1 else Launch(
@@ -170,7 +224,7 @@ class MoEPlan:
         M, topk, I, H = self.M, self.topk, self.I, self.H
         T = M * topk
         c13, c2 = self.cfg13, self.cfg2
-        sorted_slots, block_expert = align_routing(topk_ids, self.E, c13.BLOCK_M)
+        sorted_slots, block_expert = self.router(topk_ids)
         nb = block_expert.shape[0]
         tw = topk_weights.reshape(-1).float().contiguous()
         h = x.new_empty((T, I))
@@ -263,8 +317,8 @@ def validate(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_q
     if w13_qweight.dtype != torch.int32 or w13_qweight.dim() != 3:
         raise ValueError(f"w13_qweight must be int32 (E, 2I, Kp/8), got {w13_qweight.dtype} {tuple(w13_qweight.shape)}")
     E, two_i, kw13 = w13_qweight.shape
-    if E < 1:
-        raise ValueError(f"the expert count E={E} (w13_qweight.shape[0]) must be at least 1")
+    if not 1 <= E <= MAX_EXPERTS:
+        raise ValueError(f"the expert count E={E} (w13_qweight.shape[0]) must lie in [1, {MAX_EXPERTS}]")
     if not 1 <= topk <= min(E, MAX_TOPK):
         raise ValueError(f"top_k={topk} (topk_ids.shape[1]) must lie in [1, min(E={E}, {MAX_TOPK})]")
     if two_i < 2 or two_i % 2:
