@@ -310,6 +310,9 @@ def test_save_refusals(tmp_path):
                                          r"multiple of group_size; got K=96, group_size=64"):
         save_quantized(model, str(tmp_path), format="awq")
     assert not os.listdir(tmp_path)
+    with pytest.raises(TypeError, match=r"model.layers.0.mlp.experts is a QuantExperts \(W4A16 experts\): "
+                                        r"format='qqq' holds QuantLinearW4A8 layers only"):
+        save_quantized(model, str(tmp_path), format="qqq")
 
 
 def test_lossy_expert_scales(tmp_path):

@@ -854,16 +854,16 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
         raise ValueError(f"format={format!r} is not supported; allowed: {SAVE_FORMATS}")
     from .checkpoint_moe import KeyNames, experts_weights, float_experts_weights
     from .moe import QuantExperts
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, QuantExperts)}
+    if experts and format == "qqq":
+        raise TypeError(f"{next(iter(experts))} is a QuantExperts (W4A16 experts): format='qqq' holds "
+                        f"QuantLinearW4A8 layers only; W4A16 experts save with 'gptq', 'awq' or 'compressed-tensors'")
     kind, other = (QuantLinearW4A8, QuantLinear) if format == "qqq" else (QuantLinear, QuantLinearW4A8)
     wrong = [n for n, m in unfused_layers(model).items() if isinstance(m, other)]
     if wrong:
         raise TypeError(f"{wrong[0]} is a {other.__name__}: format={format!r} holds {kind.__name__} layers only "
                         f"({len(wrong)} such layers; W4A8 layers save with format='qqq', W4A16 ones with 'gptq', "
                         f"'awq' or 'compressed-tensors')")
-    experts = {n: m for n, m in model.named_modules() if isinstance(m, QuantExperts)}
-    if experts and format == "qqq":
-        raise TypeError(f"{next(iter(experts))} is a QuantExperts (W4A16 experts): format='qqq' holds "
-                        f"QuantLinearW4A8 layers only; W4A16 experts save with 'gptq', 'awq' or 'compressed-tensors'")
     layers = {n: m for n, m in unfused_layers(model).items() if isinstance(m, kind)}  # fused: per projection
     if not layers and not experts:
         raise ValueError(f"model has no {kind.__name__} layer to save (quantize it with sailfish.quantize_model)")
