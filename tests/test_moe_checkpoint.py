@@ -320,7 +320,8 @@ def test_lossy_expert_scales(tmp_path):
     write_moe_checkpoint(tmp_path, "qwen3_moe", "awq", 32, False)
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.0.gate_proj \(experts model.layers.0.mlp."
                                          r"experts\): scales: \d+ of \d+ torch.float16 values are not exactly "
-                                         r"representable in torch.bfloat16 .* \(dtype=torch.float16 keeps them exact\)"):
+                                         r"representable in torch.bfloat16 .* \(dtype=torch.float16 keeps them "
+                                         r"exact\)"):
         load_quantized(str(tmp_path), dtype=torch.bfloat16)
     with pytest.warns(UserWarning, match=rf"in {LAYERS} of {LAYERS} quantized layers and experts modules"):
         model = load_quantized(str(tmp_path), dtype=torch.bfloat16, allow_lossy_scales=True)

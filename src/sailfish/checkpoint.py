@@ -6,8 +6,10 @@
 
 load_quantized builds the model from config.json with transformers, its parameters on the
 meta device (buffers such as the rotary frequencies are computed for real), puts a
-QuantLinear in place of every linear layer that has a `qweight` in the checkpoint and loads
-every other weight straight into place, so no weight is allocated twice. The configuration
+QuantLinear in place of every linear layer that has a `qweight` in the checkpoint (a
+QuantExperts in place of every MoE experts module whose experts it stores quantized:
+checkpoint_moe.py) and loads every other weight straight into place, so no weight is
+allocated twice. Keys are matched after transformers' own renamings (its conversion mapping). The configuration
 and every tensor's name, shape and dtype (from the safetensors headers) are checked before
 any weight is read; values that only the data can contradict (g_idx out of range, a bias
 that a bias-free layer would drop) raise while loading, naming the layer, and no model is
@@ -694,6 +696,11 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
     into QuantLinearW4A8 (formats.qqq.from_qqq). Both need out_features a multiple of 64 and
     in_features of 128. "lm_head": true (GPTQ as GPTQModel writes it, Marlin) loads the
     quantized lm_head as a QuantLinear; the flag and the tensors must agree.
+    MoE models (transformers 5 experts modules: Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, ...):
+    per-expert GPTQ / AWQ / compressed-tensors tensors ({experts}.{e}.gate_proj / up_proj /
+    down_proj, Mixtral's block_sparse_moe.experts.{e}.w1 / w3 / w2) load, expert by expert,
+    into a QuantExperts (model.sailfish_report["experts"] lists them); act-order experts
+    are refused; 16-bit per-expert weights stack into the module's own parameters.
     fuse (default True): q/k/v and gate/up then run as one layer each where exact
     (sailfish.fuse; model.sailfish_report says which).
     device_mesh (a 1-D torch DeviceMesh): tensor parallelism. Each rank reads only its shard
@@ -834,8 +841,12 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
     A model quantized with quantize_model(act_bits=8, method="gptq") holds its smoothing in
     its norm and projection weights, which are saved as they are.
 
-    All QuantLinear layers must share one group size and one dtype (the config has one of
-    each); sym / zero_point false are written only if every layer is symmetric (a symmetric
+    MoE models: every QuantExperts is written per expert, as a layer per projection under
+    the names transformers' save_pretrained gives them (checkpoint_moe.py), experts left in
+    16 bits as per-expert weights (listed in modules_to_not_convert / ignore).
+
+    All QuantLinear layers and QuantExperts must share one group size and one dtype (the
+    config has one of each); sym / zero_point false are written only if every layer is symmetric (a symmetric
     layer is stored with zero point 8, which reads back as symmetric), desc_act true if any
     layer has act-order. A zero point of 16 (no format stores it) and a layer of the other
     kind (QuantLinearW4A8 in a W4A16 format, QuantLinear in "qqq") are refused. `path` is

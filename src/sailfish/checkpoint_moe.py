@@ -196,7 +196,8 @@ def read_float_experts(read, name: str, plan: ExpertsPlan, module: nn.Module, de
 def read_experts(read, spec, name: str, plan: ExpertsPlan, dtype: torch.dtype, device, *,
                  allow_lossy_scales: bool, how: str) -> Tuple[QuantExperts, float]:
     """The QuantExperts of `name`, read expert by expert into its preallocated stacked buffers
-    (peak memory: the stack plus one expert), and the largest relative change of a weight
+    (peak memory: the stack plus one expert; zero points are allocated up front, the size of
+    the scales, and dropped at the end if every expert is symmetric), and the largest relative change of a weight
     that casting the scales to `dtype` made (0.0: exact). Act-order experts (a g_idx other
     than k // group_size) raise ValueError: the grouped MoE kernel has no act-order."""
     layer = QuantExperts(plan.num_experts, plan.hidden, plan.inter, group_size=spec.group_size, sym=False,
