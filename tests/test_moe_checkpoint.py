@@ -274,8 +274,11 @@ def _drop_expert(t, e):
      rf"{P}.1.w2.bias is not zero, but the model's layer has no bias"),
     (lambda t: t[f"{P}.1.w1.scales"].__setitem__((0, 3), -1.0),
      rf"{P}.1.w1 \(experts model.layers.1.mlp.experts\): scales must be finite and > 0"),
+    (lambda t: t.__setitem__("model.layers.1.mlp.gate.weight", t[f"{P[:-8]}.gate.weight"].clone()),
+     r"tensors model.layers.1.(block_sparse_moe|mlp).gate.weight and model.layers.1.(block_sparse_moe|mlp).gate.weight "
+     r"both load into model.layers.1.mlp.gate.weight"),
 ], ids=["missing-expert", "missing-tensor", "shape", "dtype", "scale-dtypes", "extra-expert", "projection-name",
-        "bias", "scale-value"])
+        "bias", "scale-value", "renamed-twice"])
 def test_bad_checkpoints(tmp_path, edit, match):
     write_moe_checkpoint(tmp_path, "mixtral", "gptq", 32, False)
     _edit(tmp_path, edit)
