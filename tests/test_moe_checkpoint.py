@@ -9,7 +9,6 @@ gptq_pack, test_checkpoint's awq_pack / ct_pack), whose dequantization the loade
 must equal per element."""
 import json
 import os
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
