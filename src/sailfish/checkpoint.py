@@ -6,8 +6,10 @@
 
 load_quantized builds the model from config.json with transformers, its parameters on the
 meta device (buffers such as the rotary frequencies are computed for real), puts a
-QuantLinear in place of every linear layer that has a `qweight` in the checkpoint and loads
-every other weight straight into place, so no weight is allocated twice. The configuration
+QuantLinear in place of every linear layer that has a `qweight` in the checkpoint (a
+QuantExperts in place of every MoE experts module whose experts it stores quantized:
+checkpoint_moe.py) and loads every other weight straight into place, so no weight is
+allocated twice. Keys are matched after transformers' own renamings (its conversion mapping). The configuration
 and every tensor's name, shape and dtype (from the safetensors headers) are checked before
 any weight is read; values that only the data can contradict (g_idx out of range, a bias
 that a bias-free layer would drop) raise while loading, naming the layer, and no model is
@@ -212,8 +214,9 @@ def _ct_ignores(module_name: str, module: nn.Module, entry: str) -> bool:
 
 def _matches(module_name: str, entry: str) -> bool:
     """entry names the module or one of its ancestors, as whole dotted components anywhere in
-    the name ("lm_head", "mlp.gate", "model.layers.0")."""
-    return f".{entry}." in f".{module_name}."
+    the name ("lm_head", "mlp.gate", "model.layers.0"; outer dots are dropped: AWQ checkpoints
+    write "mlp.gate." and "model.layers.0." for vLLM's substring match)."""
+    return f".{entry.strip('.')}." in f".{module_name}."
 
 
 # -- safetensors headers ---------------------------------------------------------------
@@ -222,9 +225,29 @@ class _Entry:
     file: str
     shape: Tuple[int, ...]
     dtype: str  # safetensors dtype name: "I32", "F16", ...
+    key: str  # the tensor's name in the file
 
 
-def _read_headers(path: str) -> Dict[str, _Entry]:
+class _Entries(dict):
+    """The checkpoint's tensors by the model's names for them (transformers' key renamings
+    applied, checkpoint_moe.KeyNames): name -> _Entry."""
+
+    def __init__(self, entries: Dict[str, _Entry], naming=None):
+        super().__init__()
+        self.naming = naming
+        for key, e in entries.items():
+            name = naming.to_model(key) if naming is not None else key
+            if name in self:
+                raise ValueError(f"tensors {self[name].key} and {key} both load into {name}")
+            self[name] = e
+
+    def stored(self, name: str) -> str:
+        """The key the files use (or would use) for the model's tensor `name`: for messages."""
+        e = self.get(name)
+        return e.key if e is not None else self.naming.to_checkpoint(name) if self.naming is not None else name
+
+
+def _read_headers(path: str) -> _Entries:
     """Every tensor of the checkpoint: name -> (file, shape, dtype), from the headers only."""
     from safetensors import safe_open
 
@@ -252,20 +275,20 @@ def _read_headers(path: str) -> Dict[str, _Entry]:
                 if key in entries:
                     raise ValueError(f"tensor {key} is in both {entries[key].file} and {file}")
                 s = f.get_slice(key)
-                entries[key] = _Entry(file, tuple(s.get_shape()), s.get_dtype())
+                entries[key] = _Entry(file, tuple(s.get_shape()), s.get_dtype(), key)
     if weight_map is not None:
         missing = sorted(set(weight_map) - set(entries))
         if missing:
             raise ValueError(f"{index_file} lists tensors that its shards do not hold: {missing[:5]}")
-    return entries
+    return _Entries(entries)
 
 
 def _check_tensor(entries, key: str, shape, dtypes) -> None:
     e = entries.get(key)
     if e is None:
-        raise ValueError(f"the checkpoint has no tensor {key}")
+        raise ValueError(f"the checkpoint has no tensor {entries.stored(key)}")
     if e.shape != tuple(shape) or e.dtype not in dtypes:
-        raise ValueError(f"{key} must be {' or '.join(dtypes)} of shape {tuple(shape)}, "
+        raise ValueError(f"{e.key} must be {' or '.join(dtypes)} of shape {tuple(shape)}, "
                          f"got {e.dtype} {e.shape}")
 
 
@@ -331,10 +354,14 @@ class _Plan:
     params: Dict[str, list]  # checkpoint key -> every parameter name it fills (ties)
     buffers: list  # buffers the checkpoint stores (else they keep their computed values)
     zero_biases: list  # bias tensors of bias-free layers: must hold zeros (checked on load)
+    experts: dict  # experts module name -> checkpoint_moe.ExpertsPlan (quantized MoE experts)
 
 
-def _plan(model: nn.Module, entries: Dict[str, _Entry], spec: _Spec) -> _Plan:
+def _plan(model: nn.Module, entries: _Entries, spec: _Spec, naming) -> _Plan:
     """Match the checkpoint's tensors to the model; raise on anything that does not fit."""
+    from .checkpoint_moe import plan_experts
+    experts, zero_biases = plan_experts(model, entries, spec, naming)
+    claimed = {key for p in experts.values() for key in p.keys}
     modules = dict(model.named_modules())
     field = "ignore" if spec.method == CT else "modules_to_not_convert"
     for entry in spec.not_convert if spec.method != CT else ():  # CT's patterns may name none
@@ -344,7 +371,7 @@ def _plan(model: nn.Module, entries: Dict[str, _Entry], spec: _Spec) -> _Plan:
     head = _output_layer_name(model)
     layers: Dict[str, nn.Linear] = {}
     for key in entries:
-        if not key.endswith(marker):
+        if not key.endswith(marker) or key in claimed:
             continue
         name = key[: -len(marker)]
         module = modules.get(name)
@@ -367,13 +394,13 @@ def _plan(model: nn.Module, entries: Dict[str, _Entry], spec: _Spec) -> _Plan:
             raise ValueError(f"{name} is quantized in the checkpoint (it has {key}) but "
                              f"quantization_config.lm_head is false (or absent); allowed: lm_head true")
         layers[name] = module
-    if not layers:
+    if not layers and not any(p.quantized for p in experts.values()):
         raise ValueError(f"the checkpoint has no quantized layer (no tensor named *{marker})")
     if spec.lm_head and head not in layers:
         raise ValueError(f"quantization_config.lm_head=True but the checkpoint has no {head}{marker}; "
                          f"allowed: lm_head false for a checkpoint whose {head} is not quantized")
 
-    used, zero_biases = set(), []
+    used = set(claimed)
     for name, linear in layers.items():
         for suffix, (shape, dtypes) in _layer_tensors(spec, linear).items():
             _check_tensor(entries, f"{name}.{suffix}", shape, dtypes)
@@ -395,7 +422,7 @@ def _plan(model: nn.Module, entries: Dict[str, _Entry], spec: _Spec) -> _Plan:
             used.add(bias)
 
     # Every other parameter: tied parameters (one object under several names) need one key.
-    inside = tuple(f"{name}." for name in layers)
+    inside = tuple(f"{name}." for name in (*layers, *experts))
     groups: Dict[int, list] = {}
     for pname, p in model.named_parameters(remove_duplicate=False):
         if not pname.startswith(inside):
@@ -404,19 +431,19 @@ def _plan(model: nn.Module, entries: Dict[str, _Entry], spec: _Spec) -> _Plan:
     for group in groups.values():
         present = [pname for pname, _ in group if pname in entries]
         if not present:
-            raise ValueError(f"the checkpoint has no tensor {group[0][0]}")
+            raise ValueError(f"the checkpoint has no tensor {entries.stored(group[0][0])}")
         key, shape = present[0], tuple(group[0][1].shape)
         if entries[key].shape != shape:
-            raise ValueError(f"{key} has shape {entries[key].shape}, the model expects {shape}")
+            raise ValueError(f"{entries.stored(key)} has shape {entries[key].shape}, the model expects {shape}")
         params[key] = [pname for pname, _ in group]
         used.update(present)
     buffers = [b for b, _ in model.named_buffers() if b in entries and not b.startswith(inside)]
     used.update(buffers)
-    unexpected = sorted(set(entries) - used)
+    unexpected = sorted(entries.stored(k) for k in set(entries) - used)
     if unexpected:
         raise ValueError(f"the checkpoint holds {len(unexpected)} tensor(s) the model has no place for: "
                          f"{unexpected[:5]}")
-    return _Plan(layers, params, buffers, zero_biases)
+    return _Plan(layers, params, buffers, zero_biases, experts)
 
 
 def _output_layer_name(model: nn.Module) -> Optional[str]:
@@ -435,11 +462,11 @@ class _Reader:
     def __call__(self, key: str, index: Optional[tuple] = None) -> torch.Tensor:
         """Tensor `key`, or its part `index` (one slice per dim): safetensors reads only that part."""
         from safetensors import safe_open
-        file = self.entries[key].file
-        if file not in self.files:
-            self.files[file] = self.stack.enter_context(safe_open(file, framework="pt"))
-        f = self.files[file]
-        return f.get_tensor(key) if index is None else f.get_slice(key)[index]
+        e = self.entries[key]
+        if e.file not in self.files:
+            self.files[e.file] = self.stack.enter_context(safe_open(e.file, framework="pt"))
+        f = self.files[e.file]
+        return f.get_tensor(e.key) if index is None else f.get_slice(e.key)[index]
 
 
 # What each axis of a layer's tensors indexes: (feature, elements per feature as num / den);
@@ -669,6 +696,11 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
     into QuantLinearW4A8 (formats.qqq.from_qqq). Both need out_features a multiple of 64 and
     in_features of 128. "lm_head": true (GPTQ as GPTQModel writes it, Marlin) loads the
     quantized lm_head as a QuantLinear; the flag and the tensors must agree.
+    MoE models (transformers 5 experts modules: Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, ...):
+    per-expert GPTQ / AWQ / compressed-tensors tensors ({experts}.{e}.gate_proj / up_proj /
+    down_proj, Mixtral's block_sparse_moe.experts.{e}.w1 / w3 / w2) load, expert by expert,
+    into a QuantExperts (model.sailfish_report["experts"] lists them); act-order experts
+    are refused; 16-bit per-expert weights stack into the module's own parameters.
     fuse (default True): q/k/v and gate/up then run as one layer each where exact
     (sailfish.fuse; model.sailfish_report says which).
     device_mesh (a 1-D torch DeviceMesh): tensor parallelism. Each rank reads only its shard
@@ -701,15 +733,30 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()  # ties (e.g. lm_head to the embedding) decide which keys are needed
-    plan = _plan(model, entries, spec)
+    from .checkpoint_moe import KeyNames, read_experts, read_float_experts
+    naming = KeyNames(model)
+    entries = _Entries(entries, naming)  # the checkpoint's keys as transformers renames them
+    plan = _plan(model, entries, spec, naming)
+    converted = [name for name, experts in plan.experts.items() if experts.quantized]  # -> QuantExperts
 
     with contextlib.ExitStack() as stack:
         read = _Reader(entries, stack)
         tp, rank, world = _tensor_parallel(model, plan, spec, read, device_mesh, tp_plan)
         for key in plan.zero_biases:
             if bool(read(key).any()):
-                raise ValueError(f"{key} is not zero, but the model's layer has no bias")
+                raise ValueError(f"{entries.stored(key)} is not zero, but the model's layer has no bias")
         lossy = {}  # layer -> (largest relative change of a weight, of a bias value)
+        for name, experts in plan.experts.items():  # MoE experts, read expert by expert
+            if not experts.quantized:
+                read_float_experts(read, name, experts, model.get_submodule(name), device)
+                continue
+            src = experts.scale_dtype
+            how = f"load_quantized(..., allow_lossy_scales=True) (dtype={src} keeps them exact)"
+            layer, change = read_experts(read, spec, name, experts, dtype, device,
+                                         allow_lossy_scales=allow_lossy_scales, how=how)
+            if change:
+                lossy[name] = (change, 0.0)
+            model.set_submodule(name, layer)
         for name, linear in plan.layers.items():
             try:
                 split = (tp[name][0], rank, world, tp[name][2]) if name in tp else None
@@ -744,7 +791,8 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
     if lossy:
         worst = max(lossy, key=lambda n: lossy[n][0])
         warn_lossy_cast("load_quantized", src, dtype, lossy[worst][0], max(b for _, b in lossy.values()),
-                        f" in {len(lossy)} of {len(plan.layers)} quantized layers (largest in {worst})")
+                        f" in {len(lossy)} of {len(plan.layers) + len(converted)} quantized layers"
+                        f"{' and experts modules' if converted else ''} (largest in {worst})")
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:  # _plan accounts for every parameter; this guards against a model that re-creates some
         raise RuntimeError(f"parameters left unloaded: {left[:5]}")
@@ -753,6 +801,8 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
         # (generate, resize_token_embeddings) from hanging the embedding on it
         model.config.tie_word_embeddings = False
     model = model.to(device).eval()
+    if converted:
+        model.sailfish_report = {"experts": converted}
     if fuse:  # a rank's q / k / v shards fuse into the shard of the fused layer (fuse.shard_fused)
         model = fuse_projections(model)
     for name, (dim, style, _) in tp.items():
@@ -791,8 +841,12 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
     A model quantized with quantize_model(act_bits=8, method="gptq") holds its smoothing in
     its norm and projection weights, which are saved as they are.
 
-    All QuantLinear layers must share one group size and one dtype (the config has one of
-    each); sym / zero_point false are written only if every layer is symmetric (a symmetric
+    MoE models: every QuantExperts is written per expert, as a layer per projection under
+    the names transformers' save_pretrained gives them (checkpoint_moe.py), experts left in
+    16 bits as per-expert weights (listed in modules_to_not_convert / ignore).
+
+    All QuantLinear layers and QuantExperts must share one group size and one dtype (the
+    config has one of each); sym / zero_point false are written only if every layer is symmetric (a symmetric
     layer is stored with zero point 8, which reads back as symmetric), desc_act true if any
     layer has act-order. A zero point of 16 (no format stores it) and a layer of the other
     kind (QuantLinearW4A8 in a W4A16 format, QuantLinear in "qqq") are refused. `path` is
@@ -809,6 +863,12 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
         raise ValueError(f"max_shard_size={max_shard_size!r} must be a positive number of bytes")
     if format not in SAVE_FORMATS:
         raise ValueError(f"format={format!r} is not supported; allowed: {SAVE_FORMATS}")
+    from .checkpoint_moe import KeyNames, experts_weights, float_experts_weights
+    from .moe import QuantExperts
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, QuantExperts)}
+    if experts and format == "qqq":
+        raise TypeError(f"{next(iter(experts))} is a QuantExperts (W4A16 experts): format='qqq' holds "
+                        f"QuantLinearW4A8 layers only; W4A16 experts save with 'gptq', 'awq' or 'compressed-tensors'")
     kind, other = (QuantLinearW4A8, QuantLinear) if format == "qqq" else (QuantLinear, QuantLinearW4A8)
     wrong = [n for n, m in unfused_layers(model).items() if isinstance(m, other)]
     if wrong:
@@ -816,39 +876,42 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
                         f"({len(wrong)} such layers; W4A8 layers save with format='qqq', W4A16 ones with 'gptq', "
                         f"'awq' or 'compressed-tensors')")
     layers = {n: m for n, m in unfused_layers(model).items() if isinstance(m, kind)}  # fused: per projection
-    if not layers:
+    if not layers and not experts:
         raise ValueError(f"model has no {kind.__name__} layer to save (quantize it with sailfish.quantize_model)")
     if format == "qqq" and _output_layer_name(model) in layers:
         raise ValueError(f"{_output_layer_name(model)} is quantized, but a QQQ checkpoint keeps the output layer in "
                          f"fp16 (quantize_model's default skip=('lm_head',) leaves it so)")
-    dtypes = {} if format == "qqq" else {n: m.dtype for n, m in layers.items()}
-    for what, values in (("group sizes", {n: m.group_size for n, m in layers.items()}), ("dtypes", dtypes)):
+    quantized = {**layers, **experts}
+    dtypes = {} if format == "qqq" else {n: m.dtype for n, m in quantized.items()}
+    for what, values in (("group sizes", {n: m.group_size for n, m in quantized.items()}), ("dtypes", dtypes)):
         distinct = sorted(set(values.values()), key=str)
         if len(distinct) > 1:
             example = {v: next(n for n in values if values[n] == v) for v in distinct}
-            raise ValueError(f"the QuantLinear layers have different {what} {distinct} (e.g. {example}); "
+            raise ValueError(f"the quantized layers have different {what} {distinct} (e.g. {example}); "
                              f"a {format} checkpoint has one for the whole model")
-    first = next(iter(layers.values()))
+    first = next(iter(quantized.values()))
     if os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path)):
         raise FileExistsError(f"{path} already holds *.safetensors files; save into an empty directory")
 
+    naming = KeyNames(model)
     weights = {name: layer.quantized_weight() for name, layer in layers.items()}
+    weights.update(experts_weights(model, naming))  # every expert's gate, up and down as a layer
     zero_0 = [n for n, qw in weights.items() if getattr(qw, "zeros", None) is not None and bool((qw.zeros == 0).any())]
     checkpoint_format = "gptq_v2" if zero_0 else "gptq"
-    sym = all(getattr(m, "sym", True) for m in layers.values())
+    sym = all(getattr(m, "sym", True) for m in layers.values()) and all(m.w13_zeros is None for m in experts.values())
     act_order = any(getattr(m, "act_order", False) for m in layers.values())
     write = {"gptq": lambda qw: to_gptq(qw, checkpoint_format), "awq": to_awq, "qqq": to_qqq,
              CT: lambda qw: to_compressed_tensors(qw, symmetric=sym, actorder=act_order)}[format]
-    tensors: Dict[str, torch.Tensor] = {}
-    for name, layer in layers.items():
+    tensors, float_experts = float_experts_weights(model, naming)  # 16-bit experts, per expert too
+    for name, qw in weights.items():
         try:
-            packed = write(weights[name])
+            packed = write(qw)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from e
-        if layer.bias is not None:
-            packed["bias"] = layer.bias
+        if name in layers and layers[name].bias is not None:
+            packed["bias"] = layers[name].bias
         tensors.update({f"{name}.{k}": v for k, v in packed.items()})
-    inside = tuple(f"{name}." for name in layers)
+    inside = tuple(f"{name}." for name in (*quantized, *float_experts))
     seen = set()
     for key, t in model.state_dict().items():
         ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
@@ -856,7 +919,8 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
             continue  # quantized layers are written above; tied weights once (the loader re-ties)
         seen.add(ident)
         tensors[key] = t
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    # under the keys transformers' save_pretrained writes (Mixtral: block_sparse_moe, not mlp)
+    tensors = {naming.to_checkpoint(k): v.detach().to("cpu").contiguous() for k, v in tensors.items()}
 
     shards, size = [{}], 0
     for key, t in tensors.items():
@@ -878,6 +942,7 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
             json.dump(index, f, indent=2)
 
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in layers]
+    linears += float_experts
     cfg = config.to_dict()
     dtype = getattr(model, "dtype", torch.float16) if format == "qqq" else first.dtype  # W4A8 takes either
     cfg["dtype" if "dtype" in cfg else "torch_dtype"] = str(dtype).removeprefix("torch.")

@@ -24,7 +24,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .int4 import K_CHUNK, HALF_DTYPES, PackedW4, QuantizedWeight, check_flag, pack, quantize, unpack
+from .int4 import (K_CHUNK, HALF_DTYPES, PackedW4, QuantizedWeight, check_flag, num_groups, pack, quantize,
+                   unpack)
 
 
 @dataclass
@@ -96,6 +97,30 @@ def stack(weights: Sequence[QuantizedWeight]) -> PackedExperts:
     zeros = None if first.sym else torch.stack([p.zeros for p in packed])
     return PackedExperts(torch.stack([p.qweight for p in packed]), torch.stack([p.scales for p in packed]),
                          zeros, first.in_features, first.group_size)
+
+
+def pack_into(stacked: PackedExperts, e: int, row: int, qw: QuantizedWeight) -> None:
+    """Pack one expert's (N', K) weight (no g_idx) into rows [row, row + N') of expert e of a
+    preallocated stack (checkpoint loading: one expert at a time, no second copy of the stack;
+    a transformers gate_up expert is its gate at row 0 and its up at row I). A symmetric
+    weight in a stack with zero points gets zero point 8 on its groups (0 on groups that only
+    cover K padding), exactly what packing it with explicit zero points 8 gives."""
+    if qw.g_idx is not None:
+        raise ValueError("an act-order weight (g_idx) cannot be stacked; allowed for experts: no g_idx")
+    if qw.in_features != stacked.in_features or qw.group_size != stacked.group_size or qw.dtype != stacked.dtype:
+        raise ValueError(f"weight (K={qw.in_features}, group_size={qw.group_size}, {qw.dtype}) does not fit the "
+                         f"stack (K={stacked.in_features}, group_size={stacked.group_size}, {stacked.dtype})")
+    if qw.zeros is not None and stacked.zeros is None:
+        raise ValueError("an asymmetric weight (zero points) cannot go into a symmetric stack")
+    p = pack(qw, k_multiple=K_CHUNK)
+    rows = slice(row, row + qw.out_features)
+    stacked.qweight[e, rows] = p.qweight
+    stacked.scales[e, rows] = p.scales
+    if stacked.zeros is not None:
+        if p.zeros is None:
+            p.zeros = torch.zeros_like(p.scales)
+            p.zeros[:, :num_groups(qw.in_features, qw.group_size)] = 8
+        stacked.zeros[e, rows] = p.zeros
 
 
 def quantize_experts(weight: torch.Tensor, group_size: int = 128, sym: bool = True,
