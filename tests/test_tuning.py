@@ -11,6 +11,8 @@ import warnings
 import pytest
 import torch
 
+import sailfish.runtime.device as device_mod
+import sailfish.tune_model as tune_model
 import sailfish.tuning as tuning
 from sailfish.ops.w4a8 import W4A8_KERNELS, W4A8_TUNER, w4a8_key
 from sailfish.ops.w4a16 import W4A16_KERNELS, w4a16_key
@@ -237,14 +239,14 @@ def test_scratch_runner_allocates_once_and_lazily():
     ("NVIDIA GeForce RTX 4090", "nvidia_geforce_rtx_4090"),
 ])
 def test_gpu_key_names(name, key):
-    assert tuning.gpu_key_for_name(name) == key
+    assert device_mod.gpu_key_for_name(name) == key
 
 
 def test_pcie_and_nvl_h100_do_not_use_the_sxm_table():
     for name in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200 NVL"):
-        assert not (CONFIG_DIR / f"{tuning.gpu_key_for_name(name)}.json").exists(), name
-    assert (CONFIG_DIR / f"{tuning.gpu_key_for_name('NVIDIA H100 80GB HBM3')}.json").exists()
-    assert (CONFIG_DIR / f"{tuning.gpu_key_for_name('NVIDIA H200')}.json").exists()
+        assert not (CONFIG_DIR / f"{device_mod.gpu_key_for_name(name)}.json").exists(), name
+    assert (CONFIG_DIR / f"{device_mod.gpu_key_for_name('NVIDIA H100 80GB HBM3')}.json").exists()
+    assert (CONFIG_DIR / f"{device_mod.gpu_key_for_name('NVIDIA H200')}.json").exists()
 
 
 def test_gpu_key_is_cached_per_device_index(monkeypatch):
@@ -252,8 +254,8 @@ def test_gpu_key_is_cached_per_device_index(monkeypatch):
     asked = []
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: asked.append(i) or names[i])
     parsed = []
-    real = tuning.gpu_key_for_name
-    monkeypatch.setattr(tuning, "gpu_key_for_name", lambda n: parsed.append(n) or real(n))
+    real = device_mod.gpu_key_for_name
+    monkeypatch.setattr(device_mod, "gpu_key_for_name", lambda n: parsed.append(n) or real(n))
     tuning.clear_caches()
     try:
         for _ in range(3):
@@ -431,7 +433,7 @@ def test_tune_runs_each_distinct_problem_once(monkeypatch):
     """On CPU the layers take their heuristic configs; this checks the walk: one forward per
     distinct layer and M bucket, inside a tuning session."""
     import sailfish
-    monkeypatch.setattr(tuning, "_check_on_cuda", lambda name, layer: None)
+    monkeypatch.setattr(tune_model, "_check_on_cuda", lambda name, layer: None)
     seen = []
     real_get = Tuner.get
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers import DTYPE_NAMES, TOL, make_g_idx, random_quantized, rel_err, run_compile_child
+from sailfish.runtime.flags import FLAGS
 from sailfish import Config, QuantLinear
 from sailfish.ops import use_triton
 from sailfish.ops.w4a16 import gemv_on_tensor_cores, w4a16_launch
@@ -274,7 +275,7 @@ def test_scale_prefetch_changes_no_bit(dtype, cfg, device, monkeypatch):
     assert ops16.prefetch_scales(cfg, 128) and not ops16.prefetch_scales(cfg, 128, has_zeros=True)
     assert not ops16.prefetch_scales(Config(16, 64, 256, 1, scale_acc=True), 128)  # two groups per tile
     y_on = launch(layer, x, cfg)
-    monkeypatch.setattr(ops16, "SCALE_PREFETCH", "0")
+    monkeypatch.setattr(FLAGS, "scale_prefetch", "0")
     assert not ops16.prefetch_scales(cfg, 128)
     assert torch.equal(y_on, launch(layer, x, cfg))
 

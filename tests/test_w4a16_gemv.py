@@ -13,6 +13,7 @@ import torch
 
 from helpers import DTYPE_NAMES, assert_close_per_element, make_g_idx, random_quantized
 from helpers import run_compile_child
+from sailfish.runtime.flags import FLAGS
 from sailfish import Config, QuantLinear
 from sailfish.ops import w4a16 as ops16
 from sailfish.ops.w4a16 import gemv_on_tensor_cores, w4a16_launch
@@ -117,14 +118,14 @@ def test_gemv_falls_back_to_cuda_cores(gs, gidx, offset, why, device):
 
 
 def test_gemv_mma_switch(monkeypatch, device):
-    """SAILFISH_GEMV_MMA=0 (ops.w4a16.GEMV_MMA) keeps the CUDA-core GEMV and the heuristic's
+    """SAILFISH_GEMV_MMA=0 (runtime.flags.FLAGS.gemv_mma) keeps the CUDA-core GEMV and the heuristic's
     earlier choices (CUDA-core GEMV at M = 1, the mma kernel at M = 2..8)."""
     x = torch.randn(1, 256, device=device).to(F16)
     cpu = torch.device("cpu")
     problem = dict(device=cpu, N=4096, Kp=4096, group_size=128, general_gidx=False)
     assert gemv_on_tensor_cores(gemv(1, 16, 256), x, 128, False)
     assert ops16._w4a16_heuristic(M=2, **problem).kernel == "gemv"
-    monkeypatch.setattr(ops16, "GEMV_MMA", False)
+    monkeypatch.setattr(FLAGS, "gemv_mma", False)
     assert not gemv_on_tensor_cores(gemv(1, 16, 256), x, 128, False)
     cfg = ops16._w4a16_heuristic(M=1, **problem)
     assert (cfg.kernel, cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_stages) == ("gemv", 16, 512, 4)

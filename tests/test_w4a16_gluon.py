@@ -14,6 +14,7 @@ import torch
 
 from helpers import (DTYPE_NAMES, LOOP_PROBLEMS, StandInKernel, assert_close_per_element, incompatible_gluon,
                      make_g_idx, random_quantized, run_compile_child)
+from sailfish.runtime.flags import FLAGS
 from sailfish import Config, QuantLinear
 from sailfish.ops import w4a16 as ops16
 from sailfish.ops.w4a16 import gluon_overlap_split_ok, gluon_split_ok, gluon_twin, w4a16_launch
@@ -552,22 +553,21 @@ def test_gluon_compile_failure_falls_back_to_the_twin(monkeypatch, device):
     import sailfish.kernels.w4a16_gluon as gk
 
     monkeypatch.setattr(gk, "w4a16_gluon_kernel", StandInKernel(incompatible_gluon()))
-    monkeypatch.setattr(ops16, "GLUON", True)
-    monkeypatch.setattr(ops16, "gluon_applies", lambda *a: ops16.GLUON)
+    monkeypatch.setattr(FLAGS, "gluon", True)
+    monkeypatch.setattr(ops16, "gluon_applies", lambda *a: FLAGS.gluon)
     layer = _layer(1024, 192, 128, F16, True, device)
     x = torch.randn(16, 1024, device=device).to(F16)
     cfg = Config(16, 64, 256, 2, 8, 4, 3, kernel="gluon")
     with pytest.warns(RuntimeWarning, match="Gluon W4A16 kernel does not compile"):
         y = _launch(layer, x, cfg)
-    assert not ops16.GLUON
+    assert not FLAGS.gluon
     assert torch.equal(y, _launch(layer, x, gluon_twin(cfg)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second attempt, no second warning
         assert torch.equal(_launch(layer, x, cfg), y)
-    ops16.gluon_device.cache_clear()
 
     monkeypatch.setattr(gk, "w4a16_gluon_kernel", StandInKernel(RuntimeError("a launch error")))
-    monkeypatch.setattr(ops16, "GLUON", True)
+    monkeypatch.setattr(FLAGS, "gluon", True)
     with pytest.raises(RuntimeError, match="a launch error"):
         _launch(layer, x, cfg)
 

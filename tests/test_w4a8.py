@@ -17,6 +17,7 @@ import torch
 import sailfish
 
 from helpers import DTYPE_NAMES, LOOP_PROBLEMS, TOL, StandInKernel, incompatible_gluon, rel_err, run_compile_child
+from sailfish.runtime.flags import FLAGS
 from sailfish import Config, QuantLinear, QuantLinearW4A8, quantize_model
 from sailfish.formats.nibbles import pack_nibbles
 from sailfish.formats.qqq import (QQQWeight, codes_to_int8, natural_to_fragment_order_w4a8,
@@ -422,7 +423,7 @@ def test_split_k_inside_the_gemm(m, cfg, act, device, monkeypatch):
     assert ops8.fixup_tile(cfg)
     out = {}
     for fixup in (False, True):
-        monkeypatch.setattr(ops8, "SPLIT_FIXUP", fixup)
+        monkeypatch.setattr(FLAGS, "split_fixup", fixup)
         ops8.W4A8_TUNER.plans.clear()
         out[fixup] = (w4a8_launch(*args, config=cfg), w4a8_launch(*args, config=cfg, raw_acc=True))
     assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
@@ -508,7 +509,7 @@ def test_gluon_pipe_compile_failure_falls_back_to_the_twin(monkeypatch, device):
 
     # the Gluon path as on a Hopper GPU, its TMA descriptor a stand-in (the stand-in kernels never read it)
     monkeypatch.setattr(gk, "pipe_descriptor", lambda x_q, BLOCK_M: x_q)
-    monkeypatch.setattr(ops8, "w4a8_gluon_applies", lambda *a: ops16.GLUON)
+    monkeypatch.setattr(ops8, "w4a8_gluon_applies", lambda *a: FLAGS.gluon)
     k, n, m = 512, 136, 72
     layer = random_layer(k, n, 128, True, device)
     x_q, x_s = layer.quantize_input(torch.randn(m, k, device=device).to(F16))
@@ -518,19 +519,17 @@ def test_gluon_pipe_compile_failure_falls_back_to_the_twin(monkeypatch, device):
         return w4a8_launch(x_q, x_s, layer.qweight, layer.s_ch, layer.s_g, layer.bias, k, 128, F16, config=c)
 
     monkeypatch.setattr(gk, "w4a8_gluon_pipe_kernel", StandInKernel(RuntimeError("a launch error")))
-    monkeypatch.setattr(ops16, "GLUON", True)
+    monkeypatch.setattr(FLAGS, "gluon", True)
     with pytest.raises(RuntimeError, match="a launch error"):
         run(cfg)
     monkeypatch.setattr(gk, "w4a8_gluon_pipe_kernel", StandInKernel(incompatible_gluon()))
     with pytest.warns(RuntimeWarning, match="Gluon W4A8 kernel does not compile"):
         y = run(cfg)
-    assert not ops16.GLUON
+    assert not FLAGS.gluon
     assert torch.equal(y, run(ops8.w4a8_gluon_twin(cfg)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second attempt, no second warning
         assert torch.equal(run(cfg), y)
-    ops16.gluon_device.cache_clear()
-    ops8.w4a8_gluon_device.cache_clear()
 
 
 def test_gluon_pipe_rejects_fp8(device):

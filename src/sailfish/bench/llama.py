@@ -17,7 +17,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..nn import QuantLinear, QuantLinearW4A8, quantize_model
+from ..convert import quantize_model
+from ..nn import QuantLinear, QuantLinearW4A8
 
 
 @dataclass(frozen=True)

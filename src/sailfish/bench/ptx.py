@@ -66,7 +66,7 @@ def compile_mma(block_m: int, block_n: int, block_k: int, split_k: int, num_warp
                 acc_fence: Optional[bool] = None, pdl_early: bool = False, prefetch: Optional[bool] = None):
     """triton.compile of kernels/w4a16._w4a16_kernel for cuda:<capability>, specialised as the
     launcher is on a GPU (16-byte aligned pointers, N / K / strides divisible by 16).
-    pdl_early: the split-K variant that lets the reduce launch early (ops/launch.py pdl).
+    pdl_early: the split-K variant that lets the reduce launch early (runtime/device.py pdl).
     prefetch: PREFETCH_S (None: the launcher's rule, ops/w4a16.prefetch_scales)."""
     import triton
     from triton.backends.compiler import GPUTarget

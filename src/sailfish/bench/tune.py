@@ -30,12 +30,8 @@ import torch
 from ..formats.int4 import GROUP_SIZES
 from ..formats.qqq import GROUP_SIZES_W4A8
 from ..tuning import m_bucket
+from .shapes import LLAMA_SHAPES, M_LIST, parse_ints, parse_shapes
 from .timing import copies_needed, graph_time_us
-
-LLAMA_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096),
-                (8192, 10240), (8192, 8192), (8192, 57344), (28672, 8192)]
-M_LIST = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
-
 
 def _w4a16_family(k, n, group_size, sym, dtype, experimental=False):
     """(layer factory, launcher(layer, x, cfg), reference(layer, x), candidates, keys).
@@ -207,7 +203,6 @@ def main(argv=None) -> int:
                     help="comma-separated Config.kernel names: time only their tiles and the shipped config")
     ap.add_argument("--show", type=int, default=0, metavar="N", help="log the N fastest candidates per problem")
     args = ap.parse_args(argv)
-    from .__main__ import parse_ints, parse_shapes  # (that module imports this one)
     try:
         shapes, ms = parse_shapes(args.shapes), parse_ints(args.m, "M")
     except ValueError as e:

@@ -86,7 +86,7 @@ def _unpack8(words, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 # ----------------------------------------------------------------------------------
-# Programmatic dependent launch (PDL, sm_90+; ops/launch.py `pdl`)
+# Programmatic dependent launch (PDL, sm_90+; runtime/device.py `pdl`)
 # ----------------------------------------------------------------------------------
 # W4A16's split-K chain (GEMM -> reduce) otherwise pays a full kernel boundary: the reduce
 # is launched only after the GEMM has finished and flushed. With PDL the GEMM lets it launch

@@ -5,12 +5,11 @@
     sailfish::w4a16_gemm_nograd(...)  the same without an autograd formula
 
 Host cost per steady-state call on CUDA: one dict lookup for the problem's plan (config
-and bound kernels, ops/launch.py) plus the allocations and the direct kernel launches; the
+and bound kernels, runtime/launch.py) plus the allocations and the direct kernel launches; the
 first call of a problem goes through the tuner and Triton's JIT and builds the plan.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from functools import lru_cache, partial
 from typing import Optional
@@ -18,10 +17,13 @@ from typing import Optional
 import torch
 
 from ..formats.int4 import K_CHUNK, K_PAD
-from ..tuning import (KERNELS, Config, Tuner, m_bucket, next_pow2, problem_key, scratch_runner, sm_count,
-                      split_k_for)
-from . import batch_invariant, check_devices, define_op, device_of, use_triton
-from .launch import Launch, aligned, current_device, hooks_idle, pdl, pointers
+from ..runtime.device import (check_devices, current_device, device_of, has_bf16x2, has_mma_asm, pdl, sm_count,
+                              use_triton)
+from ..runtime.dispatch import define_op
+from ..runtime.flags import FLAGS, batch_invariant
+from ..runtime.launch import Launch, aligned, hooks_idle, pointers
+from ..tuning import KERNELS, Config, Tuner, m_bucket, next_pow2, problem_key, scratch_runner, split_k_for
+from .common import GLUON_STEP, gluon_compile_failed, gluon_device, gluon_split_ok, invariant_config
 
 
 # ----------------------------------------------------------------------------------
@@ -30,7 +32,7 @@ from .launch import Launch, aligned, current_device, hooks_idle, pdl, pointers
 def _tensor_core_gemv(M: int, group_size: int, general_gidx: bool) -> bool:
     """Whether a 'gemv' config for this problem runs the tensor-core GEMV (the format side of
     gemv_on_tensor_cores; x's alignment is checked at launch)."""
-    return GEMV_MMA and M <= 8 and (group_size == -1 or group_size % K_CHUNK == 0) and not general_gidx
+    return FLAGS.gemv_mma and M <= 8 and (group_size == -1 or group_size % K_CHUNK == 0) and not general_gidx
 
 
 def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=False) -> Config:
@@ -389,26 +391,6 @@ def _check_gluon_config(cfg: Config, kp: int) -> None:
 # ----------------------------------------------------------------------------------
 # W4A16 launcher
 # ----------------------------------------------------------------------------------
-def invariant_config(M: int, N: int, Kp: int) -> Config:
-    """The config of batch-invariant mode (ops.set_batch_invariant) for an (M, N, padded K)
-    problem: the Triton tensor-core tile with one K order at every M (BLOCK_K 128, the scales
-    on the weights, a split-K that depends on N and K only: 2 programs per SM at M = 1 on a
-    132-SM GPU, so the bits do not depend on the GPU model either); only BLOCK_M, BLOCK_N and
-    the warps follow M, and they do not change any output element's arithmetic: bit-identical
-    outputs for BLOCK_M 16-128, BLOCK_N 64-256, 4 / 8 warps, fp16 / bf16, symmetric /
-    asymmetric, g128 / per channel, M = 1-300 (NVIDIA H200; also for the W4A8 fp8 kernel,
-    ops/w4a8.py). No GEMV, Gluon kernel or dequantize + cuBLAS: their reduction orders differ
-    (fp16 g128 rows differ by up to 2e-3 between M buckets without the mode)."""
-    # tiles: the fastest of a sweep per M bucket on the H200 (fp16 g128, 8 Llama-3 shapes, the
-    # split fixed as below: the rule that was fastest at M <= 64, where decode runs; at M >= 256
-    # half the split would be 0.88-0.92x the time), except M = 33-64: BLOCK_N 64, as fast for
-    # fp16 and 1.1-1.3x faster for bf16 asymmetric than the sweep's BLOCK_N 128 (docs/perf_log.md v34)
-    bm, bn, warps, stages = ((16, 128, 4, 4) if M <= 8 else (16, 64, 4, 3) if M <= 16 else (32, 64, 4, 4) if M <= 32
-                             else (64, 64, 4, 3) if M <= 64 else (128, 256, 8, 3))
-    split = split_k_for(-(-N // 64), Kp // 128, 132)
-    return Config(bm, bn, 128, split, 8, warps, stages)
-
-
 def w4a16_reference(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_features, group_size):
     """PyTorch twin of the kernel: the same effective weight, an fp32 matmul."""
     from ..formats.int4 import PackedW4, unpack
@@ -441,22 +423,19 @@ def prefetch_scales(cfg: Config, group_size: int, general_gidx: bool = False, ha
       --group-size 64`), and measured slower there (H200, same run, tuned: 8192x57344 M = 2 /
       16 117 / 117 us with it, 103 / 101 us without; 4096x4096 9.0 vs 9.6 us).
     SAILFISH_SCALE_PREFETCH=0 turns it off everywhere, =1 on wherever possible (to measure)."""
-    if SCALE_PREFETCH == "0":
+    mode = FLAGS.scale_prefetch
+    if mode == "0":
         return False
     if scale_acc(cfg, group_size, general_gidx):
         one_group = 0 < cfg.BLOCK_K <= group_size
-        return one_group and (SCALE_PREFETCH == "1" or not has_zeros)
-    return SCALE_PREFETCH == "1" and cfg.BLOCK_N >= 32 * cfg.num_warps and group_size != 64
-
-
-SCALE_PREFETCH = os.environ.get("SAILFISH_SCALE_PREFETCH", "auto")
+        return one_group and (mode == "1" or not has_zeros)
+    return mode == "1" and cfg.BLOCK_N >= 32 * cfg.num_warps and group_size != 64
 
 
 # The mma kernel loads the per-group scales (and zeros) as int32 pairs of two adjacent groups,
 # so Triton pipelines them with cp.async like the weights (a 2-byte load is too narrow for it
 # and stalled every K tile: docs/perf_log.md v12). Needs rows of an even number of elements
 # that start 4-byte aligned; otherwise the 2-byte load. SAILFISH_PAIRED_SCALES=0 turns it off.
-PAIRED_SCALES = os.environ.get("SAILFISH_PAIRED_SCALES", "1") == "1"
 
 
 def paired_scales(cfg: Config) -> bool:
@@ -466,7 +445,7 @@ def paired_scales(cfg: Config) -> bool:
     as with PREFETCH_S. Only for BLOCK_M >= 32: H200, same run, table configs, paired vs not:
     M = 64 8192x57344 256 -> 202 us, 14336x4096 45 -> 35 us, M = 32-128 otherwise within 2%,
     but M = 2-16 mixed (8192x10240 26.2 -> 24.7 us, 14336x4096 19.0 -> 20.4 us)."""
-    return PAIRED_SCALES and cfg.BLOCK_N >= 32 * cfg.num_warps and cfg.BLOCK_M >= 32
+    return FLAGS.paired_scales and cfg.BLOCK_N >= 32 * cfg.num_warps and cfg.BLOCK_M >= 32
 
 
 def scale_acc_tile(block_k: int, group_size: int) -> bool:
@@ -504,33 +483,27 @@ def scale_acc(cfg: Config, group_size: int, general_gidx: bool) -> bool:
 # Triton 3.9 waits correctly (`python -m sailfish.bench.ptx --hazard` checks the SASS of every
 # shipped tile, tests/test_w4a16.py::test_no_wgmma_register_hazard). SAILFISH_ACC_FENCE=0 / 1
 # overrides the version rule (to measure; 0 on Triton < 3.9 can give wrong results).
-@lru_cache(maxsize=None)
 def acc_fence() -> bool:
-    env = os.environ.get("SAILFISH_ACC_FENCE", "auto")
-    if env in ("0", "1"):
-        return env == "1"
+    if FLAGS.acc_fence != "auto":
+        return FLAGS.acc_fence == "1"
+    return _triton_before_3_9()
+
+
+@lru_cache(maxsize=None)
+def _triton_before_3_9() -> bool:
     import triton
 
     return tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:2]) < (3, 9)
 
 
-@lru_cache(maxsize=None)
-def _has_bf16x2(device_index: int) -> bool:
-    """sub/mul.bf16x2 (the bf16 asm dequantization) need sm_90; ptxas rejects them below."""
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
-
-
 # The 'gemv' configs run on the tensor cores (kernels/w4a16._w4a16_gemv_mma_kernel, issue 9)
 # wherever that kernel applies; SAILFISH_GEMV_MMA=0 keeps the CUDA-core GEMV, to compare.
-GEMV_MMA = os.environ.get("SAILFISH_GEMV_MMA", "1") == "1"
 
 
 # The 'gluon' configs run the Hopper Gluon kernel (kernels/w4a16_gluon.py) wherever it applies
 # (gluon_applies) and its Triton twin (gluon_twin) elsewhere: the CPU interpreter, other GPUs,
 # a general g_idx, K % 256 != 0. SAILFISH_GLUON=0 runs the twin everywhere and
-# keeps the Gluon tiles out of the tuner's candidates (to compare).
-GLUON = os.environ.get("SAILFISH_GLUON", "1") == "1"
-GLUON_STEP = 2 * K_CHUNK  # channels per K step of the Gluon kernel (its BLOCK_K)
+# keeps the Gluon tiles out of the tuner's candidates (to compare; ops/common.py).
 # 'gluon_overlap': the Gluon kernel that dequantizes each K step while the previous step's
 # wgmmas run (kernels/w4a16_gluon.w4a16_gluon_overlap_kernel; docs/perf_log.md v25). H100: 3-9%
 # faster than the shipped tile at M = 64 on 4 of 8 Llama shapes, 1-8% at M = 16-32 on 3-4, slower on
@@ -553,12 +526,6 @@ def gluon_format(group_size: int, general_gidx: bool, k: int) -> bool:
     return not general_gidx and (group_size == -1 or group_size % K_CHUNK == 0) and k % GLUON_STEP == 0
 
 
-def gluon_split_ok(split: int, steps: int) -> bool:
-    """Every one of `split` splits of `steps` K steps gets one at least (the Gluon kernel gives
-    split k the steps from k * ceil(steps / split))."""
-    return 1 <= split <= steps and (split - 1) * -(-steps // split) < steps
-
-
 def gluon_overlap_split_ok(split: int, steps: int) -> bool:
     """Every one of `split` splits of `steps` K steps gets an even number of them, 2 at least
     (kernels/w4a16_gluon.w4a16_gluon_overlap_kernel works through its steps two at a time)."""
@@ -572,43 +539,6 @@ def gluon_overlap_split_ok(split: int, steps: int) -> bool:
 def _gluon_split_ok(kernel: str):
     """The split rule of a Gluon kernel: gluon_split_ok or gluon_overlap_split_ok."""
     return gluon_overlap_split_ok if kernel in OVERLAP_KERNELS else gluon_split_ok
-
-
-@lru_cache(maxsize=None)
-def gluon_device(device_index: int) -> bool:
-    """An sm_90 GPU (Gluon's Hopper warpgroup_mma) and a Triton whose Gluon the kernel
-    compiles with (3.6 to 3.9 are tested), unless SAILFISH_GLUON=0."""
-    if not GLUON or device_index < 0 or not torch.cuda.is_available():
-        return False
-    if torch.cuda.get_device_capability(device_index) != (9, 0):
-        return False
-    try:
-        from ..kernels import w4a16_gluon  # noqa: F401
-    except Exception:  # noqa: BLE001 - a Triton without Gluon or with another Gluon API
-        return False
-    return True
-
-
-def _gluon_compile_failed(err: Exception, family: str = "W4A16") -> bool:
-    """Whether `err` is the Gluon kernel failing to compile (a Triton whose Gluon differs from
-    the tested 3.6-3.9); if so, warn once and run every Gluon config (both families: one switch)
-    as its twin from now on (a CUDA or launch error is not this, and is raised). family: the
-    kernel that failed, for the warning."""
-    global GLUON
-    from triton.compiler.errors import CompilationError
-
-    if not isinstance(err, CompilationError):
-        return False
-    import warnings
-
-    import triton
-
-    GLUON = False
-    gluon_device.cache_clear()
-    warnings.warn(f"sailfish: the Gluon {family} kernel does not compile with Triton {triton.__version__} "
-                  f"({type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}); "
-                  "every Gluon config (W4A16 and W4A8) runs as its Triton twin from now on", RuntimeWarning, stacklevel=4)
-    return True
 
 
 def gluon_twin(cfg: Config, group_size: int = 128) -> Config:
@@ -641,22 +571,18 @@ def gemv_on_tensor_cores(cfg: Config, x: torch.Tensor, gs: int, general_gidx: bo
     per-channel group index, x readable as 4-byte channel pairs (even K, aligned rows).
     Elsewhere (group 32 / 64, a general g_idx, odd K) the CUDA-core GEMV runs."""
     # (x is contiguous and its row stride is passed as K: K even makes every row 4-byte aligned)
-    return (GEMV_MMA and cfg.BLOCK_M <= 8 and cfg.BLOCK_N >= 16 and not general_gidx
+    return (FLAGS.gemv_mma and cfg.BLOCK_M <= 8 and cfg.BLOCK_N >= 16 and not general_gidx
             and gs % K_CHUNK == 0 and x.shape[1] % 2 == 0 and x.data_ptr() % 4 == 0)
 
 
-def _has_mma_asm(x: torch.Tensor) -> bool:
-    """mma.sync m16n8k16 needs sm_80; the bf16 dequantization's sub/mul.bf16x2 sm_90."""
-    if not x.is_cuda:
-        return False
-    cap = torch.cuda.get_device_capability(x.device.index)
-    return cap >= (9, 0) or (cap >= (8, 0) and x.dtype == torch.float16)
+
+
 _REDUCE_BLOCK = 1024
 
 
 class _GemmPlan:
     """The fused paths ("gemv", "mma", "gluon") of one W4A16 problem on one GPU: its config and the
-    bound kernels (GEMM, split-K reduce; ops/launch.py). w4a16_launch builds one per call
+    bound kernels (GEMM, split-K reduce; runtime/launch.py). w4a16_launch builds one per call
     on the slow path and keeps it in W4A16_TUNER.plans under its plan key (below) once its
     kernels are bound, so that a steady-state call skips the tuner and Triton's binding."""
 
@@ -673,7 +599,7 @@ class _GemmPlan:
         self.config = cfg
         self.x_desc = None  # the pipe kernel's: x -> its TMA descriptor
         even_k = K % cfg.BLOCK_K == 0
-        # PDL (ops/launch.py): the split-K GEMM lets the reduce launch at once, the reduce waits
+        # PDL (runtime/launch.py): the split-K GEMM lets the reduce launch at once, the reduce waits
         chained = cfg.SPLIT_K > 1 and pdl(device_index)
         meta = dict(GROUP_SIZE=gs, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, EVEN_K=even_k, SPLIT_K=cfg.SPLIT_K,
                     EMU_BF16=emu, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, PDL_EARLY=chained,
@@ -766,7 +692,7 @@ class _DequantPlan:
     """The large-M path ("dequant") of one W4A16 problem on one GPU: dequantize into a
     transient weight in slices of whole BLOCK_N tiles, each at most DEQUANT_SLICE_BYTES, and
     multiply each slice with cuBLAS. Kept as a plan like _GemmPlan, so that a steady call
-    launches the dequantization kernel directly (ops/launch.py) instead of through Triton's
+    launches the dequantization kernel directly (runtime/launch.py) instead of through Triton's
     JIT binding (~15-25 us of host time per launch, which a prefill pays for every layer).
     One bound kernel per slice height (the last slice may specialize differently)."""
 
@@ -863,7 +789,7 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     gs = 0 if group_size == -1 else group_size
     emu = x.dtype == torch.bfloat16 and not x.is_cuda  # interpreter bf16 twin (kernels/common.py)
     asm = (use_asm and x.is_cuda and sorted_g_idx is None
-           and (x.dtype == torch.float16 or _has_bf16x2(x.device.index)))
+           and (x.dtype == torch.float16 or has_bf16x2(x.device.index)))
     # scales / zeros as int32 pairs (paired_scales): a function of the plan key (group size,
     # the shared row stride) and of 4-byte alignment (`aligned` checks 16 per steady call)
     pairable = gs > 0 and ssn % 2 == 0 and scales.data_ptr() % 4 == 0 and z_arg.data_ptr() % 4 == 0
@@ -878,7 +804,7 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         def build() -> _GemmPlan:
             return _GemmPlan(cfg, x.get_device(), gs=gs, has_zeros=zeros is not None,
                              has_gidx=sorted_g_idx is not None, has_bias=bias is not None, emu=emu, asm=asm,
-                             mma_asm=use_asm and _has_mma_asm(x),
+                             mma_asm=use_asm and has_mma_asm(x),
                              tensor_core_gemv=gemv_on_tensor_cores(cfg, x, gs, sorted_g_idx is not None),
                              paired=pairable, bf16=x.dtype == torch.bfloat16, K=K, group_size=group_size,
                              gluon=cfg.kernel in GLUON_KERNELS and gluon_applies(x, qweight, group_size,
@@ -888,7 +814,7 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         try:
             plan(out, out, x, qweight, scales, z_arg, sorted_g_idx, bias, M, N, K, sqn, ssn)
         except Exception as e:  # noqa: BLE001 - only a Gluon compile failure is handled
-            if plan.kind not in ("gluon", "gluon_pipe") or not _gluon_compile_failed(e):
+            if plan.kind not in ("gluon", "gluon_pipe") or not gluon_compile_failed(e):
                 raise
             plan = build()  # (the twin, from now on)
             plan(out, out, x, qweight, scales, z_arg, sorted_g_idx, bias, M, N, K, sqn, ssn)

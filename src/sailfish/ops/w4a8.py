@@ -23,13 +23,13 @@ fp8 activations (x_q float8_e4m3fn) run "mma" only, under their own table keys.
 
 Every launch runs with the tensors' GPU current (ops.device_of when it is not). Host cost
 per steady-state call on CUDA: one dict lookup for the problem's plan (config and bound
-kernels, ops/launch.py) plus the allocations and the direct kernel launches; the first
+kernels, runtime/launch.py) plus the allocations and the direct kernel launches; the first
 call of a problem goes through the tuner and Triton's JIT and builds the plan.
 """
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import lru_cache, partial
+from functools import partial
 from typing import Optional, Tuple
 
 import torch
@@ -37,16 +37,15 @@ import torch
 from ..formats.int4 import HALF_DTYPES, K_PAD
 from ..formats.qqq import (GROUP_SIZES_W4A8, PackedQQQ, check_act_dtype, fp8_weight, group_scales_fit_int8,
                            quantize_activations, unpack_qqq)
-from ..tuning import (KERNELS, Config, Tuner, check_config, gemv_candidates, m_bucket,
-                      mma_candidates, mma_heuristic, next_pow2, problem_key, scratch_runner, sms_for,
-                      split_k_for)
-from . import batch_invariant, check_devices, define_op, device_of, use_triton
-from .launch import Launch, aligned, current_device, hooks_idle, pointers, stream_getter
-from .w4a16 import GLUON_STEP, _gluon_compile_failed, gluon_device, gluon_split_ok, invariant_config
+from ..runtime.device import capability, check_devices, current_device, device_of, sms_for, use_triton
+from ..runtime.dispatch import define_op
+from ..runtime.flags import FLAGS, batch_invariant
+from ..runtime.launch import Launch, aligned, hooks_idle, pointers, stream_getter
+from ..tuning import (KERNELS, Config, Tuner, check_config, gemv_candidates, m_bucket, mma_candidates,
+                      mma_heuristic, next_pow2, problem_key, scratch_runner, split_k_for)
+from .common import GLUON_STEP, gluon_compile_failed, gluon_device, gluon_split_ok, invariant_config
 
 ACT_DTYPES = HALF_DTYPES + (torch.float32,)
-# the quantized activations' torch dtype per act_dtype (formats.qqq.ACT_DTYPES_W4A8)
-X_Q_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 # Rows up to this many channels are quantized from registers in one pass (at most 64 fp32
 # values per thread: 4 warps up to 2048 channels, 8 up to 8192, 16 above); longer rows take
 # a max pass and a quantize pass. The second pass over a row cost the M = 1 GEMM chain
@@ -103,7 +102,7 @@ def quantize_per_token_launch(x: torch.Tensor, block_k: Optional[int] = None, ac
     (x_q (M, K) contiguous, int8 or, act_dtype="fp8", float8_e4m3fn; scales float32 (M,)).
     block_k: tile over K (a power of two); default: the whole row if K <= QUANT_ONE_PASS_MAX,
     else 4096 (two passes). On CUDA the bound kernel is kept per (device, dtype, act_dtype,
-    K, row stride, block_k) in W4A8_TUNER.plans (ops/launch.py)."""
+    K, row stride, block_k) in W4A8_TUNER.plans (runtime/launch.py)."""
     fp8 = act_dtype == "fp8"
     if fp8:
         _check_fp8_device(x)
@@ -149,15 +148,10 @@ def quantize_per_token_launch(x: torch.Tensor, block_k: Optional[int] = None, ac
     return x_q, scales
 
 
-@lru_cache(maxsize=None)
-def _capability(device_index: int) -> Tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
 def _check_fp8_device(t: torch.Tensor) -> None:
     """fp8 (e4m3) activations need sm_89+ (Ada, Hopper): e4m3 tensor cores and conversions."""
     if t.is_cuda:
-        cap = _capability(t.get_device())
+        cap = capability(t.get_device())
         if cap < (8, 9):
             raise RuntimeError(f"fp8 (e4m3) activations need a GPU of compute capability >= 8.9, "
                                f"{t.device} has {cap[0]}.{cap[1]}; use act_dtype='int8'")
@@ -225,17 +219,10 @@ W4A8_KERNELS = KERNELS + ("gluon_pipe",)
 W4A8_PIPE_TILES = ((128, 128, 8, 3), (128, 128, 8, 4))
 
 
-@lru_cache(maxsize=None)
 def w4a8_gluon_device(device_index: int) -> bool:
     """gluon_device (an sm_90 GPU, a Triton whose Gluon compiles the kernels, SAILFISH_GLUON)
-    and kernels/w4a8_gluon importable."""
-    if not gluon_device(device_index):
-        return False
-    try:
-        from ..kernels import w4a8_gluon  # noqa: F401
-    except Exception:  # noqa: BLE001 - a Triton whose Gluon API differs
-        return False
-    return True
+    with kernels/w4a8_gluon importable."""
+    return gluon_device(device_index, "w4a8_gluon")  # (which imports kernels/w4a16_gluon)
 
 
 def w4a8_gluon_applies(x_q: torch.Tensor, qweight: torch.Tensor) -> bool:
@@ -416,15 +403,15 @@ def w4a8_reference(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_s
 # measured faster: H200, whole layer call, same configs, 4 shapes x per channel / g128 x M = 1-64
 # (docs/perf_log.md v23): BLOCK_N 64 with BLOCK_M <= 32, and the GEMV, 1.00-1.15x (one launch
 # less); BLOCK_N >= 128 or BLOCK_M 64 0.81-1.09x, mostly slower (their last slice reads more).
-SPLIT_FIXUP = True
 SYNC_CAP = 1 << 14  # output tiles of one launch the counters serve (more: the reduce kernel)
 _SYNC = {}
 _CURRENT_STREAM = None  # Triton's current-stream function, on first use
 
 
 def fixup_tile(cfg: Config) -> bool:
-    """Whether split-K config cfg adds its slices inside the GEMM (SPLIT_FIXUP above)."""
-    return SPLIT_FIXUP and cfg.SPLIT_K > 1 and (cfg.kernel == "gemv" or (cfg.BLOCK_M <= 32 and cfg.BLOCK_N <= 64))
+    """Whether split-K config cfg adds its slices inside the GEMM (above; SAILFISH_SPLIT_FIXUP=0:
+    never)."""
+    return FLAGS.split_fixup and cfg.SPLIT_K > 1 and (cfg.kernel == "gemv" or (cfg.BLOCK_M <= 32 and cfg.BLOCK_N <= 64))
 
 
 def sync_buffer(device: torch.device, device_index: int) -> torch.Tensor:
@@ -448,7 +435,7 @@ def sync_buffer(device: torch.device, device_index: int) -> torch.Tensor:
 
 class _W4A8Plan:
     """The fused paths ("gemv", "mma") of one W4A8 problem on one GPU: its config and the
-    bound kernels (GEMM, split-K reduce; ops/launch.py), kept in W4A8_TUNER.plans as
+    bound kernels (GEMM, split-K reduce; runtime/launch.py), kept in W4A8_TUNER.plans as
     ops/w4a16.py keeps W4A16's (_GemmPlan there). fixup: the split-K slices are added inside
     the GEMM (fixup_tile), no reduce kernel; each call then passes the stream's sync_buffer."""
 
@@ -518,7 +505,7 @@ class _W4A8Plan:
 
 def _reduce_launch(split: int, has_bias: bool, raw: bool, emu: bool, device_index: int) -> Launch:
     """int32 ws (split, M, N) -> out: the exact sum, then the epilogue (raw: the sum);
-    grid (cdiv(M, 16), cdiv(N, 128)). Not a programmatic dependent (ops/launch.py pdl): with
+    grid (cdiv(M, 16), cdiv(N, 128)). Not a programmatic dependent (runtime/device.py pdl): with
     it, W4A8's chains measured 0.91-1.05x (H200, docs/perf_log.md v16)."""
     return Launch(_kernels()._w4a8_splitk_reduce_kernel,
                   dict(SPLIT_K=split, HAS_BIAS=has_bias, RAW=raw, EMU_BF16=emu, BLOCK_M=16, BLOCK_N=128,
@@ -567,9 +554,8 @@ def _launch(cfg: Config, out: torch.Tensor, x_q, x_scales, qweight, s_ch, s_g, b
     try:
         plan(out, out, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sg_stride)
     except Exception as e:  # noqa: BLE001 - only a Gluon compile failure is handled
-        if plan.kind != "gluon_pipe" or not _gluon_compile_failed(e, "W4A8"):
+        if plan.kind != "gluon_pipe" or not gluon_compile_failed(e, "W4A8"):
             raise
-        w4a8_gluon_device.cache_clear()
         plan = build()  # (the twin, from now on)
         plan(out, out, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sg_stride)
     return plan
