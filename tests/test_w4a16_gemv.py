@@ -150,7 +150,7 @@ def test_gemv_mma_asm_and_twin_at_k28672(cfg, dtype):
 
 _PTX_CHILD = r"""
 import sys
-from sailfish.bench.ptx import gemv_loop, shipped_mma_configs
+from sailfish.tools.ptx import gemv_loop, shipped_mma_configs
 cfgs = [(c.BLOCK_M, c.BLOCK_N, c.BLOCK_K, c.SPLIT_K, c.num_warps, c.num_stages)
         for _, c in shipped_mma_configs("gemv")]
 cfgs += [(1, 64, 512, 1, 4, 1), (1, 128, 256, 1, 4, 2), (4, 32, 256, 2, 4, 2)]
@@ -170,7 +170,7 @@ for c in cfgs + rings:
 # a ring streams the words with cp.async and reads them back from shared memory; 2 stages load
 # them into registers
 import re
-from sailfish.bench.ptx import compile_gemv, ptxas_report
+from sailfish.tools.ptx import compile_gemv, ptxas_report
 for c in rings + [(1, 32, 512, 1, 4, 2)]:
     ptx = compile_gemv(*c).asm["ptx"]
     ring = "cp.async.cg.shared.global" in ptx and "ld.global.L1::evict_first" not in ptx
@@ -184,7 +184,7 @@ sys.exit(f"GEMV configs off target: {bad}" if bad else 0)
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
 def test_gemv_mma_compiles_to_the_lane_order_it_needs(tmp_path):
-    """Compiled for sm_90a (bench/ptx.py): for every shipped 'gemv' config and a few more, the
+    """Compiled for sm_90a (tools/ptx.py): for every shipped 'gemv' config and a few more, the
     mma asm runs in the lane order it assumes (else its results are wrong on the GPU), and
     the K loop's SASS stays within its instruction budget per weight (fp16: 13 dequantization
     instructions + 1 mma per word of 8 weights = 1.75, plus loads and addressing; bf16 has no
@@ -212,10 +212,10 @@ def test_gemv_candidates_are_valid(m, gs, general, monkeypatch):
 
 
 def test_lane_order_check_can_fail():
-    """bench/ptx.gemv_lane_order accepts exactly the lane = 4 g + t order: the blocked layout
+    """tools/ptx.gemv_lane_order accepts exactly the lane = 4 g + t order: the blocked layout
     Triton 3.9 gives, its linear form, and not the layout Triton 3.6 gave a (C, RR, 8, 16)
     tile (lanes along the chunk slots), which produced wrong results on an H200."""
-    from sailfish.bench.ptx import gemv_lane_order
+    from sailfish.tools.ptx import gemv_lane_order
 
     def ir(layout):
         return (f"#l = {layout}\n%1:4 = tt.elementwise_inline_asm \"mma.sync ...\" -> "
@@ -411,7 +411,7 @@ def test_gemv_asm_emulated(dtype, sym, even_k, pairs, scale_acc):
     addresses) and an incoming accumulator: every output must be that plus the row's
     x . W_eff (fp32 sums of exact products, so within a few fp32 ulps; scale_acc: the
     unrounded weights, the chunk sum scaled in fp32). The lane order itself is the
-    compiler's: bench/ptx checks it."""
+    compiler's: tools/ptx checks it."""
     assert _emulate_gemv_asm(dtype, sym, even_k, pairs, scale_acc=scale_acc, acc0=0.75) < 1e-5
 
 

@@ -262,7 +262,7 @@ def test_experimental_candidates_are_valid(monkeypatch):
         for m in (1, 2, 4, 8, 9, 16, 32, 64, 128):
             for gs, zeros in ((128, False), (-1, True), (256, True)):
                 problem = dict(device=dev, M=m, N=n, Kp=kp, group_size=gs, general_gidx=False, has_zeros=zeros)
-                extra = list(ops16._experimental_candidates(**problem))
+                extra = list(ops16.experimental_candidates(**problem))
                 for cfg in extra:
                     ops16._check_config(cfg, kp, m, gs)
                     kinds.add((cfg.kernel, cfg.num_stages >= 3))
@@ -288,10 +288,10 @@ def test_experimental_candidates_are_valid(monkeypatch):
 
 
 def test_wgmma_register_hazard_counts_groups():
-    """bench.ptx.wgmma_register_hazard on hand-written SASS: a wait 'DEPBAR.LE gsb0, N' leaves
+    """tools.ptx.wgmma_register_hazard on hand-written SASS: a wait 'DEPBAR.LE gsb0, N' leaves
     the last N wgmma groups (each closed by the gsb0 of its last HGMMA) in flight, so writing
     their A registers is a hazard and writing a retired group's is not; the back edge counts."""
-    from sailfish.bench.ptx import wgmma_register_hazard
+    from sailfish.tools.ptx import wgmma_register_hazard
 
     def sass(*lines):
         body = ["/*0000*/ NOP ;"] + [f"/*{16 * (i + 1):04x}*/ {t} ;" for i, t in enumerate(lines)]
@@ -351,7 +351,7 @@ def test_gluon_candidates_are_valid(monkeypatch):
 _GLUON_CHILD = r"""
 import re
 import triton
-from sailfish.bench.ptx import (k_loop_stats, ptxas_report, sass, sass_loop, shipped_mma_configs,
+from sailfish.tools.ptx import (k_loop_stats, ptxas_report, sass, sass_loop, shipped_mma_configs,
                                 wgmma_register_hazard)
 from sailfish.kernels.w4a16_gluon import compile_sm90, max_registers
 cases = [dict(group_size=128), dict(group_size=-1, has_bias=True), dict(group_size=256, dtype="bf16", SPLIT_K=2),
@@ -414,7 +414,7 @@ def test_gluon_kernel_compiles_for_sm90(tmp_path):
     and every Gluon tile of the shipped tables: in the K loop no shared-memory store or
     ldmatrix (the dequantized tile goes to wgmma from registers), A in registers, only
     wait(0) (both chunks' wgmmas in flight together), ptxas keeps them asynchronous (no C7514
-    serialization), the SASS has no wgmma register hazard (bench/ptx.py) and no local memory
+    serialization), the SASS has no wgmma register hazard (tools/ptx.py) and no local memory
     access in the K loop, and tiles with zero points hold their register cap; with PDL the split-K GEMM releases its
     reduce. In a child process: the interpreter in this one patches the frontend."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
@@ -426,7 +426,7 @@ def test_gluon_kernel_compiles_for_sm90(tmp_path):
 _GLUON_OVERLAP_CHILD = r"""
 import re
 import triton
-from sailfish.bench.ptx import k_loop_stats, overlap_loop_ok, ptxas_report, sass, wgmma_loop
+from sailfish.tools.ptx import k_loop_stats, overlap_loop_ok, ptxas_report, sass, wgmma_loop
 from sailfish.kernels.w4a16_gluon import compile_sm90
 cases = [dict(), dict(BLOCK_M=8), dict(BLOCK_M=32, STAGES=4), dict(BLOCK_M=64, BLOCK_N=128, num_warps=8),
          dict(group_size=-1, has_bias=True),
@@ -575,8 +575,9 @@ def test_gluon_compile_failure_falls_back_to_the_twin(monkeypatch, device):
 _GLUON_PIPE_CHILD = r"""
 import re
 import triton
-from sailfish.bench.ptx import k_loop_stats, ptxas_report, sass, shipped_mma_configs, wgmma_loop
-from sailfish.kernels.w4a16_gluon import compile_sm90, pipe_shared_bytes
+from sailfish.tools.ptx import k_loop_stats, ptxas_report, sass, shipped_mma_configs, wgmma_loop
+from sailfish.kernels.gluon_common import pipe_shared_bytes
+from sailfish.kernels.w4a16_gluon import compile_sm90
 cases = [dict(BLOCK_M=128, BLOCK_N=128, num_warps=8), dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, dtype="bf16",
                                                            has_zeros=True, SPLIT_K=2, pdl_early=True),
          dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, group_size=-1, has_bias=True),

@@ -802,7 +802,7 @@ _COMPILE_CHILD = r"""
 import re, sys
 import triton
 from triton.backends.compiler import GPUTarget
-from sailfish.bench.ptx import ast_source
+from sailfish.tools.ptx import ast_source
 from sailfish.kernels import w4a8 as K
 
 ARCH = int(sys.argv[1])
@@ -933,7 +933,7 @@ def test_kernels_compile(arch, tmp_path):
 _PTX_CHILD = r"""
 import sys
 import warnings
-from sailfish.bench.ptx import W4A8_TILES, compile_w4a8, k_loop_stats
+from sailfish.tools.ptx import W4A8_TILES, compile_w4a8, k_loop_stats
 bad = []
 n = 0
 for tile in W4A8_TILES:
@@ -954,7 +954,7 @@ for tile in W4A8_TILES:
 # kernel: an unrolled slice sum took BM 64 / BN 64 / split 8 from 80 to 255; the loop adds 12-30
 # to these tiles (Triton 3.6), which measured faster all the same (docs/perf_log.md v23)
 import re
-from sailfish.bench.ptx import ptxas_report
+from sailfish.tools.ptx import ptxas_report
 
 
 def registers(ptx):
@@ -982,7 +982,7 @@ def test_mma_tile_stays_in_registers(tmp_path):
     """The point of the fragment-order layout (formats.qqq.PackedQQQ): compiled for sm_90a, the
     K loop of every tile shape the W4A8 tables use (BM 16-256, BK 64-256, 4-8 warps) feeds the
     int8 wgmma (s32.s8.s8; fp8 variant: f32.e4m3.e4m3) from registers, with no ldmatrix and no
-    st.shared of the weight tile (bench/ptx.py). A layout or compiler change that brings a
+    st.shared of the weight tile (tools/ptx.py). A layout or compiler change that brings a
     round trip back fails here."""
     run_compile_child(_PTX_CHILD, tmp_path)
 
@@ -991,8 +991,8 @@ _GLUON_PIPE_CHILD = r"""
 import json
 import re
 import triton
-from sailfish.bench.ptx import k_loop_stats, ptxas_report, sass, wgmma_loop
-from sailfish.kernels.w4a16_gluon import pipe_shared_bytes
+from sailfish.tools.ptx import k_loop_stats, ptxas_report, sass, wgmma_loop
+from sailfish.kernels.gluon_common import pipe_shared_bytes
 from sailfish.kernels.w4a8_gluon import compile_sm90
 from sailfish.tuning import CONFIG_DIR, Config
 

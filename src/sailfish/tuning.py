@@ -36,6 +36,7 @@ import torch
 from .runtime import flags
 from .runtime.device import forget as forget_gpus
 from .runtime.device import gpu_key
+from .runtime.plan import SESSION as _SESSION
 
 CONFIG_DIR = Path(__file__).parent / "kernels" / "configs"
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -161,19 +162,32 @@ def mma_candidates(space: Iterable[Tile], m: int, n: int, k: int, kp: int, sms: 
 KERNELS = ("mma", "gemv", "dequant")
 
 
-def check_config(cfg: Config, kp: int, k: int) -> None:
+def check_config(cfg: Config, kp: int, k: int, kernels: Tuple[str, ...] = KERNELS) -> None:
     """The checks every family's launcher makes (ValueError naming the field): power-of-two
     blocks (>= 16 except BLOCK_M), a known kernel, BLOCK_M >= 16 for 'mma', BLOCK_K dividing
     the padded K, SPLIT_K in [1, k_tiles] with k_tiles = ceil(k / BLOCK_K) (k: the K the
-    kernel tiles, the padded one where it runs over the padding)."""
+    kernel tiles, the padded one where it runs over the padding). A family with checks of
+    its own runs the three parts with its own in between."""
+    check_blocks(cfg)
+    check_kernel(cfg, kernels)
+    check_fit(cfg, kp, k)
+
+
+def check_blocks(cfg: Config) -> None:
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
         v = getattr(cfg, name)
         if v < 1 or v & (v - 1) or (v < 16 and name != "BLOCK_M"):
             raise ValueError(f"config {name}={v} must be a power of two (>= 16 except BLOCK_M)")
-    if cfg.kernel not in KERNELS:
-        raise ValueError(f"config kernel={cfg.kernel!r} is not one of {KERNELS}")
+
+
+def check_kernel(cfg: Config, kernels: Tuple[str, ...]) -> None:
+    if cfg.kernel not in kernels:
+        raise ValueError(f"config kernel={cfg.kernel!r} is not one of {', '.join(map(repr, kernels))}")
     if cfg.kernel == "mma" and cfg.BLOCK_M < 16:
         raise ValueError(f"config kernel='mma' needs BLOCK_M >= 16, got {cfg.BLOCK_M}")
+
+
+def check_fit(cfg: Config, kp: int, k: int) -> None:
     if kp % cfg.BLOCK_K:
         raise ValueError(f"config BLOCK_K={cfg.BLOCK_K} must divide the padded K={kp}")
     k_tiles = -(-k // cfg.BLOCK_K)
@@ -206,14 +220,6 @@ def _bench(fn: Callable[[], None]) -> float:
     return do_bench(fn, warmup=5, rep=20, return_mode="median")
 
 
-class _Session(threading.local):
-    """A `tune()` call in progress on this thread: every problem it meets is benchmarked
-    once, whatever the cache or the table say; `tuned` collects the results."""
-    active = False
-    tuned: Dict[Tuple[str, torch.device, str], Config] = {}
-
-
-_SESSION = _Session()
 # One benchmark at a time in the process: two threads cannot tune the same key at once
 # (the second finds the first one's result in the cache), and benchmarks of different keys
 # would share the GPU and distort each other's timings.

@@ -3,8 +3,8 @@ compile-failure fallback, the Gluon K step and split rule, and the batch-invaria
 
 One switch for every family: `runtime.flags.FLAGS.gluon` (SAILFISH_GLUON). A Gluon kernel that
 fails to compile (a Triton whose Gluon API differs from the tested 3.6-3.9) turns it off for
-the process (`gluon_compile_failed`), so every family's Gluon configs run as their Triton twins
-from then on.
+the process (runtime/plan.py gluon_compile_failed), so every family's Gluon configs run as their
+Triton twins from then on.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from functools import lru_cache
 
 from ..formats.int4 import K_CHUNK
 from ..runtime.device import gluon_capable
-from ..runtime.flags import FLAGS
 from ..tuning import Config, split_k_for
 
 GLUON_STEP = 2 * K_CHUNK  # channels per K step of the Gluon kernels (their BLOCK_K)
@@ -37,27 +36,6 @@ def gluon_device(device_index: int, module: str = "w4a16_gluon") -> bool:
     family's kernel module (3.6 to 3.9 are tested), unless SAILFISH_GLUON=0 or a Gluon kernel
     failed to compile in this process."""
     return gluon_capable(device_index) and _gluon_kernels_import(module)
-
-
-def gluon_compile_failed(err: Exception, family: str = "W4A16") -> bool:
-    """Whether `err` is the Gluon kernel failing to compile (a Triton whose Gluon differs from
-    the tested 3.6-3.9); if so, warn once and run every Gluon config (every family: one switch)
-    as its twin from now on (a CUDA or launch error is not this, and is raised). family: the
-    kernel that failed, for the warning."""
-    from triton.compiler.errors import CompilationError
-
-    if not isinstance(err, CompilationError):
-        return False
-    import warnings
-
-    import triton
-
-    FLAGS.gluon = False
-    warnings.warn(f"sailfish: the Gluon {family} kernel does not compile with Triton {triton.__version__} "
-                  f"({type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}); "
-                  "every Gluon config (W4A16 and W4A8) runs as its Triton twin from now on", RuntimeWarning,
-                  stacklevel=4)
-    return True
 
 
 def gluon_split_ok(split: int, steps: int) -> bool:

@@ -37,13 +37,14 @@ import torch
 from ..formats.int4 import HALF_DTYPES, K_PAD
 from ..formats.qqq import (GROUP_SIZES_W4A8, PackedQQQ, check_act_dtype, fp8_weight, group_scales_fit_int8,
                            quantize_activations, unpack_qqq)
-from ..runtime.device import capability, check_devices, current_device, device_of, sms_for, use_triton
+from ..runtime.device import capability, check_devices, device_of, sms_for, use_triton
 from ..runtime.dispatch import define_op
 from ..runtime.flags import FLAGS, batch_invariant
-from ..runtime.launch import Launch, aligned, hooks_idle, pointers, stream_getter
+from ..runtime.launch import Launch, stream_getter
+from ..runtime.plan import Plan, keep, run_built, run_steady
 from ..tuning import (KERNELS, Config, Tuner, check_config, gemv_candidates, m_bucket, mma_candidates,
                       mma_heuristic, next_pow2, problem_key, scratch_runner, split_k_for)
-from .common import GLUON_STEP, gluon_compile_failed, gluon_device, gluon_split_ok, invariant_config
+from .common import GLUON_STEP, gluon_device, gluon_split_ok, invariant_config
 
 ACT_DTYPES = HALF_DTYPES + (torch.float32,)
 # Rows up to this many channels are quantized from registers in one pass (at most 64 fp32
@@ -121,16 +122,8 @@ def quantize_per_token_launch(x: torch.Tensor, block_k: Optional[int] = None, ac
     if x.is_cuda:
         dev = x.get_device()
         key = ("quantize", dev, x.dtype, fp8, K, sxm, block_k)
-        launch = W4A8_TUNER.plan(key)
-        if launch is not None and hooks_idle():
-            ptrs = pointers(x, x_q, scales)
-            if ptrs is not None:
-                if current_device() == dev:
-                    launch((M, 1), *ptrs, K, sxm, K)
-                else:
-                    with device_of(x):
-                        launch((M, 1), *ptrs, K, sxm, K)
-                return x_q, scales
+        if run_steady(W4A8_TUNER, key, dev, x, (M, 1), (x, x_q, scales), (K, sxm, K)):  # (the plan: a Launch)
+            return x_q, scales
     plans = None if key is None else W4A8_TUNER.plans_for_build()
     bk = block_k
     if bk is None:
@@ -143,8 +136,7 @@ def quantize_per_token_launch(x: torch.Tensor, block_k: Optional[int] = None, ac
                     x.get_device())
     with device_of(x):
         launch((M, 1), x, x_q, scales, K, sxm, K)
-    if plans is not None and launch.run is not None and x.data_ptr() & 15 == 0:
-        plans[key] = launch
+    keep(plans, key, launch, x)
     return x_q, scales
 
 
@@ -317,6 +309,32 @@ def _w4a8_candidates(*, device, M, N, K, Kp, group_size, act_dtype="int8"):
     yield from mma_candidates(space, M, N, K, Kp, sms)
 
 
+def w4a8_config(device: torch.device, M: int, N: int, K: int, Kp: int, group_size: int, out_dtype: torch.dtype,
+                act: str = "int8", invariant: bool = False, make_run=None) -> Config:
+    """The config w4a8_launch runs when given none: batch-invariant mode's for fp8 (invariant_config;
+    fp8's float32 sums depend on the K tiling and split, int8's int32 sums are exact in any order,
+    so int8 is batch-invariant with every config), else the cached one (one dict lookup), else on
+    a problem's first call the tuner's answer (checked by W4A8_TUNER). The offline tuner
+    (bench/tune.py) asks it what ships."""
+    if invariant:
+        config = invariant_config(M, N, Kp)
+        _check_config(config, M, N, K, Kp, group_size, act)
+        return config
+    mb = m_bucket(M)
+    memo = (K, N, mb, group_size, out_dtype, act)
+    config = W4A8_TUNER.lookup(device, memo)
+    if config is None:  # first call of this problem on this device
+        # no entry for this group size / output dtype: the same shape's g128 fp16 config (every
+        # int8 config runs every format; fp8 has no fallback: its kernel set differs). Per-channel
+        # on heuristics alone chose the fused tiles at large M, 0.63-0.71x cuBLAS fp16 on H200
+        # 8192x57344 vs 1.04-1.22x for g128.
+        config = W4A8_TUNER.get(w4a8_key(K, N, M, group_size, out_dtype, act), device,
+                                None if make_run is None else make_run(),
+                                fallback_key=None if act == "fp8" else problem_key("w4a8", K, N, M, "any"),
+                                memo_key=memo, M=mb, N=N, K=K, Kp=Kp, group_size=group_size, act_dtype=act)
+    return config
+
+
 def w4a8_key(k: int, n: int, m: int, group_size: int, out_dtype: torch.dtype, act_dtype: str = "int8") -> str:
     fp8 = "|fp8" if act_dtype == "fp8" else ""
     return problem_key("w4a8", k, n, m, f"gs={group_size}|{str(out_dtype)[6:]}{fp8}")
@@ -354,7 +372,7 @@ def _check_pipe_config(cfg: Config, Kp: int) -> None:
     128-channel chunks, BLOCK_M 64 or 128 (wgmma's N; the int32 accumulator of 64 x 128 per
     consumer thread group), BLOCK_N 128 over two consumer warpgroups (num_warps 8), x_q rings of
     >= 3 and >= 4 chunks that fit an SM's shared memory, every split non-empty."""
-    from ..kernels.w4a16_gluon import CTA_RESERVED_SHARED, SM_SHARED_BYTES, pipe_shared_bytes
+    from ..kernels.gluon_common import CTA_RESERVED_SHARED, SM_SHARED_BYTES, pipe_shared_bytes
 
     k = "config kernel='gluon_pipe'"
     if cfg.BLOCK_K != GLUON_STEP:
@@ -433,13 +451,13 @@ def sync_buffer(device: torch.device, device_index: int) -> torch.Tensor:
     return buf
 
 
-class _W4A8Plan:
+class _W4A8Plan(Plan):
     """The fused paths ("gemv", "mma") of one W4A8 problem on one GPU: its config and the
     bound kernels (GEMM, split-K reduce; runtime/launch.py), kept in W4A8_TUNER.plans as
     ops/w4a16.py keeps W4A16's (_GemmPlan there). fixup: the split-K slices are added inside
     the GEMM (fixup_tile), no reduce kernel; each call then passes the stream's sync_buffer."""
 
-    __slots__ = ("config", "kind", "gemv", "gemm", "reduce", "ws_dtype", "fixup", "sync_at", "x_desc")
+    __slots__ = ("gemv", "ws_dtype", "fixup", "sync_at", "x_desc")
 
     def __init__(self, cfg: Config, device_index: int, *, gs: int, has_bias: bool, raw: bool, emu: bool,
                  asm: bool, fp8: bool, K: int, clamp: bool = True, fixup: bool = False, gluon: bool = False):
@@ -469,9 +487,6 @@ class _W4A8Plan:
             self.gemm = Launch(kern._w4a8_kernel, meta, device_index)
         self.reduce = None if cfg.SPLIT_K == 1 or self.fixup else \
             _reduce_launch(cfg.SPLIT_K, has_bias, raw, emu, device_index)
-
-    def bound(self) -> bool:
-        return self.gemm.run is not None and (self.reduce is None or self.reduce.run is not None)
 
     def __call__(self, out, y, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sgn,
                  x_tensor: Optional[torch.Tensor] = None) -> None:
@@ -550,15 +565,8 @@ def _launch(cfg: Config, out: torch.Tensor, x_q, x_scales, qweight, s_ch, s_g, b
                          gluon=cfg.kernel == "gluon_pipe" and w4a8_gluon_applies(x_q, qweight))
 
     sxm = K if M == 1 else x_q.stride(0)
-    plan = build()
-    try:
-        plan(out, out, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sg_stride)
-    except Exception as e:  # noqa: BLE001 - only a Gluon compile failure is handled
-        if plan.kind != "gluon_pipe" or not gluon_compile_failed(e, "W4A8"):
-            raise
-        plan = build()  # (the twin, from now on)
-        plan(out, out, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sg_stride)
-    return plan
+    return run_built(build, lambda plan: plan(out, out, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn,
+                                              sg_stride), ("gluon_pipe",), "W4A8")
 
 
 def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor,
@@ -599,16 +607,10 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
         sqn, sgn = 4 * qweight.stride(0), 0 if s_g is None else s_g.stride(0)  # (sqn in bytes)
         key = (dev, out_dtype, fp8, raw_acc, (M - 1).bit_length(), M & 15 == 0, N, K, kp8, group_size, sxm, sqn, sgn,
                None if bias is None else bias.dtype, clamp, invariant)
-        plan = W4A8_TUNER.plan(key)
-        if plan is not None and hooks_idle():
-            ptrs = pointers(y, x_q, x_scales, qweight, s_ch, s_g, bias)
-            if ptrs is not None:
-                if current_device() == dev:  # (x_q itself too: the Gluon kernel's descriptor)
-                    plan(y, *ptrs, M, N, K, sxm, sqn, sgn, x_q)
-                else:
-                    with device_of(x_q):
-                        plan(y, *ptrs, M, N, K, sxm, sqn, sgn, x_q)
-                return y
+        # (x_q last: the Gluon kernel's TMA descriptor is made from it)
+        if run_steady(W4A8_TUNER, key, dev, x_q, y, (y, x_q, x_scales, qweight, s_ch, s_g, bias),
+                      (M, N, K, sxm, sqn, sgn, x_q)):
+            return y
     plans = None if key is None else W4A8_TUNER.plans_for_build()  # before the config lookup
     Kp = kp8 * 8
     gs = 0 if group_size == -1 else group_size
@@ -616,30 +618,13 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
     emu = out_dtype == torch.bfloat16 and not x_q.is_cuda  # interpreter bf16 twin (kernels/common.py)
     args = (x_q, x_scales, qweight, s_ch, s_g, bias, gs, raw_acc, emu, clamp)
     with device_of(x_q):
-        if config is None and invariant:
-            # fp8's float32 sums depend on the K tiling and split; int8's int32 sums are exact in
-            # any order, so int8 is batch-invariant with every config
-            config = invariant_config(M, N, Kp)
-            _check_config(config, M, N, K, Kp, group_size, act)
-        elif config is None:
-            mb = m_bucket(M)
-            config = W4A8_TUNER.lookup(x_q.device, (K, N, mb, group_size, out_dtype, act))
-            if config is None:  # first call of this problem on this device
-                # no entry for this group size / output dtype: the same shape's g128 fp16
-                # config (every int8 config runs every format; fp8 has no fallback: its
-                # kernel set differs). Per-channel on heuristics alone chose the fused tiles
-                # at large M, 0.63-0.71x cuBLAS fp16 on H200 8192x57344 vs 1.04-1.22x for g128.
-                config = W4A8_TUNER.get(
-                    w4a8_key(K, N, M, group_size, out_dtype, act), x_q.device,
-                    scratch_runner(lambda cfg, out: _launch(cfg, out, *args), y),
-                    fallback_key=None if act == "fp8" else problem_key("w4a8", K, N, M, "any"),
-                    memo_key=(K, N, mb, group_size, out_dtype, act),
-                    M=mb, N=N, K=K, Kp=Kp, group_size=group_size, act_dtype=act)
+        if config is None:
+            config = w4a8_config(x_q.device, M, N, K, Kp, group_size, out_dtype, act, invariant,
+                                 lambda: scratch_runner(lambda cfg, out: _launch(cfg, out, *args), y))
         else:
             _check_config(config, M, N, K, Kp, group_size, act)
         plan = _launch(config, y, *args)
-    if plans is not None and plan is not None and plan.bound() and aligned(x_q, x_scales, qweight, s_ch, s_g, bias):
-        plans[key] = plan
+    keep(plans, key, plan, x_q, x_scales, qweight, s_ch, s_g, bias)
     return y
 
 

@@ -77,6 +77,7 @@ class Launch:
     it directly on the current stream of `device_index`."""
 
     __slots__ = ("fn", "meta", "device_index", "tail", "kernel", "run", "function", "packed", "stream")
+    takes_tensors = False  # (as a plan: runtime/plan.py run_steady passes pointers)
 
     def __init__(self, fn, meta: dict, device_index: int):
         self.fn, self.meta, self.device_index = fn, meta, device_index
@@ -90,6 +91,10 @@ class Launch:
             return
         kernel = self.fn[grid](*args, **self.meta)
         self._bind(kernel, len(args))
+
+    def bound(self) -> bool:
+        """Whether the compiled kernel is bound (later calls launch it directly)."""
+        return self.run is not None
 
     def _bind(self, kernel, n_runtime: int) -> None:
         """Keep `kernel` (a CompiledKernel) for direct launches, if this Triton exposes what
