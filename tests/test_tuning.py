@@ -19,7 +19,7 @@ from sailfish.ops.w4a16 import W4A16_KERNELS, w4a16_key
 from sailfish.tuning import CONFIG_DIR, Config, Tuner, problem_key
 
 TABLES = sorted(CONFIG_DIR.glob("*.json"))
-# the kernels each family's launcher accepts (ops/w4a16._check_config, tuning.check_config)
+# the kernels each family's launcher accepts (ops/w4a16.check_w4a16_config, tuning.check_config)
 KERNELS = {"w4a16": set(W4A16_KERNELS), "w4a8": set(W4A8_KERNELS)}
 
 
@@ -202,12 +202,12 @@ def test_heuristic_split_k(m, n, split):
     """Split-K in the heuristic (H200 measurements in ops/w4a16.py): at small M up to 2
     programs per SM; at M > 64 only while the tiles fill under half the SMs (4096x1024 at
     M = 128: 0.17x -> 0.63x cuBLAS; 4096x14336 at M = 128 stays unsplit, 0.71x)."""
-    from sailfish.ops.w4a8 import _w4a8_heuristic
-    from sailfish.ops.w4a16 import _w4a16_heuristic
+    from sailfish.ops.w4a8 import w4a8_heuristic
+    from sailfish.ops.w4a16 import w4a16_heuristic
     dev = types.SimpleNamespace(type="cpu", index=None)  # CPU: 132 SMs assumed (H100/H200)
-    cfg = _w4a16_heuristic(device=dev, M=m, N=n, Kp=4096, group_size=128, general_gidx=False)
+    cfg = w4a16_heuristic(device=dev, M=m, N=n, Kp=4096, group_size=128, general_gidx=False)
     assert cfg.kernel == "mma" and cfg.SPLIT_K == split
-    assert _w4a8_heuristic(device=dev, M=m, N=n, K=4096, Kp=4096, group_size=128).SPLIT_K == split
+    assert w4a8_heuristic(device=dev, M=m, N=n, K=4096, Kp=4096, group_size=128).SPLIT_K == split
 
 
 def test_scratch_runner_allocates_once_and_lazily():
@@ -527,8 +527,8 @@ def test_w4a16_heuristic_m32_on_gpus(monkeypatch):
     gpu = types.SimpleNamespace(type="cuda", index=0)
 
     def pick(m, n, kp, gs=128, gidx=False, dev=gpu):
-        cfg = ops16._w4a16_heuristic(device=dev, M=m, N=n, Kp=kp, group_size=gs, general_gidx=gidx)
-        ops16._check_config(cfg, kp, m, gs, gidx)
+        cfg = ops16.w4a16_heuristic(device=dev, M=m, N=n, Kp=kp, group_size=gs, general_gidx=gidx)
+        ops16.check_w4a16_config(cfg, kp, m, gs, gidx)
         return cfg
 
     for (kp, n), split in {(8192, 57344): 1, (8192, 8192): 3, (14336, 4096): 6, (18944, 3584): 8,

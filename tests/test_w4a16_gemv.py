@@ -124,12 +124,12 @@ def test_gemv_mma_switch(monkeypatch, device):
     cpu = torch.device("cpu")
     problem = dict(device=cpu, N=4096, Kp=4096, group_size=128, general_gidx=False)
     assert gemv_on_tensor_cores(gemv(1, 16, 256), x, 128, False)
-    assert ops16._w4a16_heuristic(M=2, **problem).kernel == "gemv"
+    assert ops16.w4a16_heuristic(M=2, **problem).kernel == "gemv"
     monkeypatch.setattr(FLAGS, "gemv_mma", False)
     assert not gemv_on_tensor_cores(gemv(1, 16, 256), x, 128, False)
-    cfg = ops16._w4a16_heuristic(M=1, **problem)
+    cfg = ops16.w4a16_heuristic(M=1, **problem)
     assert (cfg.kernel, cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_stages) == ("gemv", 16, 512, 4)
-    assert ops16._w4a16_heuristic(M=2, **problem).kernel == "mma"
+    assert ops16.w4a16_heuristic(M=2, **problem).kernel == "mma"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the mma.sync asm runs on CUDA only")
@@ -202,11 +202,11 @@ def test_gemv_candidates_are_valid(m, gs, general, monkeypatch):
     """Every 'gemv' candidate the autotuner may try is a valid config for the problem."""
     monkeypatch.setattr(ops16, "sm_count", lambda index: 132)  # H200's, without a GPU
     kp = 4096
-    cands = [c for c in ops16._w4a16_candidates(device=torch.device("cpu"), M=m, N=4096, Kp=kp, group_size=gs,
+    cands = [c for c in ops16.w4a16_candidates(device=torch.device("cpu"), M=m, N=4096, Kp=kp, group_size=gs,
                                                 general_gidx=general) if c.kernel == "gemv"]
     assert cands
     for c in cands:
-        ops16._check_config(c, kp, m, gs, general)
+        ops16.check_w4a16_config(c, kp, m, gs, general)
     # the tensor-core GEMV's tiles come with and without scale_acc; the CUDA-core GEMV has none
     assert any(c.scale_acc for c in cands) == (gs in (128, -1) and not general)
 
@@ -431,6 +431,6 @@ def test_gemv_asm_emulation_can_fail(edit, scale_acc):
 @pytest.mark.parametrize("kp", [256, 768, 1536, 4096])
 def test_gemv_heuristic_is_valid(m, kp):
     """The heuristic's tensor-core GEMV config divides every padded K (a multiple of 256)."""
-    cfg = ops16._w4a16_heuristic(device=torch.device("cpu"), M=m, N=4096, Kp=kp, group_size=-1, general_gidx=False)
+    cfg = ops16.w4a16_heuristic(device=torch.device("cpu"), M=m, N=4096, Kp=kp, group_size=-1, general_gidx=False)
     assert cfg.kernel == "gemv" and gemv_on_tensor_cores(cfg, torch.empty(m, 64), 0, False)
-    ops16._check_config(cfg, kp, m)
+    ops16.check_w4a16_config(cfg, kp, m)

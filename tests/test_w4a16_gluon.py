@@ -264,13 +264,13 @@ def test_experimental_candidates_are_valid(monkeypatch):
                 problem = dict(device=dev, M=m, N=n, Kp=kp, group_size=gs, general_gidx=False, has_zeros=zeros)
                 extra = list(ops16.experimental_candidates(**problem))
                 for cfg in extra:
-                    ops16._check_config(cfg, kp, m, gs)
+                    ops16.check_w4a16_config(cfg, kp, m, gs)
                     kinds.add((cfg.kernel, cfg.num_stages >= 3))
-                regular = set(ops16._w4a16_candidates(**problem))
+                regular = set(ops16.w4a16_candidates(**problem))
                 assert not regular & set(extra), (m, kp, n)
                 assert not any(c.kernel == "gemv" and c.num_stages >= 3 for c in regular)
                 for c in regular:
-                    ops16._check_config(c, kp, m, gs)
+                    ops16.check_w4a16_config(c, kp, m, gs)
                     if c.kernel in ops16.OVERLAP_KERNELS:
                         overlap_ms.add(m)
                         overlap_kernels.add(c.kernel)
@@ -324,7 +324,7 @@ def test_gluon_candidates_are_valid(monkeypatch):
         for m in (2, 4, 8, 16, 32, 64, 128, 129, 512, 4096):
             for cfg in ops16._gluon_candidates(device=dev, M=m, N=n, Kp=kp, group_size=128, general_gidx=False,
                                                has_zeros=False):
-                ops16._check_config(cfg, kp, m, 128)
+                ops16.check_w4a16_config(cfg, kp, m, 128)
                 assert (cfg.BLOCK_M == 8) == (m <= 8), (m, cfg)
                 if 64 < m <= 128:
                     assert cfg.kernel in ops16.OVERLAP_KERNELS or (cfg.kernel, cfg.BLOCK_M) == ("gluon_pipe", 128)
@@ -494,8 +494,8 @@ def test_heuristic_takes_gluon_for_large_weights_at_m16(monkeypatch):
     dev = torch.device("cuda", 0)
 
     def pick(m, n, kp, gs=128, gidx=False):
-        cfg = ops16._w4a16_heuristic(device=dev, M=m, N=n, Kp=kp, group_size=gs, general_gidx=gidx)
-        ops16._check_config(cfg, kp, m, gs, gidx)
+        cfg = ops16.w4a16_heuristic(device=dev, M=m, N=n, Kp=kp, group_size=gs, general_gidx=gidx)
+        ops16.check_w4a16_config(cfg, kp, m, gs, gidx)
         return cfg
 
     for (kp, n), split in {(8192, 57344): 1, (8192, 8192): 3, (8192, 10240): 3, (14336, 4096): 6}.items():
@@ -523,9 +523,9 @@ def test_heuristic_takes_the_pipe_tile_at_m65_to_1023(monkeypatch):
     dev = torch.device("cuda", 0)
 
     def pick(m, n, kp, gs=128, gidx=False, zeros=False):
-        cfg = ops16._w4a16_heuristic(device=dev, M=m, N=n, Kp=kp, group_size=gs, general_gidx=gidx,
+        cfg = ops16.w4a16_heuristic(device=dev, M=m, N=n, Kp=kp, group_size=gs, general_gidx=gidx,
                                      has_zeros=zeros)
-        ops16._check_config(cfg, kp, m, gs, gidx)
+        ops16.check_w4a16_config(cfg, kp, m, gs, gidx)
         return cfg
 
     # (K, N, M) -> split: 56 tiles fill 0.42 of a wave unsplit, 0.85 at split 2; 28 tiles need 4;

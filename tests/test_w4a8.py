@@ -537,7 +537,7 @@ def test_gluon_pipe_rejects_fp8(device):
     import sailfish.ops.w4a8 as ops8
 
     with pytest.raises(ValueError, match="fp8 activations run kernel='mma' only"):
-        ops8._check_config(Config(128, 128, 256, 1, 8, 8, 3, kernel="gluon_pipe"), 128, 64, 512, 512, -1, "fp8")
+        ops8.check_w4a8_config(Config(128, 128, 256, 1, 8, 8, 3, kernel="gluon_pipe"), 128, 64, 512, 512, -1, "fp8")
 
 
 # ----------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ def _w4a16_family(k, n, group_size, sym, dtype, experimental=False):
     experimental: the candidates also include ops/w4a16.experimental_candidates."""
     from ..formats.int4 import padded_k
     from ..nn import QuantLinear
-    from ..ops.w4a16 import (_w4a16_candidates, _w4a16_heuristic, experimental_candidates, w4a16_config,
+    from ..ops.w4a16 import (w4a16_candidates, w4a16_heuristic, experimental_candidates, w4a16_config,
                              w4a16_key, w4a16_launch)
     from ..tuning import problem_key
     kp = padded_k(k)
@@ -55,7 +55,7 @@ def _w4a16_family(k, n, group_size, sym, dtype, experimental=False):
     def candidates(m):
         dev = torch.device("cuda")
         extra = experimental_candidates(device=dev, M=m, **problem) if experimental else ()
-        return [_w4a16_heuristic(device=dev, M=m, **problem), *_w4a16_candidates(device=dev, M=m, **problem),
+        return [w4a16_heuristic(device=dev, M=m, **problem), *w4a16_candidates(device=dev, M=m, **problem),
                 *extra]
 
     def keys(m):
@@ -74,7 +74,7 @@ def _w4a8_family(k, n, group_size, sym, dtype, experimental=False):
     """As _w4a16_family (experimental: W4A8 has no such tiles; main refuses the flag)."""
     from ..formats.int4 import padded_k
     from ..nn import QuantLinear
-    from ..ops.w4a8 import _w4a8_candidates, _w4a8_heuristic, w4a8_config, w4a8_key, w4a8_launch
+    from ..ops.w4a8 import w4a8_candidates, w4a8_heuristic, w4a8_config, w4a8_key, w4a8_launch
     from ..tuning import problem_key
     kp = padded_k(k)
 
@@ -92,7 +92,7 @@ def _w4a8_family(k, n, group_size, sym, dtype, experimental=False):
     def candidates(m):
         problem = dict(M=m, N=n, K=k, Kp=kp, group_size=group_size)
         dev = torch.device("cuda")
-        return [_w4a8_heuristic(device=dev, **problem), *_w4a8_candidates(device=dev, **problem)]
+        return [w4a8_heuristic(device=dev, **problem), *w4a8_candidates(device=dev, **problem)]
 
     def keys(m):
         out = [w4a8_key(k, n, m, group_size, dtype)]

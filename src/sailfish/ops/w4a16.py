@@ -37,7 +37,7 @@ def _tensor_core_gemv(M: int, group_size: int, general_gidx: bool) -> bool:
     return FLAGS.gemv_mma and M <= 8 and (group_size == -1 or group_size % K_CHUNK == 0) and not general_gidx
 
 
-def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=False) -> Config:
+def w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=False) -> Config:
     sms = sm_count(device.index or 0) if device.type == "cuda" else 132
     if (2 <= M <= 16 and N * Kp >= (1 << 25) and gluon_format(group_size, general_gidx, Kp)
             and device.type == "cuda" and gluon_device(device.index or 0)):
@@ -161,7 +161,7 @@ def _gluon_tiles(kernel: str, tiles_, *, M, N, Kp, sms):
                 yield Config(bm, bn, GLUON_STEP, split, 8, warps, stages, kernel=kernel)
 
 
-def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros=False):
+def w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros=False):
     sms = sm_count(device.index or 0)
     yield from _gluon_candidates(device=device, M=M, N=N, Kp=Kp, group_size=group_size, general_gidx=general_gidx,
                                  has_zeros=has_zeros)
@@ -232,7 +232,7 @@ def experimental_candidates(*, device, M, N, Kp, group_size, general_gidx, has_z
     problem = dict(device=device, M=M, N=N, Kp=Kp, group_size=group_size, general_gidx=general_gidx,
                    has_zeros=has_zeros)
     if _tensor_core_gemv(M, group_size, general_gidx):  # the regular GEMV tiles, with a 3- or 4-stage ring
-        for cfg in _w4a16_candidates(**problem):
+        for cfg in w4a16_candidates(**problem):
             if cfg.kernel == "gemv" and cfg.num_stages == 1:
                 yield from (replace(cfg, num_stages=stages) for stages in (3, 4))
     # the overlap kernels' tiles where the regular list has none (M = 9-128 it has, v26): M = 1-8
@@ -250,7 +250,7 @@ def w4a16_config(device: torch.device, M: int, N: int, Kp: int, group_size: int,
     the heuristic), checked. The offline tuner (bench/tune.py) asks it what ships."""
     if invariant:
         config = invariant_config(M, N, Kp)
-        _check_config(config, Kp, M, group_size, general_gidx)
+        check_w4a16_config(config, Kp, M, group_size, general_gidx)
         return config
     mb = m_bucket(M)
     memo = (Kp, N, mb, group_size, has_zeros, general_gidx, dtype)
@@ -261,7 +261,7 @@ def w4a16_config(device: torch.device, M: int, N: int, Kp: int, group_size: int,
                                  fallback_key=problem_key("w4a16", Kp, N, M, "any"), memo_key=memo,
                                  M=mb, N=N, Kp=Kp, group_size=group_size, general_gidx=general_gidx,
                                  has_zeros=has_zeros)
-        _check_config(config, Kp, M, group_size, general_gidx, table=True)
+        check_w4a16_config(config, Kp, M, group_size, general_gidx, table=True)
     return config
 
 
@@ -271,10 +271,10 @@ def w4a16_key(kp: int, n: int, m: int, group_size: int, has_zeros: bool, general
     return problem_key("w4a16", kp, n, m, flags)
 
 
-W4A16_TUNER = Tuner("w4a16", _w4a16_heuristic, _w4a16_candidates)
+W4A16_TUNER = Tuner("w4a16", w4a16_heuristic, w4a16_candidates)
 
 
-def _check_config(cfg: Config, kp: int, m: int, group_size: int = -1, general_gidx: bool = False,
+def check_w4a16_config(cfg: Config, kp: int, m: int, group_size: int = -1, general_gidx: bool = False,
                   table: bool = False) -> None:
     """ValueError naming the field for a config that cannot run. table=True (a shipped or
     tuned entry, possibly another format's fallback): scale_acc where it does not apply is
@@ -426,7 +426,7 @@ def scale_acc(cfg: Config, group_size: int, general_gidx: bool) -> bool:
     """Whether the mma kernel or the tensor-core GEMV runs with SCALE_ACC (a config choice,
     Config.scale_acc): the scales multiply the fp32 product once per K tile or chunk (per
     channel: the mma kernel once at the end) instead of every dequantized weight, 4 of the
-    13 fp16 asm instructions per word (scale_acc_format; _check_config refuses the rest).
+    13 fp16 asm instructions per word (scale_acc_format; check_w4a16_config refuses the rest).
     Faster at M = 32, slower where BLOCK_K 256 wins and at M = 128 (64 FFMAs per K tile per
     thread), so the tuner decides (docs/perf_log.md v15). (A 'gemv' config whose
     problem falls back to the CUDA-core GEMV, gemv_on_tensor_cores, runs without it.)"""
@@ -755,7 +755,7 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             config = w4a16_config(x.device, M, N, Kp, group_size, zeros is not None, sorted_g_idx is not None,
                                   x.dtype, invariant, lambda: scratch_runner(run, y))
         else:
-            _check_config(config, Kp, M, group_size, sorted_g_idx is not None)
+            check_w4a16_config(config, Kp, M, group_size, sorted_g_idx is not None)
         plan = run(config)
     keep(plans, key, plan, x, qweight, scales, zeros, sorted_g_idx, bias)
     return y

@@ -257,7 +257,7 @@ def _gluon_pipe_candidates(*, device, M, N, Kp, group_size, act_dtype):
 _W4A8_TILES = ((16, 64, 256, 4, 4), (32, 64, 256, 4, 4), (128, 128, 128, 8, 3))
 
 
-def _w4a8_heuristic(*, device, M, N, K, Kp, group_size, act_dtype="int8") -> Config:
+def w4a8_heuristic(*, device, M, N, K, Kp, group_size, act_dtype="int8") -> Config:
     sms = sms_for(device)
     small, mid, large = _W4A8_TILES
     if act_dtype == "fp8":  # per-group fp8 takes K tiles within one group
@@ -279,7 +279,7 @@ def _w4a8_heuristic(*, device, M, N, K, Kp, group_size, act_dtype="int8") -> Con
     return cfg
 
 
-def _w4a8_candidates(*, device, M, N, K, Kp, group_size, act_dtype="int8"):
+def w4a8_candidates(*, device, M, N, K, Kp, group_size, act_dtype="int8"):
     sms = sms_for(device)
     if act_dtype == "fp8":  # the tensor-core kernel only, K tiles within one group
         bk = 128 if group_size != -1 else 256
@@ -318,7 +318,7 @@ def w4a8_config(device: torch.device, M: int, N: int, K: int, Kp: int, group_siz
     (bench/tune.py) asks it what ships."""
     if invariant:
         config = invariant_config(M, N, Kp)
-        _check_config(config, M, N, K, Kp, group_size, act)
+        check_w4a8_config(config, M, N, K, Kp, group_size, act)
         return config
     mb = m_bucket(M)
     memo = (K, N, mb, group_size, out_dtype, act)
@@ -340,7 +340,7 @@ def w4a8_key(k: int, n: int, m: int, group_size: int, out_dtype: torch.dtype, ac
     return problem_key("w4a8", k, n, m, f"gs={group_size}|{str(out_dtype)[6:]}{fp8}")
 
 
-def _check_config(cfg: Config, M: int, N: int, K: int, Kp: int, group_size: int = -1,
+def check_w4a8_config(cfg: Config, M: int, N: int, K: int, Kp: int, group_size: int = -1,
                   act_dtype: str = "int8") -> None:
     """W4A8's own rules, then tuning.check_config's. M may be the M bucket: the rules hold
     for every M of a bucket alike (gemv: bucket 1; dequant: buckets >= 32). fp8 activations
@@ -368,7 +368,7 @@ def _check_config(cfg: Config, M: int, N: int, K: int, Kp: int, group_size: int 
 
 
 def _check_pipe_config(cfg: Config, Kp: int) -> None:
-    """The tiles kernels/w4a8_gluon.py compiles (int8 activations: _check_config): BLOCK_K = one K step of two
+    """The tiles kernels/w4a8_gluon.py compiles (int8 activations: check_w4a8_config): BLOCK_K = one K step of two
     128-channel chunks, BLOCK_M 64 or 128 (wgmma's N; the int32 accumulator of 64 x 128 per
     consumer thread group), BLOCK_N 128 over two consumer warpgroups (num_warps 8), x_q rings of
     >= 3 and >= 4 chunks that fit an SM's shared memory, every split non-empty."""
@@ -392,9 +392,9 @@ def _check_pipe_config(cfg: Config, Kp: int) -> None:
                          "takes steps [k * ceil(steps / SPLIT_K), ...))")
 
 
-W4A8_TUNER = Tuner("w4a8", _w4a8_heuristic, _w4a8_candidates,
+W4A8_TUNER = Tuner("w4a8", w4a8_heuristic, w4a8_candidates,
                    check=lambda cfg, *, M, N, K, Kp, group_size=-1, act_dtype="int8", **_:
-                   _check_config(cfg, M, N, K, Kp, group_size, act_dtype))
+                   check_w4a8_config(cfg, M, N, K, Kp, group_size, act_dtype))
 
 
 # ----------------------------------------------------------------------------------
@@ -622,7 +622,7 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
             config = w4a8_config(x_q.device, M, N, K, Kp, group_size, out_dtype, act, invariant,
                                  lambda: scratch_runner(lambda cfg, out: _launch(cfg, out, *args), y))
         else:
-            _check_config(config, M, N, K, Kp, group_size, act)
+            check_w4a8_config(config, M, N, K, Kp, group_size, act)
         plan = _launch(config, y, *args)
     keep(plans, key, plan, x_q, x_scales, qweight, s_ch, s_g, bias)
     return y
