@@ -18,14 +18,18 @@ The steady path is tuned to microseconds: `run_steady` is the only layer between
 and its plan (it replaces the Tuner.plan call), and does no work beyond the list above.
 
 A kernel family implements (ops/w4a16.py, ops/w4a8.py; the activation quantizer's plan is a
-bare `Launch`):
-  - its plan key (a tuple; everything the kernels are compiled for except pointer alignment),
-    built in the launcher;
-  - a plan class (`Plan` subclass, or any object with `__call__`, `bound()`, `kind` and
-    `takes_tensors`) whose `__call__(head, *operands, *tail)` launches the kernels, the
-    operands given as tensors (first call) or as data-pointer ints (steady state);
-  - its config check (the Tuner's `check` or the launcher's), heuristic and candidates
-    (tuning.Tuner), and which of its config kinds are Gluon kernels (for `run_built`).
+bare `Launch`), all under public names:
+  - `<family>_heuristic(*, device, M, ...)` and `<family>_candidates(...)` -> Configs, and
+    `check_<family>_config(cfg, ...)` (ValueError naming the field; built from
+    tuning.check_blocks / check_kernel / check_fit), wired into one `tuning.Tuner`;
+  - `<family>_key(...)` (the table key) and `<family>_config(device, M, ...)`: the lookup the
+    launcher and the offline tuner (bench/tune.py) share (invariant mode, cache, tuner);
+  - a plan class (`Plan` subclass: `kind`, `bound()`, `takes_tensors`) whose
+    `__call__(head, *operands, *tail)` launches the kernels, the operands given as tensors
+    (first call) or as data-pointer ints (steady state);
+  - its launcher: the plan key (a tuple of everything the kernels are compiled for except
+    pointer alignment), then `run_steady`, else config -> `run_built(build, run,
+    gluon_kinds, family)` -> `keep`.
 """
 from __future__ import annotations
 
