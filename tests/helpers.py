@@ -198,7 +198,7 @@ def incompatible_gluon() -> Exception:
 # the Gluon compile checks' K-loop verdict (prepended to their child scripts: tests/test_w4a16_gluon.py,
 # tests/test_w4a8.py): ptxas serialization or spill, a wgmma register hazard, local memory in the loop
 LOOP_PROBLEMS = r"""
-from sailfish.bench.ptx import wgmma_register_hazard as _hazard
+from sailfish.tools.ptx import wgmma_register_hazard as _hazard
 
 
 def loop_problems(rep, text, body):

@@ -11,10 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import sailfish.ops.launch as launch_mod
+import sailfish.runtime.device as device_mod
+import sailfish.runtime.launch as launch_mod
 import sailfish.tuning as tuning
 from sailfish import QuantLinear, QuantLinearW4A8
-from sailfish.ops.launch import Launch, aligned, hooks_idle, pointers
+from sailfish.runtime.launch import Launch, aligned, hooks_idle, pointers
 from sailfish.tuning import Config, Tuner, clear_caches, tuning_session
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -101,14 +102,14 @@ def test_pdl_rule(monkeypatch):
     """Programmatic dependent launch (the split-K reduce): never for the CPU (device index -1),
     off with SAILFISH_PDL=0 and forced with =1 without asking the GPU; otherwise by compute
     capability (sm_90+), read through a cached query."""
-    monkeypatch.setattr(launch_mod, "_capability", lambda i: (8, 0) if i == 0 else (9, 0))
+    monkeypatch.setattr(device_mod, "capability", lambda i: (8, 0) if i == 0 else (9, 0))
     monkeypatch.delenv("SAILFISH_PDL", raising=False)
-    assert not launch_mod.pdl(-1)
-    assert not launch_mod.pdl(0) and launch_mod.pdl(1)
+    assert not device_mod.pdl(-1)
+    assert not device_mod.pdl(0) and device_mod.pdl(1)
     monkeypatch.setenv("SAILFISH_PDL", "0")
-    assert not launch_mod.pdl(1)
+    assert not device_mod.pdl(1)
     monkeypatch.setenv("SAILFISH_PDL", "1")
-    assert launch_mod.pdl(0) and not launch_mod.pdl(-1)
+    assert device_mod.pdl(0) and not device_mod.pdl(-1)
 
 
 def test_pointers():

@@ -294,7 +294,7 @@ def test_bench_moe_smoke(tmp_path):
 _SM90_CHILD = r"""
 import triton
 from triton.backends.compiler import GPUTarget
-from sailfish.bench.ptx import ast_source, k_loop_stats, sass, wgmma_register_hazard
+from sailfish.tools.ptx import ast_source, k_loop_stats, sass, wgmma_register_hazard
 from sailfish.kernels.moe import _moe_w4a16_kernel
 from sailfish.ops.moe import acc_fence, moe_config
 

@@ -11,13 +11,15 @@ import warnings
 import pytest
 import torch
 
+import sailfish.runtime.device as device_mod
+import sailfish.tune_model as tune_model
 import sailfish.tuning as tuning
 from sailfish.ops.w4a8 import W4A8_KERNELS, W4A8_TUNER, w4a8_key
 from sailfish.ops.w4a16 import W4A16_KERNELS, w4a16_key
 from sailfish.tuning import CONFIG_DIR, Config, Tuner, problem_key
 
 TABLES = sorted(CONFIG_DIR.glob("*.json"))
-# the kernels each family's launcher accepts (ops/w4a16._check_config, tuning.check_config)
+# the kernels each family's launcher accepts (ops/w4a16.check_w4a16_config, tuning.check_config)
 KERNELS = {"w4a16": set(W4A16_KERNELS), "w4a8": set(W4A8_KERNELS)}
 
 
@@ -200,12 +202,12 @@ def test_heuristic_split_k(m, n, split):
     """Split-K in the heuristic (H200 measurements in ops/w4a16.py): at small M up to 2
     programs per SM; at M > 64 only while the tiles fill under half the SMs (4096x1024 at
     M = 128: 0.17x -> 0.63x cuBLAS; 4096x14336 at M = 128 stays unsplit, 0.71x)."""
-    from sailfish.ops.w4a8 import _w4a8_heuristic
-    from sailfish.ops.w4a16 import _w4a16_heuristic
+    from sailfish.ops.w4a8 import w4a8_heuristic
+    from sailfish.ops.w4a16 import w4a16_heuristic
     dev = types.SimpleNamespace(type="cpu", index=None)  # CPU: 132 SMs assumed (H100/H200)
-    cfg = _w4a16_heuristic(device=dev, M=m, N=n, Kp=4096, group_size=128, general_gidx=False)
+    cfg = w4a16_heuristic(device=dev, M=m, N=n, Kp=4096, group_size=128, general_gidx=False)
     assert cfg.kernel == "mma" and cfg.SPLIT_K == split
-    assert _w4a8_heuristic(device=dev, M=m, N=n, K=4096, Kp=4096, group_size=128).SPLIT_K == split
+    assert w4a8_heuristic(device=dev, M=m, N=n, K=4096, Kp=4096, group_size=128).SPLIT_K == split
 
 
 def test_scratch_runner_allocates_once_and_lazily():
@@ -237,14 +239,14 @@ def test_scratch_runner_allocates_once_and_lazily():
     ("NVIDIA GeForce RTX 4090", "nvidia_geforce_rtx_4090"),
 ])
 def test_gpu_key_names(name, key):
-    assert tuning.gpu_key_for_name(name) == key
+    assert device_mod.gpu_key_for_name(name) == key
 
 
 def test_pcie_and_nvl_h100_do_not_use_the_sxm_table():
     for name in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200 NVL"):
-        assert not (CONFIG_DIR / f"{tuning.gpu_key_for_name(name)}.json").exists(), name
-    assert (CONFIG_DIR / f"{tuning.gpu_key_for_name('NVIDIA H100 80GB HBM3')}.json").exists()
-    assert (CONFIG_DIR / f"{tuning.gpu_key_for_name('NVIDIA H200')}.json").exists()
+        assert not (CONFIG_DIR / f"{device_mod.gpu_key_for_name(name)}.json").exists(), name
+    assert (CONFIG_DIR / f"{device_mod.gpu_key_for_name('NVIDIA H100 80GB HBM3')}.json").exists()
+    assert (CONFIG_DIR / f"{device_mod.gpu_key_for_name('NVIDIA H200')}.json").exists()
 
 
 def test_gpu_key_is_cached_per_device_index(monkeypatch):
@@ -252,8 +254,8 @@ def test_gpu_key_is_cached_per_device_index(monkeypatch):
     asked = []
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: asked.append(i) or names[i])
     parsed = []
-    real = tuning.gpu_key_for_name
-    monkeypatch.setattr(tuning, "gpu_key_for_name", lambda n: parsed.append(n) or real(n))
+    real = device_mod.gpu_key_for_name
+    monkeypatch.setattr(device_mod, "gpu_key_for_name", lambda n: parsed.append(n) or real(n))
     tuning.clear_caches()
     try:
         for _ in range(3):
@@ -431,7 +433,7 @@ def test_tune_runs_each_distinct_problem_once(monkeypatch):
     """On CPU the layers take their heuristic configs; this checks the walk: one forward per
     distinct layer and M bucket, inside a tuning session."""
     import sailfish
-    monkeypatch.setattr(tuning, "_check_on_cuda", lambda name, layer: None)
+    monkeypatch.setattr(tune_model, "_check_on_cuda", lambda name, layer: None)
     seen = []
     real_get = Tuner.get
 
@@ -525,8 +527,8 @@ def test_w4a16_heuristic_m32_on_gpus(monkeypatch):
     gpu = types.SimpleNamespace(type="cuda", index=0)
 
     def pick(m, n, kp, gs=128, gidx=False, dev=gpu):
-        cfg = ops16._w4a16_heuristic(device=dev, M=m, N=n, Kp=kp, group_size=gs, general_gidx=gidx)
-        ops16._check_config(cfg, kp, m, gs, gidx)
+        cfg = ops16.w4a16_heuristic(device=dev, M=m, N=n, Kp=kp, group_size=gs, general_gidx=gidx)
+        ops16.check_w4a16_config(cfg, kp, m, gs, gidx)
         return cfg
 
     for (kp, n), split in {(8192, 57344): 1, (8192, 8192): 3, (14336, 4096): 6, (18944, 3584): 8,

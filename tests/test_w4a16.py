@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers import DTYPE_NAMES, TOL, make_g_idx, random_quantized, rel_err, run_compile_child
+from sailfish.runtime.flags import FLAGS
 from sailfish import Config, QuantLinear
 from sailfish.ops import use_triton
 from sailfish.ops.w4a16 import gemv_on_tensor_cores, w4a16_launch
@@ -274,7 +275,7 @@ def test_scale_prefetch_changes_no_bit(dtype, cfg, device, monkeypatch):
     assert ops16.prefetch_scales(cfg, 128) and not ops16.prefetch_scales(cfg, 128, has_zeros=True)
     assert not ops16.prefetch_scales(Config(16, 64, 256, 1, scale_acc=True), 128)  # two groups per tile
     y_on = launch(layer, x, cfg)
-    monkeypatch.setattr(ops16, "SCALE_PREFETCH", "0")
+    monkeypatch.setattr(FLAGS, "scale_prefetch", "0")
     assert not ops16.prefetch_scales(cfg, 128)
     assert torch.equal(y_on, launch(layer, x, cfg))
 
@@ -407,7 +408,7 @@ def test_dequant_plan_steady_calls(monkeypatch):
 
 _PTX_CHILD = r"""
 import sys
-from sailfish.bench.ptx import compile_mma, k_loop_stats, sass, shipped_mma_configs, wgmma_register_hazard
+from sailfish.tools.ptx import compile_mma, k_loop_stats, sass, shipped_mma_configs, wgmma_register_hazard
 cases = [(cfg, dict(scale_acc=cfg.scale_acc)) for _, cfg in shipped_mma_configs()]
 for c in [(16, 128, 256, 2, 4, 3), (64, 128, 128, 1, 4, 4), (128, 256, 128, 1, 8, 3)]:
     for kw in (dict(dtype="bf16", has_zeros=True), dict(group_size=32), dict(group_size=-1, has_zeros=True),
@@ -439,10 +440,10 @@ sys.exit(f"dequantized tile through shared memory: {bad}; wgmma register hazard:
 def test_mma_tile_stays_in_registers(tmp_path):
     """The point of the fragment-order layout: compiled for sm_90a, the K loop of every shipped
     mma config (and a format matrix) feeds wgmma from registers with no shared-memory round
-    trip of the dequantized tile (bench/ptx.py). A layout or compiler change that brings the
+    trip of the dequantized tile (tools/ptx.py). A layout or compiler change that brings the
     round trip back fails here. Group size 64 is not checked: with zero points Triton still
     converts its tile through shared memory (docs/perf_log.md v9). The same kernels' SASS
-    must have no wgmma register hazard (bench/ptx.wgmma_register_hazard): with the launcher's
+    must have no wgmma register hazard (tools/ptx.wgmma_register_hazard): with the launcher's
     ACC_FENCE rule for the installed Triton, and with the fence forced on."""
     run_compile_child(_PTX_CHILD, tmp_path)
 
@@ -450,7 +451,7 @@ def test_mma_tile_stays_in_registers(tmp_path):
 _PDL_CHILD = r"""
 import triton
 from triton.backends.compiler import GPUTarget
-from sailfish.bench.ptx import ast_source, compile_mma
+from sailfish.tools.ptx import ast_source, compile_mma
 from sailfish.kernels.w4a16 import _splitk_reduce_kernel
 ptx = compile_mma(16, 128, 256, 4, 4, 3, pdl_early=True).asm["ptx"]
 assert ptx.count("griddepcontrol.launch_dependents") == 1 and "griddepcontrol.wait" not in ptx, "GEMM"

@@ -13,6 +13,7 @@ import torch
 
 from helpers import DTYPE_NAMES, assert_close_per_element, make_g_idx, random_quantized
 from helpers import run_compile_child
+from sailfish.runtime.flags import FLAGS
 from sailfish import Config, QuantLinear
 from sailfish.ops import w4a16 as ops16
 from sailfish.ops.w4a16 import gemv_on_tensor_cores, w4a16_launch
@@ -117,18 +118,18 @@ def test_gemv_falls_back_to_cuda_cores(gs, gidx, offset, why, device):
 
 
 def test_gemv_mma_switch(monkeypatch, device):
-    """SAILFISH_GEMV_MMA=0 (ops.w4a16.GEMV_MMA) keeps the CUDA-core GEMV and the heuristic's
+    """SAILFISH_GEMV_MMA=0 (runtime.flags.FLAGS.gemv_mma) keeps the CUDA-core GEMV and the heuristic's
     earlier choices (CUDA-core GEMV at M = 1, the mma kernel at M = 2..8)."""
     x = torch.randn(1, 256, device=device).to(F16)
     cpu = torch.device("cpu")
     problem = dict(device=cpu, N=4096, Kp=4096, group_size=128, general_gidx=False)
     assert gemv_on_tensor_cores(gemv(1, 16, 256), x, 128, False)
-    assert ops16._w4a16_heuristic(M=2, **problem).kernel == "gemv"
-    monkeypatch.setattr(ops16, "GEMV_MMA", False)
+    assert ops16.w4a16_heuristic(M=2, **problem).kernel == "gemv"
+    monkeypatch.setattr(FLAGS, "gemv_mma", False)
     assert not gemv_on_tensor_cores(gemv(1, 16, 256), x, 128, False)
-    cfg = ops16._w4a16_heuristic(M=1, **problem)
+    cfg = ops16.w4a16_heuristic(M=1, **problem)
     assert (cfg.kernel, cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_stages) == ("gemv", 16, 512, 4)
-    assert ops16._w4a16_heuristic(M=2, **problem).kernel == "mma"
+    assert ops16.w4a16_heuristic(M=2, **problem).kernel == "mma"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the mma.sync asm runs on CUDA only")
@@ -149,7 +150,7 @@ def test_gemv_mma_asm_and_twin_at_k28672(cfg, dtype):
 
 _PTX_CHILD = r"""
 import sys
-from sailfish.bench.ptx import gemv_loop, shipped_mma_configs
+from sailfish.tools.ptx import gemv_loop, shipped_mma_configs
 cfgs = [(c.BLOCK_M, c.BLOCK_N, c.BLOCK_K, c.SPLIT_K, c.num_warps, c.num_stages)
         for _, c in shipped_mma_configs("gemv")]
 cfgs += [(1, 64, 512, 1, 4, 1), (1, 128, 256, 1, 4, 2), (4, 32, 256, 2, 4, 2)]
@@ -169,7 +170,7 @@ for c in cfgs + rings:
 # a ring streams the words with cp.async and reads them back from shared memory; 2 stages load
 # them into registers
 import re
-from sailfish.bench.ptx import compile_gemv, ptxas_report
+from sailfish.tools.ptx import compile_gemv, ptxas_report
 for c in rings + [(1, 32, 512, 1, 4, 2)]:
     ptx = compile_gemv(*c).asm["ptx"]
     ring = "cp.async.cg.shared.global" in ptx and "ld.global.L1::evict_first" not in ptx
@@ -183,7 +184,7 @@ sys.exit(f"GEMV configs off target: {bad}" if bad else 0)
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
 def test_gemv_mma_compiles_to_the_lane_order_it_needs(tmp_path):
-    """Compiled for sm_90a (bench/ptx.py): for every shipped 'gemv' config and a few more, the
+    """Compiled for sm_90a (tools/ptx.py): for every shipped 'gemv' config and a few more, the
     mma asm runs in the lane order it assumes (else its results are wrong on the GPU), and
     the K loop's SASS stays within its instruction budget per weight (fp16: 13 dequantization
     instructions + 1 mma per word of 8 weights = 1.75, plus loads and addressing; bf16 has no
@@ -201,20 +202,20 @@ def test_gemv_candidates_are_valid(m, gs, general, monkeypatch):
     """Every 'gemv' candidate the autotuner may try is a valid config for the problem."""
     monkeypatch.setattr(ops16, "sm_count", lambda index: 132)  # H200's, without a GPU
     kp = 4096
-    cands = [c for c in ops16._w4a16_candidates(device=torch.device("cpu"), M=m, N=4096, Kp=kp, group_size=gs,
+    cands = [c for c in ops16.w4a16_candidates(device=torch.device("cpu"), M=m, N=4096, Kp=kp, group_size=gs,
                                                 general_gidx=general) if c.kernel == "gemv"]
     assert cands
     for c in cands:
-        ops16._check_config(c, kp, m, gs, general)
+        ops16.check_w4a16_config(c, kp, m, gs, general)
     # the tensor-core GEMV's tiles come with and without scale_acc; the CUDA-core GEMV has none
     assert any(c.scale_acc for c in cands) == (gs in (128, -1) and not general)
 
 
 def test_lane_order_check_can_fail():
-    """bench/ptx.gemv_lane_order accepts exactly the lane = 4 g + t order: the blocked layout
+    """tools/ptx.gemv_lane_order accepts exactly the lane = 4 g + t order: the blocked layout
     Triton 3.9 gives, its linear form, and not the layout Triton 3.6 gave a (C, RR, 8, 16)
     tile (lanes along the chunk slots), which produced wrong results on an H200."""
-    from sailfish.bench.ptx import gemv_lane_order
+    from sailfish.tools.ptx import gemv_lane_order
 
     def ir(layout):
         return (f"#l = {layout}\n%1:4 = tt.elementwise_inline_asm \"mma.sync ...\" -> "
@@ -410,7 +411,7 @@ def test_gemv_asm_emulated(dtype, sym, even_k, pairs, scale_acc):
     addresses) and an incoming accumulator: every output must be that plus the row's
     x . W_eff (fp32 sums of exact products, so within a few fp32 ulps; scale_acc: the
     unrounded weights, the chunk sum scaled in fp32). The lane order itself is the
-    compiler's: bench/ptx checks it."""
+    compiler's: tools/ptx checks it."""
     assert _emulate_gemv_asm(dtype, sym, even_k, pairs, scale_acc=scale_acc, acc0=0.75) < 1e-5
 
 
@@ -430,6 +431,6 @@ def test_gemv_asm_emulation_can_fail(edit, scale_acc):
 @pytest.mark.parametrize("kp", [256, 768, 1536, 4096])
 def test_gemv_heuristic_is_valid(m, kp):
     """The heuristic's tensor-core GEMV config divides every padded K (a multiple of 256)."""
-    cfg = ops16._w4a16_heuristic(device=torch.device("cpu"), M=m, N=4096, Kp=kp, group_size=-1, general_gidx=False)
+    cfg = ops16.w4a16_heuristic(device=torch.device("cpu"), M=m, N=4096, Kp=kp, group_size=-1, general_gidx=False)
     assert cfg.kernel == "gemv" and gemv_on_tensor_cores(cfg, torch.empty(m, 64), 0, False)
-    ops16._check_config(cfg, kp, m)
+    ops16.check_w4a16_config(cfg, kp, m)

@@ -14,6 +14,7 @@ import torch
 
 from helpers import (DTYPE_NAMES, LOOP_PROBLEMS, StandInKernel, assert_close_per_element, incompatible_gluon,
                      make_g_idx, random_quantized, run_compile_child)
+from sailfish.runtime.flags import FLAGS
 from sailfish import Config, QuantLinear
 from sailfish.ops import w4a16 as ops16
 from sailfish.ops.w4a16 import gluon_overlap_split_ok, gluon_split_ok, gluon_twin, w4a16_launch
@@ -261,15 +262,15 @@ def test_experimental_candidates_are_valid(monkeypatch):
         for m in (1, 2, 4, 8, 9, 16, 32, 64, 128):
             for gs, zeros in ((128, False), (-1, True), (256, True)):
                 problem = dict(device=dev, M=m, N=n, Kp=kp, group_size=gs, general_gidx=False, has_zeros=zeros)
-                extra = list(ops16._experimental_candidates(**problem))
+                extra = list(ops16.experimental_candidates(**problem))
                 for cfg in extra:
-                    ops16._check_config(cfg, kp, m, gs)
+                    ops16.check_w4a16_config(cfg, kp, m, gs)
                     kinds.add((cfg.kernel, cfg.num_stages >= 3))
-                regular = set(ops16._w4a16_candidates(**problem))
+                regular = set(ops16.w4a16_candidates(**problem))
                 assert not regular & set(extra), (m, kp, n)
                 assert not any(c.kernel == "gemv" and c.num_stages >= 3 for c in regular)
                 for c in regular:
-                    ops16._check_config(c, kp, m, gs)
+                    ops16.check_w4a16_config(c, kp, m, gs)
                     if c.kernel in ops16.OVERLAP_KERNELS:
                         overlap_ms.add(m)
                         overlap_kernels.add(c.kernel)
@@ -287,10 +288,10 @@ def test_experimental_candidates_are_valid(monkeypatch):
 
 
 def test_wgmma_register_hazard_counts_groups():
-    """bench.ptx.wgmma_register_hazard on hand-written SASS: a wait 'DEPBAR.LE gsb0, N' leaves
+    """tools.ptx.wgmma_register_hazard on hand-written SASS: a wait 'DEPBAR.LE gsb0, N' leaves
     the last N wgmma groups (each closed by the gsb0 of its last HGMMA) in flight, so writing
     their A registers is a hazard and writing a retired group's is not; the back edge counts."""
-    from sailfish.bench.ptx import wgmma_register_hazard
+    from sailfish.tools.ptx import wgmma_register_hazard
 
     def sass(*lines):
         body = ["/*0000*/ NOP ;"] + [f"/*{16 * (i + 1):04x}*/ {t} ;" for i, t in enumerate(lines)]
@@ -323,7 +324,7 @@ def test_gluon_candidates_are_valid(monkeypatch):
         for m in (2, 4, 8, 16, 32, 64, 128, 129, 512, 4096):
             for cfg in ops16._gluon_candidates(device=dev, M=m, N=n, Kp=kp, group_size=128, general_gidx=False,
                                                has_zeros=False):
-                ops16._check_config(cfg, kp, m, 128)
+                ops16.check_w4a16_config(cfg, kp, m, 128)
                 assert (cfg.BLOCK_M == 8) == (m <= 8), (m, cfg)
                 if 64 < m <= 128:
                     assert cfg.kernel in ops16.OVERLAP_KERNELS or (cfg.kernel, cfg.BLOCK_M) == ("gluon_pipe", 128)
@@ -350,7 +351,7 @@ def test_gluon_candidates_are_valid(monkeypatch):
 _GLUON_CHILD = r"""
 import re
 import triton
-from sailfish.bench.ptx import (k_loop_stats, ptxas_report, sass, sass_loop, shipped_mma_configs,
+from sailfish.tools.ptx import (k_loop_stats, ptxas_report, sass, sass_loop, shipped_mma_configs,
                                 wgmma_register_hazard)
 from sailfish.kernels.w4a16_gluon import compile_sm90, max_registers
 cases = [dict(group_size=128), dict(group_size=-1, has_bias=True), dict(group_size=256, dtype="bf16", SPLIT_K=2),
@@ -413,7 +414,7 @@ def test_gluon_kernel_compiles_for_sm90(tmp_path):
     and every Gluon tile of the shipped tables: in the K loop no shared-memory store or
     ldmatrix (the dequantized tile goes to wgmma from registers), A in registers, only
     wait(0) (both chunks' wgmmas in flight together), ptxas keeps them asynchronous (no C7514
-    serialization), the SASS has no wgmma register hazard (bench/ptx.py) and no local memory
+    serialization), the SASS has no wgmma register hazard (tools/ptx.py) and no local memory
     access in the K loop, and tiles with zero points hold their register cap; with PDL the split-K GEMM releases its
     reduce. In a child process: the interpreter in this one patches the frontend."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
@@ -425,7 +426,7 @@ def test_gluon_kernel_compiles_for_sm90(tmp_path):
 _GLUON_OVERLAP_CHILD = r"""
 import re
 import triton
-from sailfish.bench.ptx import k_loop_stats, overlap_loop_ok, ptxas_report, sass, wgmma_loop
+from sailfish.tools.ptx import k_loop_stats, overlap_loop_ok, ptxas_report, sass, wgmma_loop
 from sailfish.kernels.w4a16_gluon import compile_sm90
 cases = [dict(), dict(BLOCK_M=8), dict(BLOCK_M=32, STAGES=4), dict(BLOCK_M=64, BLOCK_N=128, num_warps=8),
          dict(group_size=-1, has_bias=True),
@@ -493,8 +494,8 @@ def test_heuristic_takes_gluon_for_large_weights_at_m16(monkeypatch):
     dev = torch.device("cuda", 0)
 
     def pick(m, n, kp, gs=128, gidx=False):
-        cfg = ops16._w4a16_heuristic(device=dev, M=m, N=n, Kp=kp, group_size=gs, general_gidx=gidx)
-        ops16._check_config(cfg, kp, m, gs, gidx)
+        cfg = ops16.w4a16_heuristic(device=dev, M=m, N=n, Kp=kp, group_size=gs, general_gidx=gidx)
+        ops16.check_w4a16_config(cfg, kp, m, gs, gidx)
         return cfg
 
     for (kp, n), split in {(8192, 57344): 1, (8192, 8192): 3, (8192, 10240): 3, (14336, 4096): 6}.items():
@@ -522,9 +523,9 @@ def test_heuristic_takes_the_pipe_tile_at_m65_to_1023(monkeypatch):
     dev = torch.device("cuda", 0)
 
     def pick(m, n, kp, gs=128, gidx=False, zeros=False):
-        cfg = ops16._w4a16_heuristic(device=dev, M=m, N=n, Kp=kp, group_size=gs, general_gidx=gidx,
+        cfg = ops16.w4a16_heuristic(device=dev, M=m, N=n, Kp=kp, group_size=gs, general_gidx=gidx,
                                      has_zeros=zeros)
-        ops16._check_config(cfg, kp, m, gs, gidx)
+        ops16.check_w4a16_config(cfg, kp, m, gs, gidx)
         return cfg
 
     # (K, N, M) -> split: 56 tiles fill 0.42 of a wave unsplit, 0.85 at split 2; 28 tiles need 4;
@@ -552,22 +553,21 @@ def test_gluon_compile_failure_falls_back_to_the_twin(monkeypatch, device):
     import sailfish.kernels.w4a16_gluon as gk
 
     monkeypatch.setattr(gk, "w4a16_gluon_kernel", StandInKernel(incompatible_gluon()))
-    monkeypatch.setattr(ops16, "GLUON", True)
-    monkeypatch.setattr(ops16, "gluon_applies", lambda *a: ops16.GLUON)
+    monkeypatch.setattr(FLAGS, "gluon", True)
+    monkeypatch.setattr(ops16, "gluon_applies", lambda *a: FLAGS.gluon)
     layer = _layer(1024, 192, 128, F16, True, device)
     x = torch.randn(16, 1024, device=device).to(F16)
     cfg = Config(16, 64, 256, 2, 8, 4, 3, kernel="gluon")
     with pytest.warns(RuntimeWarning, match="Gluon W4A16 kernel does not compile"):
         y = _launch(layer, x, cfg)
-    assert not ops16.GLUON
+    assert not FLAGS.gluon
     assert torch.equal(y, _launch(layer, x, gluon_twin(cfg)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second attempt, no second warning
         assert torch.equal(_launch(layer, x, cfg), y)
-    ops16.gluon_device.cache_clear()
 
     monkeypatch.setattr(gk, "w4a16_gluon_kernel", StandInKernel(RuntimeError("a launch error")))
-    monkeypatch.setattr(ops16, "GLUON", True)
+    monkeypatch.setattr(FLAGS, "gluon", True)
     with pytest.raises(RuntimeError, match="a launch error"):
         _launch(layer, x, cfg)
 
@@ -575,8 +575,9 @@ def test_gluon_compile_failure_falls_back_to_the_twin(monkeypatch, device):
 _GLUON_PIPE_CHILD = r"""
 import re
 import triton
-from sailfish.bench.ptx import k_loop_stats, ptxas_report, sass, shipped_mma_configs, wgmma_loop
-from sailfish.kernels.w4a16_gluon import compile_sm90, pipe_shared_bytes
+from sailfish.tools.ptx import k_loop_stats, ptxas_report, sass, shipped_mma_configs, wgmma_loop
+from sailfish.kernels.gluon_common import pipe_shared_bytes
+from sailfish.kernels.w4a16_gluon import compile_sm90
 cases = [dict(BLOCK_M=128, BLOCK_N=128, num_warps=8), dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, dtype="bf16",
                                                            has_zeros=True, SPLIT_K=2, pdl_early=True),
          dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, group_size=-1, has_bias=True),

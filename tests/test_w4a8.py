@@ -17,6 +17,7 @@ import torch
 import sailfish
 
 from helpers import DTYPE_NAMES, LOOP_PROBLEMS, TOL, StandInKernel, incompatible_gluon, rel_err, run_compile_child
+from sailfish.runtime.flags import FLAGS
 from sailfish import Config, QuantLinear, QuantLinearW4A8, quantize_model
 from sailfish.formats.nibbles import pack_nibbles
 from sailfish.formats.qqq import (QQQWeight, codes_to_int8, natural_to_fragment_order_w4a8,
@@ -422,7 +423,7 @@ def test_split_k_inside_the_gemm(m, cfg, act, device, monkeypatch):
     assert ops8.fixup_tile(cfg)
     out = {}
     for fixup in (False, True):
-        monkeypatch.setattr(ops8, "SPLIT_FIXUP", fixup)
+        monkeypatch.setattr(FLAGS, "split_fixup", fixup)
         ops8.W4A8_TUNER.plans.clear()
         out[fixup] = (w4a8_launch(*args, config=cfg), w4a8_launch(*args, config=cfg, raw_acc=True))
     assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
@@ -508,7 +509,7 @@ def test_gluon_pipe_compile_failure_falls_back_to_the_twin(monkeypatch, device):
 
     # the Gluon path as on a Hopper GPU, its TMA descriptor a stand-in (the stand-in kernels never read it)
     monkeypatch.setattr(gk, "pipe_descriptor", lambda x_q, BLOCK_M: x_q)
-    monkeypatch.setattr(ops8, "w4a8_gluon_applies", lambda *a: ops16.GLUON)
+    monkeypatch.setattr(ops8, "w4a8_gluon_applies", lambda *a: FLAGS.gluon)
     k, n, m = 512, 136, 72
     layer = random_layer(k, n, 128, True, device)
     x_q, x_s = layer.quantize_input(torch.randn(m, k, device=device).to(F16))
@@ -518,19 +519,17 @@ def test_gluon_pipe_compile_failure_falls_back_to_the_twin(monkeypatch, device):
         return w4a8_launch(x_q, x_s, layer.qweight, layer.s_ch, layer.s_g, layer.bias, k, 128, F16, config=c)
 
     monkeypatch.setattr(gk, "w4a8_gluon_pipe_kernel", StandInKernel(RuntimeError("a launch error")))
-    monkeypatch.setattr(ops16, "GLUON", True)
+    monkeypatch.setattr(FLAGS, "gluon", True)
     with pytest.raises(RuntimeError, match="a launch error"):
         run(cfg)
     monkeypatch.setattr(gk, "w4a8_gluon_pipe_kernel", StandInKernel(incompatible_gluon()))
     with pytest.warns(RuntimeWarning, match="Gluon W4A8 kernel does not compile"):
         y = run(cfg)
-    assert not ops16.GLUON
+    assert not FLAGS.gluon
     assert torch.equal(y, run(ops8.w4a8_gluon_twin(cfg)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second attempt, no second warning
         assert torch.equal(run(cfg), y)
-    ops16.gluon_device.cache_clear()
-    ops8.w4a8_gluon_device.cache_clear()
 
 
 def test_gluon_pipe_rejects_fp8(device):
@@ -538,7 +537,7 @@ def test_gluon_pipe_rejects_fp8(device):
     import sailfish.ops.w4a8 as ops8
 
     with pytest.raises(ValueError, match="fp8 activations run kernel='mma' only"):
-        ops8._check_config(Config(128, 128, 256, 1, 8, 8, 3, kernel="gluon_pipe"), 128, 64, 512, 512, -1, "fp8")
+        ops8.check_w4a8_config(Config(128, 128, 256, 1, 8, 8, 3, kernel="gluon_pipe"), 128, 64, 512, 512, -1, "fp8")
 
 
 # ----------------------------------------------------------------------------------
@@ -803,7 +802,7 @@ _COMPILE_CHILD = r"""
 import re, sys
 import triton
 from triton.backends.compiler import GPUTarget
-from sailfish.bench.ptx import ast_source
+from sailfish.tools.ptx import ast_source
 from sailfish.kernels import w4a8 as K
 
 ARCH = int(sys.argv[1])
@@ -934,7 +933,7 @@ def test_kernels_compile(arch, tmp_path):
 _PTX_CHILD = r"""
 import sys
 import warnings
-from sailfish.bench.ptx import W4A8_TILES, compile_w4a8, k_loop_stats
+from sailfish.tools.ptx import W4A8_TILES, compile_w4a8, k_loop_stats
 bad = []
 n = 0
 for tile in W4A8_TILES:
@@ -955,7 +954,7 @@ for tile in W4A8_TILES:
 # kernel: an unrolled slice sum took BM 64 / BN 64 / split 8 from 80 to 255; the loop adds 12-30
 # to these tiles (Triton 3.6), which measured faster all the same (docs/perf_log.md v23)
 import re
-from sailfish.bench.ptx import ptxas_report
+from sailfish.tools.ptx import ptxas_report
 
 
 def registers(ptx):
@@ -983,7 +982,7 @@ def test_mma_tile_stays_in_registers(tmp_path):
     """The point of the fragment-order layout (formats.qqq.PackedQQQ): compiled for sm_90a, the
     K loop of every tile shape the W4A8 tables use (BM 16-256, BK 64-256, 4-8 warps) feeds the
     int8 wgmma (s32.s8.s8; fp8 variant: f32.e4m3.e4m3) from registers, with no ldmatrix and no
-    st.shared of the weight tile (bench/ptx.py). A layout or compiler change that brings a
+    st.shared of the weight tile (tools/ptx.py). A layout or compiler change that brings a
     round trip back fails here."""
     run_compile_child(_PTX_CHILD, tmp_path)
 
@@ -992,8 +991,8 @@ _GLUON_PIPE_CHILD = r"""
 import json
 import re
 import triton
-from sailfish.bench.ptx import k_loop_stats, ptxas_report, sass, wgmma_loop
-from sailfish.kernels.w4a16_gluon import pipe_shared_bytes
+from sailfish.tools.ptx import k_loop_stats, ptxas_report, sass, wgmma_loop
+from sailfish.kernels.gluon_common import pipe_shared_bytes
 from sailfish.kernels.w4a8_gluon import compile_sm90
 from sailfish.tuning import CONFIG_DIR, Config
 

@@ -8,7 +8,8 @@ import torch
 import sailfish
 from sailfish.bench.timing import copies_needed, graph_time_us, w4a16_min_bytes
 from sailfish.ops.w4a16 import w4a16_launch
-from sailfish.tuning import Config, sm_count, split_k_for
+from sailfish.runtime.device import sm_count
+from sailfish.tuning import Config, split_k_for
 
 torch.manual_seed(0)
 space = []

@@ -539,7 +539,7 @@ def _bound(shapes):
 
 
 def _compile():
-    from sailfish.bench.ptx import ptxas_report
+    from sailfish.tools.ptx import ptxas_report
 
     for form, kw in [("w", dict(P=1, CW=8)), ("w", dict(P=2, CW=4)), ("r", dict(P=1, CW=4)), ("r", dict(P=1, CW=8)),
                      ("r", dict(P=1, CW=4, dtype="bf16", has_zeros=True)), ("x", dict(P=1, CW=4, maxnreg=64)),

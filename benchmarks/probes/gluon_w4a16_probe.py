@@ -169,7 +169,7 @@ def ptxas_report(kernel) -> str:
 
 
 def main_compile():
-    from sailfish.bench.ptx import k_loop_stats, sass, wgmma_register_hazard
+    from sailfish.tools.ptx import k_loop_stats, sass, wgmma_register_hazard
 
     print("triton", triton.__version__)
     for grouped in (True, False):

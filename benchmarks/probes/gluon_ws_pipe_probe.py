@@ -34,7 +34,8 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from sailfish import QuantLinear
 from sailfish.bench.timing import copies_needed, graph_time_us
 from sailfish.kernels.w4a16 import _splitk_reduce_kernel
-from sailfish.kernels.w4a16_gluon import _CHUNK, _STEP, _async_load, _pipe_consumer, _program, layouts, CHUNK
+from sailfish.kernels.gluon_common import CHUNK, CHUNK_C as _CHUNK, STEP_C as _STEP, program as _program
+from sailfish.kernels.w4a16_gluon import _async_load, _pipe_consumer, layouts
 from sailfish.ops.launch import pdl
 from sailfish.ops.w4a16 import _REDUCE_BLOCK
 
@@ -154,7 +155,7 @@ def compile_sm90(dtype="fp16", cons_regs=232, prod_regs=40, **kw):
 def main_compile():
     import re
 
-    from sailfish.bench.ptx import ptxas_report, sass, wgmma_register_hazard
+    from sailfish.tools.ptx import ptxas_report, sass, wgmma_register_hazard
     cases = [dict(), dict(dtype="bf16", has_zeros=True), dict(group_size=-1), dict(SPLIT_K=2),
              dict(cons_regs=240, prod_regs=24)]
     for kw in cases:

@@ -32,9 +32,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
                                                              warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from sailfish.kernels.w4a16_gluon import (_CHUNK, _STEP, _async_load, _chunk_weights, _program, _rows,
-                                          _scale_values,
-                                          _step_scales, _store, layouts, CHUNK)
+from sailfish.kernels.gluon_common import CHUNK_C as _CHUNK, STEP_C as _STEP, program as _program, rows as _rows
+from sailfish.kernels.w4a16_gluon import (_async_load, _chunk_weights, _scale_values, _step_scales, _store, layouts, CHUNK)
 
 
 @gluon.jit
@@ -176,7 +175,7 @@ def compile_sm90(BLOCK_M=16, BLOCK_N=64, STAGES=4, group_size=128, SPLIT_K=1, dt
 def main_compile():
     import re
 
-    from sailfish.bench.ptx import ptxas_report, sass
+    from sailfish.tools.ptx import ptxas_report, sass
     # (BLOCK_M, BLOCK_N, stages, consumer warps, dtype, zeros, maxnreg, producer registers, producer warps)
     cases = [(16, 64, 4, 4, "fp16", False, 128, 64, 1), (16, 64, 6, 4, "bf16", True, 168, 88, 1),
              (16, 64, 4, 4, "fp16", False, 80, 24, 1), (16, 128, 4, 8, "fp16", False, 168, 40, 1),

@@ -14,7 +14,8 @@ import torch
 from sailfish.bench.moe import MODELS, make_experts, routing
 from sailfish.bench.timing import graph_time_us
 from sailfish.ops.moe import moe_config, moe_w4a16_launch
-from sailfish.tuning import Config, sms_for
+from sailfish.runtime.device import sms_for
+from sailfish.tuning import Config
 
 
 def main():

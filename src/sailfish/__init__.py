@@ -21,10 +21,12 @@ Importing sailfish does not touch the GPU, compile anything or import transforme
 from .checkpoint import load_quantized, save_quantized
 from .formats import (GROUP_SIZES, GROUP_SIZES_W4A8, QQQWeight, QuantizedWeight, from_awq, from_gptq,
                       quantize, quantize_qqq, to_awq, to_gptq)
+from .convert import quantize_model
 from .moe import QuantExperts
-from .nn import QuantLinear, QuantLinearW4A8, quantize_model
-from .ops import batch_invariant, batch_invariant_mode, set_batch_invariant
-from .tuning import Config, tune
+from .nn import QuantLinear, QuantLinearW4A8
+from .runtime.flags import batch_invariant, batch_invariant_mode, set_batch_invariant
+from .tune_model import tune
+from .tuning import Config
 
 __version__ = "0.1.0"
 __all__ = ["QuantLinear", "quantize_model", "quantize", "QuantizedWeight", "from_gptq", "to_gptq",

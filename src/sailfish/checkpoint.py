@@ -52,7 +52,6 @@ _CT_ACTORDER = {None: False, False: False, True: True, "group": True, "dynamic":
                 "static": False}  # True: a weight_g_idx per layer ("dynamic" / "static" are aliases)
 _INT = ("I32",)
 _HALF = ("F16", "BF16")
-_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
 
 def _require_hf():

@@ -44,7 +44,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .formats.shard import concat_weight, slice_weight
+from .formats.shard import concat_weight, shard_bias, shard_quantized, slice_weight
 from .nn import QuantLinear, QuantLinearW4A8
 
 log = logging.getLogger("sailfish")
@@ -187,8 +187,7 @@ class _Fused:
     def shard(self, rank: int, world_size: int, dim: int):
         """Tensor-parallel shard (sailfish.parallel): dim=0 splits every segment across the
         ranks (rank r holds segment_0[r], segment_1[r], ...), dim=1 the input features."""
-        from .parallel import shard_layer
-        return shard_layer(self, rank, world_size, dim)
+        return shard_fused(self, rank, world_size, dim)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", segments=" + "+".join(f"{n}:{w}" for n, w in self.segments)
@@ -205,7 +204,6 @@ class FusedQuantLinearW4A8(_Fused, QuantLinearW4A8):
 def shard_fused(layer: _Fused, rank: int, world_size: int, dim: int) -> _Fused:
     """Rank `rank`'s shard of a fused layer: along N per segment (the fused shard of the
     unfused layers' shards), along K as any layer (the segments unchanged)."""
-    from .parallel import shard_bias, shard_quantized
     if dim == 0:
         names = [n for n, _ in layer.segments]
         shards = [part.shard(rank, world_size, 0) for _, part in layer.parts()]

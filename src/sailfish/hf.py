@@ -34,7 +34,8 @@ except ImportError as e:  # transformers missing, or too old to accept third-par
 from .formats.int4 import HALF_DTYPES, _check_bits, _check_group_size
 from .formats.qqq import check_group_size_w4a8
 from .fuse import check_fuse_flag
-from .nn import _check_act_bits, module_names, quantize_model
+from .convert import module_names, quantize_model
+from .nn import _check_act_bits
 
 QUANT_METHOD = "sailfish"
 log = logging.getLogger("sailfish")

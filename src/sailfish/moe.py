@@ -166,33 +166,3 @@ class QuantExperts(nn.Module):
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
                 f"intermediate_dim={self.intermediate_dim}, bits=4, group_size={self.group_size}, "
                 f"sym={self.w13_zeros is None}")
-
-
-def replace_experts(model: nn.Module, skip, *, group_size: int, sym: bool, dtype: Optional[torch.dtype],
-                    act_bits: int) -> Tuple[list, dict]:
-    """quantize_model's step for MoE models: replace, in place, every transformers experts module
-    (is_experts_module) not in `skip` by a QuantExperts (round to nearest). Returns (the names
-    replaced, {name: reason} of those left in 16 bits). A weight that cannot be quantized raises
-    ValueError naming the module."""
-    from .nn import _skip_match
-
-    done, skipped = [], {}
-    found = [(n, m) for n, m in model.named_modules() if n and is_experts_module(m)]
-    for name, module in found:
-        if _skip_match(name, skip):
-            reason = "in skip list"
-        elif act_bits != 16:
-            reason = f"experts are W4A16 only (act_bits={act_bits})"
-        else:
-            reason = experts_reason(module)
-        if reason:
-            skipped[name] = reason
-            continue
-        try:
-            layer = QuantExperts.from_experts(module, group_size=group_size, sym=sym, dtype=dtype)
-        except ValueError as e:
-            raise ValueError(f"module {name!r}: {e}") from e
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
-        done.append(name)
-    return done, skipped

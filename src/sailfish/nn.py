@@ -1,21 +1,19 @@
-"""Drop-in modules: QuantLinear and quantize_model."""
+"""Drop-in modules: QuantLinear (W4A16) and QuantLinearW4A8."""
 from __future__ import annotations
 
-import logging
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 
-from . import ops  # noqa: F401  (registers torch.ops.sailfish.*)
-from .calibrate.model import gptq_model, gptq_options
 from .formats.awq import from_awq as _read_awq
 from .formats.gptq import from_gptq as _read_gptq
 from .formats.marlin import from_marlin as _read_marlin
 from .formats.int4 import (HALF_DTYPES, LAYOUT_VERSION, PackedW4, QuantizedWeight, _check_bits,
                            _check_group_size, cast_scales, check_flag, check_half_dtype, check_int_choice,
-                           checked_cast, default_g_idx, natural_to_fragment_order, pack, padded_k, quantize,
+                           checked_cast, check_shape, default_g_idx, natural_to_fragment_order, pack, padded_k, quantize,
                            relative_change, unpack, warn_lossy_cast)
+from .formats.shard import shard_bias, shard_quantized
 from .formats.qqq import (LAYOUT_VERSION_W4A8, PackedQQQ, QQQWeight, check_act_dtype, check_group_size_w4a8,
                           fp8_weight, from_qqq, natural_to_fragment_order_w4a8, pack_qqq, quantize_qqq,
                           unpack_qqq)
@@ -23,9 +21,6 @@ from .ops import direct_call_ok
 from .ops.autograd import w4a8_linear
 from .ops.w4a8 import w4a8_linear_fp8_impl, w4a8_linear_impl, w4a8_linear_nograd
 from .ops.w4a16 import w4a16_gemm, w4a16_gemm_impl, w4a16_gemm_nograd
-
-log = logging.getLogger("sailfish")
-
 
 def _upgrade_qweight_layout(state_dict, prefix: str, current: int, from_v1, what: str) -> None:
     """qweight's layout version travels as a buffer (not module metadata) so that it survives
@@ -143,33 +138,6 @@ def _check_linear(linear) -> None:
         raise ValueError(f"linear.weight is on the {dev} device, which holds no values to quantize; allowed: "
                          "a CUDA or CPU weight (load the weights first, or build QuantLinear / QuantLinearW4A8 "
                          "layers and load a quantized state_dict into them)")
-
-
-def module_names(names, arg: str) -> tuple:
-    """A names argument (quantize_model's skip, SailfishConfig's modules_to_not_convert): one
-    name as a str, or an iterable of str; a bare str would otherwise be read letter by letter."""
-    if names is None:
-        return ()
-    if isinstance(names, str):
-        return (names,)
-    what = f"{arg} must be a module name (str) or an iterable of them, got"
-    try:
-        names = tuple(names)
-    except TypeError:
-        raise TypeError(f"{what} {names!r}") from None
-    bad = [n for n in names if not isinstance(n, str)]
-    if bad:
-        raise TypeError(f"{what} {bad[0]!r} in it")
-    return names
-
-
-def check_shape(in_features: int, out_features: int) -> Optional[str]:
-    """None if the kernels support this (K, N), else the rule it breaks."""
-    for name, v, multiple in (("in_features", in_features, 16), ("out_features", out_features, 8)):
-        if type(v) is not int or v <= 0 or v % multiple:
-            kind = "" if type(v) is int else f" (a {type(v).__name__}; an int is needed)"
-            return f"{name}={v!r}{kind} must be a positive multiple of {multiple}"
-    return None
 
 
 class QuantLinear(nn.Module):
@@ -416,8 +384,8 @@ class QuantLinear(nn.Module):
     def shard(self, rank: int, world_size: int, dim: int) -> "QuantLinear":
         """Tensor-parallel shard as a new layer: dim=0 output features (column parallel),
         dim=1 input features (row parallel, bias on rank 0 only); see sailfish.parallel."""
-        from .parallel import shard_layer
-        return shard_layer(self, rank, world_size, dim)
+        qw = shard_quantized(self.quantized_weight(), rank, world_size, dim)
+        return type(self).from_quantized(qw, shard_bias(self.bias, rank, world_size, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Eager decode calls are host-bound (bench/overhead.py), so this path is lean: the
@@ -577,8 +545,8 @@ class QuantLinearW4A8(nn.Module):
     def shard(self, rank: int, world_size: int, dim: int) -> "QuantLinearW4A8":
         """Tensor-parallel shard as a new layer: dim=0 output features (column parallel),
         dim=1 input features (row parallel, bias on rank 0 only); see sailfish.parallel."""
-        from .parallel import shard_layer
-        layer = shard_layer(self, rank, world_size, dim)
+        qw = shard_quantized(self.quantized_weight(), rank, world_size, dim)
+        layer = type(self).from_quantized(qw, shard_bias(self.bias, rank, world_size, dim))
         layer.act_dtype = self.act_dtype
         return layer
 
@@ -639,128 +607,3 @@ class QuantLinearW4A8(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, bits=4, act_bits=8, group_size={self.group_size}"
                 + (", act_dtype=fp8" if self.act_dtype == "fp8" else ""))
-
-
-def _skip_match(name: str, skip: Iterable[str]) -> bool:
-    parts = name.split(".")
-    return any(s == name or s in parts for s in skip)
-
-
-def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sym: bool = True,
-                   skip: Iterable[str] = ("lm_head",), act_bits: int = 16,
-                   dtype: Optional[torch.dtype] = None, fuse: bool = True, method: str = "rtn",
-                   calibration=None, act_order: bool = False, static_groups: bool = False,
-                   percdamp: float = 0.01, device=None, progress: Optional[bool] = None) -> nn.Module:
-    """Replace, in place, every nn.Linear whose shape Sailfish supports.
-
-    method="rtn" (default): round to nearest. method="gptq": GPTQ with the `calibration`
-    batches (an iterable of input_ids tensors or dicts of model inputs), decoder layer by
-    decoder layer (sailfish.calibrate.model: true sequential, each layer processed on
-    `device`, default where it is, then moved back); act_order, static_groups, percdamp as
-    calibrate.gptq_quantize. With act_bits=8 it is QQQ's method: each decoder layer's Linear
-    inputs are first smoothed (per-channel scales searched on the calibration activations and
-    folded exactly into the RMSNorm weights, and into v_proj / up_proj rows for o_proj /
-    down_proj: sailfish.calibrate.smooth; the model's norm and projection weights change, its
-    function does not), then GPTQ onto the W4A8 format (calibrate.gptq_quantize_qqq;
-    act_order with group_size=128 uses static groups), with each quantized Linear's input
-    quantized per token to int8 in the later passes, as QuantLinearW4A8 does. Linears
-    outside the decoder layers (lm_head when not skipped) or never reached by the calibration
-    are rounded to nearest. The report (below) gains "gptq": {name: {"seconds", "error",
-    and for W4A8 "smoothing"}} (error: mean squared output error per calibration token,
-    summed over outputs; calibrate.model.gptq_model). progress: a progress bar per decoder
-    layer (tqdm if installed, else a line per layer on stderr); default None shows it only
-    when stderr is a terminal, False never; per-Linear progress is logged (logger
-    "sailfish", INFO) either way. If GPTQ fails (ValueError naming the module), the Linears
-    it finished hold their quantized weights.
-
-    act_bits=16: QuantLinear (W4A16); act_bits=8: QuantLinearW4A8 (group_size -1 or 128).
-    dtype (W4A16 only): the layers' dtype, float16 or bfloat16; default, as in
-    QuantLinear.from_linear, each Linear's own dtype if float16/bfloat16, else float16.
-    Float32 Linears are quantized too: run the model in the layers' dtype afterwards
-    (model.half(), a no-op for float16 QuantLinears), since the layers take only it.
-
-    skip: module names (or name components) left alone; one name may be given as a str.
-    A Linear reachable under several names (tied, e.g. shared by two attributes) is
-    converted once and the one layer is set under every name (skipped under every name if
-    any of them is in skip). Returns the model; what was quantized and what was skipped,
-    with the reason, is logged and stored as model.sailfish_report = {"quantized": [names],
-    "skipped": {name: reason}, "shared": {other name: the name listed above}}.
-    MoE experts modules of transformers 5 (3-D gate_up_proj / down_proj: Mixtral, Qwen2-MoE,
-    Qwen3-MoE, DeepSeek-V2/V3) become sailfish.QuantExperts (W4A16, round to nearest, also
-    with method="gptq"), listed under the report's "experts" when there are any; routers stay
-    in 16 bits, shared experts' Linears are quantized as any other. A weight that cannot be
-    quantized (NaN / Inf, or its scales under- or overflow the layer dtype) raises ValueError
-    naming the module (the modules before it stay converted).
-
-    fuse (default True): then run q/k/v and gate/up of supported transformers models as one
-    layer each (sailfish.fuse.fuse_projections; report keys "fused" and "not_fused").
-    """
-    from .fuse import check_fuse_flag, fuse_projections
-    check_fuse_flag(fuse)
-    _check_bits(bits)
-    _check_act_bits(act_bits)
-    check_flag("sym", sym)
-    if act_bits == 8:
-        check_group_size_w4a8(group_size)
-        if not sym:
-            raise ValueError("W4A8 (act_bits=8) weights are symmetric; sym=False is not supported")
-    else:
-        _check_group_size(group_size)
-    _check_layer_dtype(dtype, act_bits)
-    gptq = gptq_options(method, calibration, act_bits, act_order, static_groups, percdamp, device, progress)
-    skip = module_names(skip, "skip")
-    if not isinstance(model, nn.Module) or isinstance(model, nn.Linear):
-        # (a Linear cannot replace itself in place: it would be returned unchanged)
-        what = "an nn.Linear itself" if isinstance(model, nn.Module) else f"a {type(model).__name__}"
-        raise TypeError(f"model must be an nn.Module holding nn.Linear layers, got {what}; for one Linear "
-                        f"use QuantLinear.from_linear(linear)")
-    names = {}  # Linear -> every name it has (named_modules would give a shared one once)
-    for name, module in model.named_modules(remove_duplicate=False):
-        if isinstance(module, nn.Linear):
-            names.setdefault(module, []).append(name)
-    quantized, skipped, shared, targets = [], {}, {}, {}
-    for module, (name, *others) in names.items():
-        shared.update((other, name) for other in others)
-        if any(_skip_match(n, skip) for n in (name, *others)):
-            reason = "in skip list"
-        elif isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
-            # torch's mark for a Linear whose parent reads .weight instead of calling it
-            # (nn.MultiheadAttention's out_proj): a QuantLinear there breaks the parent
-            reason = "its parent reads its weight directly (nn.MultiheadAttention out_proj)"
-        else:
-            reason = check_shape(module.in_features, module.out_features)
-        if reason:
-            skipped[name] = reason
-            log.info("sailfish: skipped %s (%s)", name, reason)
-        else:
-            targets[module] = name
-    solved, stats = {}, None
-    if gptq is not None:
-        solved, stats = gptq_model(model, calibration, targets, group_size=group_size, sym=sym, dtype=dtype, **gptq)
-    for module, name in targets.items():
-        others = names[module][1:]
-        try:
-            layer = (QuantLinearW4A8 if act_bits == 8 else QuantLinear).from_quantized(solved[module], module.bias) \
-                if module in solved else \
-                QuantLinear.from_linear(module, bits=bits, group_size=group_size, sym=sym, dtype=dtype,
-                                        act_bits=act_bits)
-        except ValueError as e:
-            raise ValueError(f"module {name!r}: {e}") from e
-        for n in (name, *others):
-            parent_name, _, child = n.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, layer)
-        quantized.append(name)
-    # MoE experts (transformers 5's 3-D experts modules) become QuantExperts (sailfish/moe.py)
-    from .moe import replace_experts
-    experts, experts_skipped = replace_experts(model, skip, group_size=group_size, sym=sym, dtype=dtype,
-                                               act_bits=act_bits)
-    skipped.update(experts_skipped)
-    log.info("sailfish: quantized %d linear layers and %d experts modules, skipped %d%s", len(quantized),
-             len(experts), len(skipped), f", {len(shared)} more names shared with them" if shared else "")
-    model.sailfish_report = {"quantized": quantized, "skipped": skipped, "shared": shared}
-    if experts:
-        model.sailfish_report["experts"] = experts
-    if stats is not None:
-        model.sailfish_report["gptq"] = stats
-    return fuse_projections(model) if fuse else model

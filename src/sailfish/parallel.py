@@ -40,71 +40,13 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from .formats.int4 import QuantizedWeight
 from .formats.qqq import QQQWeight
-from .formats.shard import slice_weight
+from .formats.shard import shard_bias, shard_bounds, shard_quantized, shard_range  # noqa: F401  (re-exported)
 from .fuse import _Fused, shard_fused
-from .nn import QuantLinear, QuantLinearW4A8, check_shape
+from .nn import QuantLinear, QuantLinearW4A8
 
 Weight = Union[QuantizedWeight, QQQWeight]
 Layer = Union[QuantLinear, QuantLinearW4A8]
 REDUCE_MODES = ("dtensor", "c10d")
-
-
-def _check_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-
-
-def shard_range(size: int, rank: int, world_size: int, dim: int) -> Tuple[int, int]:
-    """[start, stop) of rank `rank` when `size` features along `dim` are split evenly."""
-    for name, v in (("rank", rank), ("world_size", world_size), ("dim", dim)):
-        _check_int(name, v)
-    if dim not in (0, 1):
-        raise ValueError(f"dim={dim} is not supported; allowed: 0 (column parallel: output "
-                         f"features), 1 (row parallel: input features)")
-    if world_size < 1:
-        raise ValueError(f"world_size={world_size} must be >= 1")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
-    what = "out_features" if dim == 0 else "in_features"
-    if size % world_size:
-        raise ValueError(f"{what}={size} is not divisible by world_size={world_size}: dim={dim} "
-                         f"splits it into equal shards")
-    part = size // world_size
-    return rank * part, (rank + 1) * part
-
-
-def shard_quantized(qw: Weight, rank: int, world_size: int, dim: int) -> Weight:
-    """Rank `rank`'s shard of a canonical weight (QuantizedWeight or QQQWeight), ready for
-    from_quantized: dim=0 keeps output features, dim=1 input features (see the module doc).
-
-    Raises ValueError when the shard would break the kernels' shape rules (K a multiple of
-    16, N a multiple of 8), cut a group (dim=1 of a grouped weight without g_idx: K / world
-    must be a multiple of group_size), or the split is uneven."""
-    if not isinstance(qw, (QuantizedWeight, QQQWeight)):
-        raise TypeError(f"qw must be a QuantizedWeight or a QQQWeight, got {type(qw).__name__}")
-    start, stop = shard_bounds(*qw.qweight.shape, rank, world_size, dim)
-    return slice_weight(qw, dim, start, stop)
-
-
-def shard_bounds(n: int, k: int, rank: int, world_size: int, dim: int) -> Tuple[int, int]:
-    """shard_range of an (N, K) layer's split dimension, checked against the kernels' shape
-    rules for the shard (what shard_quantized cuts, from the shape alone)."""
-    start, stop = shard_range(n if dim == 0 else k, rank, world_size, dim)
-    n_s, k_s = (stop - start, k) if dim == 0 else (n, stop - start)
-    err = check_shape(k_s, n_s)
-    if err:
-        raise ValueError(f"shard {rank} of {world_size} along dim={dim} of a (N={n}, K={k}) weight "
-                         f"has (N={n_s}, K={k_s}), which breaks the shape rule: {err}")
-    return start, stop
-
-
-def shard_bias(bias: Optional[torch.Tensor], rank: int, world_size: int, dim: int) -> Optional[torch.Tensor]:
-    """The bias a shard keeps: its slice (dim=0), or all of it on rank 0 and none elsewhere (dim=1)."""
-    if dim == 0 and bias is not None:
-        start, stop = shard_range(bias.shape[0], rank, world_size, dim)
-        return bias.detach()[start:stop].clone()
-    shard_range(world_size, rank, world_size, dim)  # validates the arguments
-    return None if bias is None or rank != 0 else bias.detach().clone()
 
 
 def shard_layer(layer: Layer, rank: int, world_size: int, dim: int) -> Layer:

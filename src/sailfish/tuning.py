@@ -1,4 +1,4 @@
-"""Kernel configs: heuristics, a shipped per-GPU table, an autotuner and `tune()`.
+"""Kernel configs: Config, shared heuristics and checks, a shipped per-GPU table and the tuner.
 
 Lookup order for a problem (kernel family, K, N, bucketed M, format flags) on a device:
   1. the in-process cache: every answer below is cached per (device, problem), so a
@@ -13,10 +13,10 @@ Lookup order for a problem (kernel family, K, N, bucketed M, format flags) on a 
      benchmark the candidate list once (seconds per problem, so never by default inside
      a forward);
   4. the heuristic.
-`tune(model, m=[...])` benchmarks the candidates of a model's problems explicitly (and can
+`tune(model, m=[...])` (tune_model.py) benchmarks the candidates of a model's problems explicitly (and can
 save them as a table). SAILFISH_HEURISTICS_ONLY=1 skips 2-3 (deterministic config choice
-across machines). The environment is read when a problem is first seen on a device; after
-changing it, call `clear_caches()`.
+across machines). The environment (runtime/flags.py) is read when a problem is first seen on a
+device; after changing it, call `clear_caches()`.
 """
 from __future__ import annotations
 
@@ -24,15 +24,19 @@ import contextlib
 import json
 import math
 import os
-import re
 import threading
 import warnings
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Hashable, Iterable, List, Optional, Tuple
 
 import torch
+
+from .runtime import flags
+from .runtime.device import forget as forget_gpus
+from .runtime.device import gpu_key
+from .runtime.plan import SESSION as _SESSION
 
 CONFIG_DIR = Path(__file__).parent / "kernels" / "configs"
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -81,58 +85,6 @@ def split_k_for(tiles: int, k_tiles: int, sms: int) -> int:
 def m_bucket(m: int) -> int:
     """M rounded up to a power of two, at most M_BUCKETS[-1] (the buckets are 1, 2, 4, ...)."""
     return min(next_pow2(m), M_BUCKETS[-1])
-
-
-# ----------------------------------------------------------------------------------
-# GPUs
-# ----------------------------------------------------------------------------------
-_GPU_KEYS: Dict[int, str] = {}  # device index -> table name
-
-
-def gpu_key_for_name(name: str) -> str:
-    """Table name for a CUDA device name: the model ("NVIDIA H200" -> 'h200', "NVIDIA
-    A100-SXM4-80GB" -> 'a100'), suffixed '_pcie' / '_nvl' for those boards ("NVIDIA H100
-    PCIe" -> 'h100_pcie', "NVIDIA H100 NVL" -> 'h100_nvl'): they run at other clocks, power
-    and memory bandwidth than the SXM part a plain model name stands for. 'h100' itself is
-    only the SXM H100 ("NVIDIA H100 80GB HBM3", the board kernels/configs/h100.json was
-    tuned on); another H100 name keeps its full name. Names without a model token: the
-    lowercase alphanumerics joined by '_'."""
-    low = name.lower()
-    full = re.sub(r"[^a-z0-9]+", "_", low).strip("_")
-    m = re.search(r"\b([a-z]\d{2,4})\b", low)
-    if not m:
-        return full
-    key = m.group(1)
-    for board in ("pcie", "nvl"):
-        if re.search(rf"\b{board}\b", low):
-            return f"{key}_{board}"
-    if key == "h100" and not re.search(r"\bhbm3\b|\bsxm", low):
-        return full
-    return key
-
-
-def gpu_key(device: torch.device) -> str:
-    """The table name of a CUDA device (gpu_key_for_name), computed once per device index."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    key = _GPU_KEYS.get(idx)
-    if key is None:
-        key = _GPU_KEYS[idx] = gpu_key_for_name(torch.cuda.get_device_name(idx))
-    return key
-
-
-@lru_cache(maxsize=None)
-def sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def sms_for(device: torch.device) -> int:
-    """SM count for the heuristics: the device's on CUDA; 132 (H100 / H200) elsewhere, so that
-    the interpreter runs the configs a GPU would."""
-    return sm_count(device.index or 0) if device.type == "cuda" else 132
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _capturing() -> bool:
@@ -210,19 +162,32 @@ def mma_candidates(space: Iterable[Tile], m: int, n: int, k: int, kp: int, sms: 
 KERNELS = ("mma", "gemv", "dequant")
 
 
-def check_config(cfg: Config, kp: int, k: int) -> None:
+def check_config(cfg: Config, kp: int, k: int, kernels: Tuple[str, ...] = KERNELS) -> None:
     """The checks every family's launcher makes (ValueError naming the field): power-of-two
     blocks (>= 16 except BLOCK_M), a known kernel, BLOCK_M >= 16 for 'mma', BLOCK_K dividing
     the padded K, SPLIT_K in [1, k_tiles] with k_tiles = ceil(k / BLOCK_K) (k: the K the
-    kernel tiles, the padded one where it runs over the padding)."""
+    kernel tiles, the padded one where it runs over the padding). A family with checks of
+    its own runs the three parts with its own in between."""
+    check_blocks(cfg)
+    check_kernel(cfg, kernels)
+    check_fit(cfg, kp, k)
+
+
+def check_blocks(cfg: Config) -> None:
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
         v = getattr(cfg, name)
         if v < 1 or v & (v - 1) or (v < 16 and name != "BLOCK_M"):
             raise ValueError(f"config {name}={v} must be a power of two (>= 16 except BLOCK_M)")
-    if cfg.kernel not in KERNELS:
-        raise ValueError(f"config kernel={cfg.kernel!r} is not one of {KERNELS}")
+
+
+def check_kernel(cfg: Config, kernels: Tuple[str, ...]) -> None:
+    if cfg.kernel not in kernels:
+        raise ValueError(f"config kernel={cfg.kernel!r} is not one of {', '.join(map(repr, kernels))}")
     if cfg.kernel == "mma" and cfg.BLOCK_M < 16:
         raise ValueError(f"config kernel='mma' needs BLOCK_M >= 16, got {cfg.BLOCK_M}")
+
+
+def check_fit(cfg: Config, kp: int, k: int) -> None:
     if kp % cfg.BLOCK_K:
         raise ValueError(f"config BLOCK_K={cfg.BLOCK_K} must divide the padded K={kp}")
     k_tiles = -(-k // cfg.BLOCK_K)
@@ -255,14 +220,6 @@ def _bench(fn: Callable[[], None]) -> float:
     return do_bench(fn, warmup=5, rep=20, return_mode="median")
 
 
-class _Session(threading.local):
-    """A `tune()` call in progress on this thread: every problem it meets is benchmarked
-    once, whatever the cache or the table say; `tuned` collects the results."""
-    active = False
-    tuned: Dict[Tuple[str, torch.device, str], Config] = {}
-
-
-_SESSION = _Session()
 # One benchmark at a time in the process: two threads cannot tune the same key at once
 # (the second finds the first one's result in the cache), and benchmarks of different keys
 # would share the GPU and distort each other's timings.
@@ -306,8 +263,8 @@ class Tuner:
         return None if _SESSION.active else self.plans
 
     def table(self, device: torch.device) -> Dict[str, dict]:
-        user = os.environ.get("SAILFISH_CONFIG_FILE")
-        if _env_flag("SAILFISH_CONFIG_REPLACE"):
+        user = flags.config_file()
+        if flags.config_replace():
             if not user or not os.path.isfile(user):  # (else only the heuristics would be left, silently)
                 raise ValueError(f"SAILFISH_CONFIG_REPLACE=1 needs SAILFISH_CONFIG_FILE to name a config table; "
                                  f"{user!r} is not a file")
@@ -355,7 +312,7 @@ class Tuner:
         cfg = self.cache.get(ck)
         if cfg is not None:
             return cfg
-        if device.type != "cuda" or _env_flag("SAILFISH_HEURISTICS_ONLY"):
+        if device.type != "cuda" or flags.heuristics_only():
             cfg = self.heuristic(device=device, **problem)
         else:
             table = self.table(device)
@@ -364,7 +321,7 @@ class Tuner:
                 entry = table.get(fallback_key)
             if entry is not None:
                 cfg = Config(**entry)
-            elif run is not None and _env_flag("SAILFISH_AUTOTUNE") and not _capturing():
+            elif run is not None and flags.autotune() and not _capturing():
                 with _TUNE_LOCK:
                     cfg = self.cache.get(ck) or self.autotune(run, key, device=device, **problem)
             else:
@@ -398,12 +355,14 @@ class Tuner:
 
 
 def clear_caches() -> None:
-    """Forget every cached config, table and GPU name (e.g. after changing SAILFISH_*)."""
+    """Forget every cached config, launch plan, table and GPU name, and re-read the SAILFISH_*
+    kernel switches (runtime/flags.py): what to call after changing the environment."""
+    flags.reload()
     for t in _TUNERS:
         t.cache.clear()
         t.forget_plans()
     _load_table.cache_clear()
-    _GPU_KEYS.clear()
+    forget_gpus()
 
 
 def save_table(path: str, gpu: str, entries: Dict[str, Config], meta: Optional[dict] = None) -> None:
@@ -415,33 +374,6 @@ def save_table(path: str, gpu: str, entries: Dict[str, Config], meta: Optional[d
         json.dump(data, f, indent=1, sort_keys=False)
         f.write("\n")
     _load_table.cache_clear()
-
-
-# ----------------------------------------------------------------------------------
-# Explicit tuning of a model's problems
-# ----------------------------------------------------------------------------------
-def _quant_layers(model_or_layers) -> List[Tuple[str, torch.nn.Module]]:
-    from .nn import QuantLinear, QuantLinearW4A8
-
-    kinds = (QuantLinear, QuantLinearW4A8)
-    if isinstance(model_or_layers, torch.nn.Module):
-        return [(name or type(mod).__name__, mod) for name, mod in model_or_layers.named_modules()
-                if isinstance(mod, kinds)]
-    if isinstance(model_or_layers, (str, bytes)) or not isinstance(model_or_layers, Iterable):
-        raise TypeError("model_or_layers must be an nn.Module or an iterable of QuantLinear / "
-                        f"QuantLinearW4A8 layers, got {type(model_or_layers).__name__}")
-    layers = list(model_or_layers)
-    for i, layer in enumerate(layers):
-        if not isinstance(layer, kinds):
-            raise TypeError(f"model_or_layers[{i}] is a {type(layer).__name__}, not a QuantLinear "
-                            "or QuantLinearW4A8")
-    return [(f"[{i}]", layer) for i, layer in enumerate(layers)]
-
-
-def _layer_signature(layer: torch.nn.Module) -> tuple:
-    """Layers with equal signatures pose the same problems (shape, format, device)."""
-    bufs = tuple((n, tuple(b.shape), b.dtype, b.device) for n, b in layer.named_buffers())
-    return (type(layer), layer.group_size, getattr(layer, "_general_g_idx", False), bufs)
 
 
 @contextlib.contextmanager
@@ -457,11 +389,6 @@ def tuning_session():
             t.forget_plans()
 
 
-def _check_on_cuda(name: str, layer: torch.nn.Module) -> None:
-    if layer.qweight.device.type != "cuda":
-        raise ValueError(f"tune() benchmarks on CUDA; layer {name} is on {layer.qweight.device}")
-
-
 def save_tuned(path: str, entries: Dict[str, Config], device: torch.device) -> None:
     """Write entries as device's config table at path, over the entries already there."""
     merged = {k: Config(**v) for k, v in _load_table.__wrapped__(str(path)).items()}
@@ -471,47 +398,3 @@ def save_tuned(path: str, entries: Dict[str, Config], device: torch.device) -> N
                 "triton": __import__("triton").__version__})
 
 
-def tune(model_or_layers, m: Sequence[int] = M_BUCKETS, save: Optional[str] = None, *,
-         w4a8_dtype: torch.dtype = torch.float16) -> Dict[str, Config]:
-    """Benchmark the candidate configs of every distinct problem of a model's Sailfish layers.
-
-    model_or_layers: an nn.Module (its QuantLinear / QuantLinearW4A8 submodules) or an
-    iterable of such layers, on CUDA. m: batch sizes (rows); each M bucket is tuned once per
-    distinct layer shape and format. w4a8_dtype: the activation dtype W4A8 layers are tuned
-    for (W4A16 layers use their own dtype). The results go into the in-process cache, so the
-    model's later calls (eager or CUDA-graph captured) use them; save=path also writes them,
-    merged over the entries already in that file, as a config table for SAILFISH_CONFIG_FILE.
-    Returns {table key: Config}. Takes seconds per problem (each candidate is compiled and
-    timed); forward itself never tunes unless SAILFISH_AUTOTUNE=1. Candidates that fail are
-    reported with warnings.warn and skipped.
-    """
-    from .nn import QuantLinearW4A8
-
-    layers = _quant_layers(model_or_layers)
-    if not layers:
-        raise ValueError("model_or_layers holds no QuantLinear or QuantLinearW4A8 layer")
-    if isinstance(m, int) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in m):
-        raise ValueError(f"m must be a sequence of positive ints, got {m!r}")
-    if w4a8_dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"w4a8_dtype={w4a8_dtype} is not supported; allowed: torch.float16, torch.bfloat16")
-    for name, layer in layers:
-        _check_on_cuda(name, layer)
-    devices = {layer.qweight.device for _, layer in layers}
-    if save is not None and len({gpu_key(d) for d in devices}) > 1:
-        raise ValueError(f"save={save!r}: the layers are on GPUs of different kinds; one table "
-                         "holds one kind")
-    buckets = sorted({m_bucket(v) for v in m})
-    seen = set()
-    with tuning_session() as tuned, torch.no_grad():
-        for _, layer in layers:
-            sig = _layer_signature(layer)
-            if sig in seen:
-                continue
-            seen.add(sig)
-            dtype = w4a8_dtype if isinstance(layer, QuantLinearW4A8) else layer.dtype
-            for mb in buckets:
-                layer(torch.randn(mb, layer.in_features, dtype=dtype, device=layer.qweight.device))
-        result = {key: cfg for (_, _, key), cfg in tuned.items()}
-    if save is not None:
-        save_tuned(save, result, next(iter(devices)))
-    return result

@@ -75,7 +75,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
-from .__main__ import parse_ints
+from .shapes import parse_ints
 from .llama import DEFAULT_VARIANTS, MODELS, MOE_DEFAULT_VARIANTS, VARIANTS
 
 MODES = ("eager", "graph", "compile", "generate")

@@ -19,8 +19,9 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..convert import quantize_model
 from ..moe import QuantExperts, is_experts_module
-from ..nn import QuantLinear, QuantLinearW4A8, quantize_model
+from ..nn import QuantLinear, QuantLinearW4A8
 
 
 @dataclass(frozen=True)

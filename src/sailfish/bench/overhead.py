@@ -12,7 +12,7 @@ the eager speed. For each callable below, after a warm-up (compilation, config c
 Rows, down the stack: F.linear (cuBLAS, the bar); the W4A16 QuantLinear and the W4A8
 QuantLinearW4A8 layers; the ops they call (no autograd formula: x needs no gradient here);
 the public ops (with one); the bare launchers (no op dispatch, no argument checks), in their
-steady state (the problem's launch plan, ops/launch.py) and with the config passed
+steady state (the problem's launch plan, runtime/launch.py) and with the config passed
 explicitly, which launches through Triton's JIT as every call did before plans. The
 difference between rows shows where the time goes. Issue 11's target: <= 20 us per layer
 call at M = 1. This is a benchmark, not a test: it prints numbers and exits 0.
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
-    from .__main__ import parse_shapes
+    from .shapes import parse_shapes
     try:
         shapes = parse_shapes(args.shape)
     except ValueError as e:

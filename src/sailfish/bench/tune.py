@@ -29,20 +29,15 @@ import torch
 
 from ..formats.int4 import GROUP_SIZES
 from ..formats.qqq import GROUP_SIZES_W4A8
-from ..tuning import m_bucket
+from .shapes import LLAMA_SHAPES, M_LIST, parse_ints, parse_shapes
 from .timing import copies_needed, graph_time_us
-
-LLAMA_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096),
-                (8192, 10240), (8192, 8192), (8192, 57344), (28672, 8192)]
-M_LIST = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
-
 
 def _w4a16_family(k, n, group_size, sym, dtype, experimental=False):
     """(layer factory, launcher(layer, x, cfg), reference(layer, x), candidates, keys).
-    experimental: the candidates also include ops/w4a16._experimental_candidates."""
+    experimental: the candidates also include ops/w4a16.experimental_candidates."""
     from ..formats.int4 import padded_k
     from ..nn import QuantLinear
-    from ..ops.w4a16 import (W4A16_TUNER, _experimental_candidates, _w4a16_candidates, _w4a16_heuristic,
+    from ..ops.w4a16 import (w4a16_candidates, w4a16_heuristic, experimental_candidates, w4a16_config,
                              w4a16_key, w4a16_launch)
     from ..tuning import problem_key
     kp = padded_k(k)
@@ -59,8 +54,8 @@ def _w4a16_family(k, n, group_size, sym, dtype, experimental=False):
 
     def candidates(m):
         dev = torch.device("cuda")
-        extra = _experimental_candidates(device=dev, M=m, **problem) if experimental else ()
-        return [_w4a16_heuristic(device=dev, M=m, **problem), *_w4a16_candidates(device=dev, M=m, **problem),
+        extra = experimental_candidates(device=dev, M=m, **problem) if experimental else ()
+        return [w4a16_heuristic(device=dev, M=m, **problem), *w4a16_candidates(device=dev, M=m, **problem),
                 *extra]
 
     def keys(m):
@@ -69,9 +64,8 @@ def _w4a16_family(k, n, group_size, sym, dtype, experimental=False):
             out.append(problem_key("w4a16", kp, n, m, "any"))
         return out
 
-    def shipped(m):  # what the launcher picks without autotuning: its lookup (ops/w4a16.w4a16_launch)
-        return W4A16_TUNER.get(w4a16_key(kp, n, m, group_size, not sym, False, dtype), torch.device("cuda"), None,
-                               fallback_key=problem_key("w4a16", kp, n, m, "any"), M=m_bucket(m), **problem)
+    def shipped(m):  # what the launcher picks without autotuning: its lookup
+        return w4a16_config(torch.device("cuda"), m, n, kp, group_size, not sym, False, dtype)
 
     return make, launch, prepare, candidates, keys, shipped
 
@@ -80,7 +74,7 @@ def _w4a8_family(k, n, group_size, sym, dtype, experimental=False):
     """As _w4a16_family (experimental: W4A8 has no such tiles; main refuses the flag)."""
     from ..formats.int4 import padded_k
     from ..nn import QuantLinear
-    from ..ops.w4a8 import W4A8_TUNER, _w4a8_candidates, _w4a8_heuristic, w4a8_key, w4a8_launch
+    from ..ops.w4a8 import w4a8_candidates, w4a8_heuristic, w4a8_config, w4a8_key, w4a8_launch
     from ..tuning import problem_key
     kp = padded_k(k)
 
@@ -98,7 +92,7 @@ def _w4a8_family(k, n, group_size, sym, dtype, experimental=False):
     def candidates(m):
         problem = dict(M=m, N=n, K=k, Kp=kp, group_size=group_size)
         dev = torch.device("cuda")
-        return [_w4a8_heuristic(device=dev, **problem), *_w4a8_candidates(device=dev, **problem)]
+        return [w4a8_heuristic(device=dev, **problem), *w4a8_candidates(device=dev, **problem)]
 
     def keys(m):
         out = [w4a8_key(k, n, m, group_size, dtype)]
@@ -106,10 +100,8 @@ def _w4a8_family(k, n, group_size, sym, dtype, experimental=False):
             out.append(problem_key("w4a8", k, n, m, "any"))
         return out
 
-    def shipped(m):  # the launcher's lookup (ops/w4a8.w4a8_launch)
-        return W4A8_TUNER.get(w4a8_key(k, n, m, group_size, dtype), torch.device("cuda"), None,
-                              fallback_key=problem_key("w4a8", k, n, m, "any"), M=m_bucket(m), N=n, K=k, Kp=kp,
-                              group_size=group_size)
+    def shipped(m):  # the launcher's lookup
+        return w4a8_config(torch.device("cuda"), m, n, k, kp, group_size, dtype)
 
     return make, launch, prepare, candidates, keys, shipped
 
@@ -207,7 +199,6 @@ def main(argv=None) -> int:
                     help="comma-separated Config.kernel names: time only their tiles and the shipped config")
     ap.add_argument("--show", type=int, default=0, metavar="N", help="log the N fastest candidates per problem")
     args = ap.parse_args(argv)
-    from .__main__ import parse_ints, parse_shapes  # (that module imports this one)
     try:
         shapes, ms = parse_shapes(args.shapes), parse_ints(args.m, "M")
     except ValueError as e:

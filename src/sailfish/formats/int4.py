@@ -479,3 +479,12 @@ def unpack(p: PackedW4) -> QuantizedWeight:
         inv[perm] = torch.arange(k, device=q.device)
         q = q[:, inv].contiguous()
     return QuantizedWeight(q, scales, zeros, g_idx, p.group_size)
+
+
+def check_shape(in_features: int, out_features: int) -> Optional[str]:
+    """None if the kernels support this (K, N), else the rule it breaks."""
+    for name, v, multiple in (("in_features", in_features, 16), ("out_features", out_features, 8)):
+        if type(v) is not int or v <= 0 or v % multiple:
+            kind = "" if type(v) is int else f" (a {type(v).__name__}; an int is needed)"
+            return f"{name}={v!r}{kind} must be a positive multiple of {multiple}"
+    return None

@@ -65,28 +65,8 @@ def join8(n0, n1, n2, n3, n4, n5, n6, n7):
     return tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)), tl.join(tl.join(n1, n5), tl.join(n3, n7)))
 
 
-@triton.jit
-def _join8(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """8 tensors (BLOCK_N, R) -> (BLOCK_N, 8R) with element [n, 8r + j] = n_j[n, r].
-    Each join appends a minor axis that Triton keeps in the same thread's registers;
-    index [b2, b1, b0] of the three appended axes is nibble 4*b2 + 2*b1 + b0."""
-    return tl.reshape(join8(n0, n1, n2, n3, n4, n5, n6, n7), (BLOCK_N, BLOCK_K))
-
-
-@triton.jit
-def _unpack8(words, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """int32 (BLOCK_N, BLOCK_K // 8) words -> int32 (BLOCK_N, BLOCK_K) codes; channel
-    8r + j is bits 4j .. 4j+3 of word r (formats.nibbles). Built with tl.join (_join8): a
-    broadcast-and-shift over a new axis spread the 8 nibbles over 8 threads, each re-reading
-    the word from shared memory (296 vs 16 ld.shared per iteration; W4A16 M=1 8192x57344:
-    240 -> 167 us)."""
-    return _join8(words & 0xF, (words >> 4) & 0xF, (words >> 8) & 0xF, (words >> 12) & 0xF,
-                  (words >> 16) & 0xF, (words >> 20) & 0xF, (words >> 24) & 0xF, (words >> 28) & 0xF,
-                  BLOCK_N, BLOCK_K)
-
-
 # ----------------------------------------------------------------------------------
-# Programmatic dependent launch (PDL, sm_90+; ops/launch.py `pdl`)
+# Programmatic dependent launch (PDL, sm_90+; runtime/device.py `pdl`)
 # ----------------------------------------------------------------------------------
 # W4A16's split-K chain (GEMM -> reduce) otherwise pays a full kernel boundary: the reduce
 # is launched only after the GEMM has finished and flushed. With PDL the GEMM lets it launch

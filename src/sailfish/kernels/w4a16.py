@@ -155,7 +155,7 @@ def _word_tile(v, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.c
     """`_load_groups`' values -> (BLOCK_N, BLOCK_K // 8): the value of every packed word of
     the tile (a word's 8 channels lie in one group). Broadcasts, reshapes, joins and splits
     only: a select chain over the word index makes Triton convert the dequantized tile
-    through shared memory again (shared/probes/regA_probe.py)."""
+    through shared memory again (`python -m sailfish.bench.ptx` counts it)."""
     W: tl.constexpr = BLOCK_K // 8
     if GROUP_SIZE == 0 or BLOCK_K <= GROUP_SIZE:  # one group in the tile
         return tl.broadcast_to(v[:, None], (BLOCK_N, W))
@@ -166,7 +166,7 @@ def _word_tile(v, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.c
         else:  # 32 or 64: the group is a // (4 // GPC), so it changes inside one thread's 4
             # words. A broadcast/reshape of the (BLOCK_N, NG) tile here, or a load gathered
             # straight into the word shape, sends the dequantized tile through shared memory
-            # (bench/ptx.py); tl.split / tl.join keep every value in its thread's registers.
+            # (tools/ptx.py); tl.split / tl.join keep every value in its thread's registers.
             C: tl.constexpr = BLOCK_K // 128
             GPC: tl.constexpr = 128 // GROUP_SIZE
             v = tl.permute(tl.reshape(v, (BLOCK_N, C, 2, GPC // 2)), (0, 1, 3, 2))
@@ -421,7 +421,7 @@ def _w4a16_kernel(
     # PREFETCH_S (one group per K tile, ops/w4a16.prefetch_scales): the scales are loaded one
     # K tile ahead. Zero points stay in the tile that uses them: prefetched, they feed the
     # dequantization from a loop-carried layout and Triton 3.6 sends the tile through shared
-    # memory (ldmatrix in the K loop, bf16 asym BM 16 / BN 64; bench/ptx.py).
+    # memory (ldmatrix in the K loop, bf16 asym BM 16 / BN 64; tools/ptx.py).
     if PREFETCH_S:
         s_nxt = _load_groups(s_ptr, rn, kt0 * BLOCK_K, stride_sn, BLOCK_K, GROUP_SIZE)
     for kt in range(kt0, kt1):
@@ -617,7 +617,7 @@ def _splitk_reduce_kernel(ws_ptr, bias_ptr, y_ptr, M, N, stride_ym,
 # 2-D tile can only get 4 lanes along its 16 words and 8 along the rows, so lane 4g + t
 # holds words 4t .. 4t + 3 of row g, exactly the fragment's (g, t). (A 3-D (chunk, row, word)
 # tile got lanes along the chunks from Triton 3.6: wrong results on an H200.) The mma is a
-# warp instruction, so correctness rests on that lane order: bench/ptx.gemv_lane_order checks
+# warp instruction, so correctness rests on that lane order: tools/ptx.gemv_lane_order checks
 # the compiled layout, tests/test_w4a16_gemv.py emulates the asm on the CPU and checks the
 # outputs on the GPU. x, scales and zero points are loaded inside the asm, so that the words
 # are the only loaded operands whose layout Triton chooses for it.
@@ -906,7 +906,7 @@ def _w4a16_gemv_mma_kernel(
     tile's words one iteration ahead (registers; Triton does not pipeline a loop without a
     dot). RING (> 1, instead of PREFETCH): the K loop is software-pipelined by Triton
     (tl.range num_stages): RING - 1 tiles of words in flight through a cp.async ring in shared
-    memory, read back in the same lane order (bench/ptx.gemv_lane_order checks it), at no
+    memory, read back in the same lane order (tools/ptx.gemv_lane_order checks it), at no
     register cost; ncu (H100, 8192x8192 M = 1) put 46% of the loop's stalls on the first use of
     a tile's words with one tile in flight per warp (docs/perf_log.md v24); measured (H100, v26)
     6-12% slower than RING = 1 on the 8 Llama shapes at M = 1-2, so only the offline tuner's

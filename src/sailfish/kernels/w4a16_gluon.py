@@ -56,29 +56,20 @@ from functools import lru_cache
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
                                                              warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 from triton.language.extra.cuda import gdc_launch_dependents
 
+from .gluon_common import (CHUNK, CHUNK_C, CTA_RESERVED_SHARED, PIPE_CONSUMER_REGS, PIPE_MAXNREG, PIPE_PRODUCER_REGS,
+                           SM_REGISTERS, SM_SHARED_BYTES, STEP_C, WG_ROWS, pipe_loader, pipe_rings, program, rows)
 from .w4a16 import _ASM_BF16, _ASM_BF16_Q, _ASM_F16, _ASM_F16_Q
 
 # names that differ between Triton 3.6 and 3.9
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
-CHUNK = 128  # channels per wgmma (one chunk of the fragment order)
-STEP = 2 * CHUNK  # channels per K step
 NUM_WARPS = 4  # one warpgroup; 8: two, sharing the x tile (BLOCK_N >= 128; M = 33..64 tiles)
-_CHUNK = gl.constexpr(CHUNK)
-_STEP = gl.constexpr(STEP)
-_HALF = gl.constexpr(64)  # rows per consumer warpgroup of the pipe kernel
-# the pipe kernel's registers per thread: two consumer warpgroups at 232 (no spill with zero
-# points, bf16; the chunk pipeline with a CTA barrier took 228-245), the producer warp's
-# warpgroup at 40; launched at their mean over the 12 warps, setmaxnreg moves them
-PIPE_CONSUMER_REGS = gl.constexpr(232)
-PIPE_PRODUCER_REGS = gl.constexpr(40)
-PIPE_MAXNREG = (2 * PIPE_CONSUMER_REGS.value + PIPE_PRODUCER_REGS.value) // 3  # 168
+MIN_CAP = 128  # max_registers' floor
 
 
 @lru_cache(maxsize=None)
@@ -106,25 +97,11 @@ def layouts(BLOCK_M: int, BLOCK_N: int, num_warps: int = NUM_WARPS) -> dict:
     )
 
 
-# Hopper SM: 228 KiB of shared memory (1 KiB of it reserved per resident CTA), 64 Ki registers
-SM_SHARED_BYTES = 228 * 1024
-CTA_RESERVED_SHARED = 1024
-SM_REGISTERS = 65536
-MIN_CAP = 128  # max_registers' floor
-
-
 def shared_bytes(BLOCK_M: int, BLOCK_N: int, STAGES: int, words: bool = True) -> int:
     """The kernel's shared memory: a ring of STAGES K steps, each two chunks of the 2-byte x
     tile (BLOCK_M, 128) and (unless `words` is False: WORDS_IN_REGS) of the packed words
     (BLOCK_N, 16) int32."""
     return 2 * STAGES * (BLOCK_M * CHUNK * 2 + (BLOCK_N * 16 * 4 if words else 0))
-
-
-def pipe_shared_bytes(BLOCK_M: int, STAGES: int, elem_bytes: int = 2) -> int:
-    """The pipe kernels' shared memory (_pipe_rings): x chunk rings of STAGES and STAGES + 1 slots
-    of (BLOCK_M, 128) elements of elem_bytes (2: W4A16's fp16 / bf16 x, 1: W4A8's int8 x_q) and
-    their ready / empty mbarriers (8 bytes each)."""
-    return (2 * STAGES + 1) * (BLOCK_M * CHUNK * elem_bytes + 16)
 
 
 def max_registers(BLOCK_M: int, BLOCK_N: int, STAGES: int, num_warps: int = NUM_WARPS, has_zeros: bool = True):
@@ -204,7 +181,7 @@ def _chunk_weights(words, DT: gl.constexpr, BLOCK_N: gl.constexpr, DOT_A: gl.con
     q = _join8(n0, n1, n2, n3, n4, n5, n6, n7)           # (n, w, e, h, r0)
     q = gl.reshape(q, (BLOCK_N, 4, 4, 2, 2, 2))          # (n, t, a, e, h, r0)
     q = gl.permute(q, (0, 2, 5, 4, 1, 3))                # (n, a, r0, h, t, e)
-    q = gl.reshape(q, (BLOCK_N, _CHUNK))
+    q = gl.reshape(q, (BLOCK_N, CHUNK_C))
     return gl.convert_layout(q, DOT_A)
 
 
@@ -215,15 +192,15 @@ def _load_step(w_buf, x_buf, slot, w_ptrs, x_ptrs, step, ok, WITH_WORDS: gl.cons
     if WITH_WORDS:
         _async_load(w_buf.index(2 * slot), w_ptrs + step * 32, mask=ok, eviction_policy="evict_first")
         _async_load(w_buf.index(2 * slot + 1), w_ptrs + (step * 32 + 16), mask=ok, eviction_policy="evict_first")
-    _async_load(x_buf.index(2 * slot), x_ptrs + step * _STEP, mask=ok)
-    _async_load(x_buf.index(2 * slot + 1), x_ptrs + (step * _STEP + _CHUNK), mask=ok)
+    _async_load(x_buf.index(2 * slot), x_ptrs + step * STEP_C, mask=ok)
+    _async_load(x_buf.index(2 * slot + 1), x_ptrs + (step * STEP_C + CHUNK_C), mask=ok)
     async_copy.commit_group()
 
 
 @gluon.jit
 def _word_rows(qw_ptr, pid_n, N, stride_qn, first, BLOCK_N: gl.constexpr, WORDS: gl.constexpr):
     """(BLOCK_N, 16) pointers to the program's first step's words in the WORDS layout, for _words."""
-    return (_rows(qw_ptr, pid_n, N, stride_qn, BLOCK_N, WORDS)[:, None]
+    return (rows(qw_ptr, pid_n, N, stride_qn, BLOCK_N, WORDS)[:, None]
             + (first * 32 + gl.arange(0, 16, layout=gl.SliceLayout(0, WORDS)))[None, :])
 
 
@@ -265,34 +242,20 @@ def _scale_values(r0, r1, DT: gl.constexpr, PAIRED: gl.constexpr = False):
 
 
 @gluon.jit
-def _program(M, K, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Program (tile, split)'s N tile, M tile, split, first K step and step count (>= 1: the
-    launcher checks). The M tiles of one N tile are adjacent programs: they read the same weight
-    tile at about the same time, so HBM delivers it once (L2) when M spans several BLOCK_M."""
-    pid = gl.program_id(0)
-    pid_k = gl.program_id(1)
-    tiles_m = gl.cdiv(M, BLOCK_M)
-    steps = K // _STEP
-    per = gl.cdiv(steps, SPLIT_K)
-    first = pid_k * per
-    return pid // tiles_m, pid % tiles_m, pid_k, first, gl.minimum(per, steps - first)
-
-
-@gluon.jit
 def _operands(x_ptr, qw_ptr, M, N, K, stride_xm, stride_qn, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, X_BLK: gl.constexpr, W_BLK: gl.constexpr):
     """_program's tile, split and K steps, and the pointers of the first step's words (16 per row
     and chunk, 16 bytes per thread) and x tile. Rows past N read row n % N, rows past M row m % M
     (their outputs are masked)."""
-    pid_n, pid_m, pid_k, first, n = _program(M, K, SPLIT_K, BLOCK_M)
+    pid_n, pid_m, pid_k, first, n = program(M, K, SPLIT_K, BLOCK_M)
     wn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, W_BLK))
     wn = (wn % N).to(gl.int64)
     ww = gl.arange(0, 16, layout=gl.SliceLayout(0, W_BLK))
     w_ptrs = qw_ptr + wn[:, None] * stride_qn + (first * 32 + ww)[None, :]
     xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, X_BLK))
     xm = (xm % M).to(gl.int64)
-    xk = gl.arange(0, _CHUNK, layout=gl.SliceLayout(0, X_BLK))
-    x_ptrs = x_ptr + xm[:, None] * stride_xm + (first * _STEP + xk)[None, :]
+    xk = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(0, X_BLK))
+    x_ptrs = x_ptr + xm[:, None] * stride_xm + (first * STEP_C + xk)[None, :]
     return pid_m, pid_n, pid_k, first, n, w_ptrs, x_ptrs
 
 
@@ -306,15 +269,8 @@ def _scaled_operands(x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_qn,
         gdc_launch_dependents()
     pid_m, pid_n, pid_k, first, n, w_ptrs, x_ptrs = _operands(x_ptr, qw_ptr, M, N, K, stride_xm, stride_qn, SPLIT_K,
                                                               BLOCK_M, BLOCK_N, X_BLK, W_BLK)
-    return (pid_m, pid_n, pid_k, first, n, w_ptrs, x_ptrs, _rows(s_ptr, pid_n, N, stride_sn, BLOCK_N, WORDS),
-            _rows(z_ptr, pid_n, N, stride_sn, BLOCK_N, WORDS))
-
-
-@gluon.jit
-def _rows(ptr, pid_n, N, stride, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
-    """One pointer per row of the N tile (rows past N: row n % N), in LAYOUT's rows."""
-    rn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAYOUT))
-    return ptr + (rn % N).to(gl.int64) * stride
+    return (pid_m, pid_n, pid_k, first, n, w_ptrs, x_ptrs, rows(s_ptr, pid_n, N, stride_sn, BLOCK_N, WORDS),
+            rows(z_ptr, pid_n, N, stride_sn, BLOCK_N, WORDS))
 
 
 @gluon.jit
@@ -351,11 +307,11 @@ def w4a16_gluon_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, 
     DT: gl.constexpr = x_ptr.dtype.element_ty
     pid_m, pid_n, pid_k, first, n, w_ptrs, x_ptrs = _operands(x_ptr, qw_ptr, M, N, K, stride_xm, stride_qn, SPLIT_K,
                                                               BLOCK_M, BLOCK_N, X_BLK, W_BLK)
-    s_base = _rows(s_ptr, pid_n, N, stride_sn, BLOCK_N, MMA)  # scales: rows of the accumulator
+    s_base = rows(s_ptr, pid_n, N, stride_sn, BLOCK_N, MMA)  # scales: rows of the accumulator
     if HAS_ZEROS:  # zero points (the scales' shape), rows of the words' layout
-        z_base = _rows(z_ptr, pid_n, N, stride_sn, BLOCK_N, WORDS)
+        z_base = rows(z_ptr, pid_n, N, stride_sn, BLOCK_N, WORDS)
         zn0, zn1 = _step_scales(z_base, first, GROUP_CHUNKS)
-    x_buf = gl.allocate_shared_memory(DT, [2 * STAGES, BLOCK_M, _CHUNK], X_SMEM)
+    x_buf = gl.allocate_shared_memory(DT, [2 * STAGES, BLOCK_M, CHUNK_C], X_SMEM)
     w_buf = gl.allocate_shared_memory(gl.int32, [2 * STAGES, BLOCK_N, 16], W_SMEM)
     for s in gl.static_range(STAGES - 1):
         _load_step(w_buf, x_buf, s, w_ptrs, x_ptrs, s, s < n)
@@ -500,7 +456,7 @@ def w4a16_gluon_overlap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_
     if HAS_ZEROS:
         za0, za1 = _step_scales(z_base, first, GROUP_CHUNKS, PAIRED)
         zb0, zb1 = _step_scales(z_base, first + 1, GROUP_CHUNKS, PAIRED)
-    x_buf = gl.allocate_shared_memory(DT, [2 * STAGES, BLOCK_M, _CHUNK], X_SMEM)
+    x_buf = gl.allocate_shared_memory(DT, [2 * STAGES, BLOCK_M, CHUNK_C], X_SMEM)
     w_buf = None
     w_rows = None
     qa0 = 0  # the words of the even (qa) and odd (qb) steps, WORDS_IN_REGS (else unused constants:
@@ -534,28 +490,9 @@ def w4a16_gluon_overlap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_
     acc, w0, w1, u0, u1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0, w1, u0, u1))
     async_copy.wait_group(0)
     if GROUP_CHUNKS == 0:
-        acc = acc * gl.load(_rows(s_ptr, pid_n, N, stride_sn, BLOCK_N, MMA)).to(gl.float32)[:, None]
+        acc = acc * gl.load(rows(s_ptr, pid_n, N, stride_sn, BLOCK_N, MMA)).to(gl.float32)[:, None]
     _store(acc, y_ptr, ws_ptr, bias_ptr, pid_m, pid_n, pid_k, M, N, stride_ym, HAS_BIAS, SPLIT_K, BLOCK_M, BLOCK_N,
            MMA)
-
-
-@gluon.jit
-def _pipe_loader(x_desc, M, K, x0_buf, x1_buf, ready0, ready1, empty0, empty1, SPLIT_K: gl.constexpr,
-                 BLOCK_M: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr):
-    """The pipe kernel's producer warp: each K step's two x chunks into their rings by TMA (rows
-    past M zero-filled), a slot refilled once both consumer warpgroups released it."""
-    pid_n, pid_m, pid_k, first, n = _program(M, K, SPLIT_K, BLOCK_M)
-    nbytes: gl.constexpr = x_desc.block_type.nbytes  # (fp16 / bf16 x, or W4A8's int8 x_q)
-    for j in range(n):
-        k0 = (first + j) * _STEP
-        a = j % S0
-        mbarrier.wait(empty0.index(a), ((j // S0) & 1) ^ 1)
-        mbarrier.expect(ready0.index(a), nbytes)
-        _tma_load(x_desc, [pid_m * BLOCK_M, k0], ready0.index(a), x0_buf.index(a))
-        b = j % S1
-        mbarrier.wait(empty1.index(b), ((j // S1) & 1) ^ 1)
-        mbarrier.expect(ready1.index(b), nbytes)
-        _tma_load(x_desc, [pid_m * BLOCK_M, k0 + _CHUNK], ready1.index(b), x1_buf.index(b))
 
 
 @gluon.jit
@@ -588,14 +525,14 @@ def _pipe_step(i, n, first, acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1, s_b
     a = i % S0
     b = i % S1
     mbarrier.wait(ready0.index(a), (i // S0) & 1)
-    w0 = _chunk_weights(q0, DT, _HALF, DOT_A, z0, s0)
+    w0 = _chunk_weights(q0, DT, WG_ROWS, DOT_A, z0, s0)
     fence_async_shared()
     acc = warpgroup_mma(w0, x0_buf.index(a).permute((1, 0)), acc, is_async=True)
     acc, w1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w1))  # chunk 1 of step i - 1 retired
     if RELEASE:
         mbarrier.arrive(empty1.index((i + S1 - 1) % S1), count=1)
     mbarrier.wait(ready1.index(b), (i // S1) & 1)
-    w1 = _chunk_weights(q1, DT, _HALF, DOT_A, z1, s1)
+    w1 = _chunk_weights(q1, DT, WG_ROWS, DOT_A, z1, s1)
     fence_async_shared()
     acc = warpgroup_mma(w1, x1_buf.index(b).permute((1, 0)), acc, is_async=True)
     acc, w0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w0))  # chunk 0 of step i retired
@@ -611,11 +548,11 @@ def _pipe_consumer(qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, strid
                    DOT_A: gl.constexpr, DT: gl.constexpr):
     """One consumer warpgroup of w4a16_gluon_pipe_kernel: rows HALF * 64 .. + 64 of the N tile,
     all of its K steps, and their store."""
-    pid_n, pid_m, pid_k, first, n = _program(M, K, SPLIT_K, BLOCK_M)
+    pid_n, pid_m, pid_k, first, n = program(M, K, SPLIT_K, BLOCK_M)
     pn = 2 * pid_n + HALF  # this warpgroup's 64 rows, as an N tile of 64
-    w_rows = _word_rows(qw_ptr, pn, N, stride_qn, first, _HALF, WORDS)
-    s_base = _rows(s_ptr, pn, N, stride_sn, _HALF, WORDS)
-    z_base = _rows(z_ptr, pn, N, stride_sn, _HALF, WORDS)
+    w_rows = _word_rows(qw_ptr, pn, N, stride_qn, first, WG_ROWS, WORDS)
+    s_base = rows(s_ptr, pn, N, stride_sn, WG_ROWS, WORDS)
+    z_base = rows(z_ptr, pn, N, stride_sn, WG_ROWS, WORDS)
     qa0, qa1 = _words(w_rows, 0)
     qb0, qb1 = _words(w_rows, gl.minimum(1, n - 1))
     sn0, sn1 = _step_scales(s_base, first, GROUP_CHUNKS)
@@ -623,8 +560,8 @@ def _pipe_consumer(qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, strid
     zn1 = sn1
     if HAS_ZEROS:
         zn0, zn1 = _step_scales(z_base, first, GROUP_CHUNKS)
-    acc = warpgroup_mma_init(gl.zeros((_HALF, BLOCK_M), gl.float32, layout=MMA))
-    w1 = gl.zeros((_HALF, _CHUNK), DT, layout=DOT_A)
+    acc = warpgroup_mma_init(gl.zeros((WG_ROWS, BLOCK_M), gl.float32, layout=MMA))
+    w1 = gl.zeros((WG_ROWS, CHUNK_C), DT, layout=DOT_A)
     # step 0 outside the loop: the loop carries an accumulator with a chunk in flight
     acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1 = _pipe_step(
         0, n, first, acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1, s_base, z_base, w_rows, x0_buf, x1_buf,
@@ -635,28 +572,8 @@ def _pipe_consumer(qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, strid
             ready0, ready1, empty0, empty1, GROUP_CHUNKS, HAS_ZEROS, S0, S1, DT, DOT_A, True)
     acc, w1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w1))
     if GROUP_CHUNKS == 0:
-        acc = acc * gl.load(_rows(s_ptr, pn, N, stride_sn, _HALF, MMA)).to(gl.float32)[:, None]
-    _store(acc, y_ptr, ws_ptr, bias_ptr, pid_m, pn, pid_k, M, N, stride_ym, HAS_BIAS, SPLIT_K, BLOCK_M, _HALF, MMA)
-
-
-@gluon.jit
-def _pipe_rings(DT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, X_SMEM: gl.constexpr):
-    """The pipe kernels' x rings (STAGES slots of (BLOCK_M, 128) for chunk 0 of a K step, STAGES
-    + 1 for chunk 1) and their per-slot ready / empty mbarriers, initialized."""
-    S1: gl.constexpr = STAGES + 1
-    x0_buf = gl.allocate_shared_memory(DT, [STAGES, BLOCK_M, _CHUNK], X_SMEM)
-    x1_buf = gl.allocate_shared_memory(DT, [S1, BLOCK_M, _CHUNK], X_SMEM)
-    ready0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ready1 = gl.allocate_shared_memory(gl.int64, [S1, 1], mbarrier.MBarrierLayout())
-    empty1 = gl.allocate_shared_memory(gl.int64, [S1, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready0.index(s), count=1)  # the producer's expect; the TMA bytes complete it
-        mbarrier.init(empty0.index(s), count=2)  # both consumer warpgroups
-    for s in gl.static_range(S1):
-        mbarrier.init(ready1.index(s), count=1)
-        mbarrier.init(empty1.index(s), count=2)
-    return x0_buf, x1_buf, ready0, ready1, empty0, empty1
+        acc = acc * gl.load(rows(s_ptr, pn, N, stride_sn, WG_ROWS, MMA)).to(gl.float32)[:, None]
+    _store(acc, y_ptr, ws_ptr, bias_ptr, pid_m, pn, pid_k, M, N, stride_ym, HAS_BIAS, SPLIT_K, BLOCK_M, WG_ROWS, MMA)
 
 
 @gluon.jit
@@ -687,7 +604,7 @@ def w4a16_gluon_pipe_kernel(x_ptr, x_desc, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr
         gdc_launch_dependents()
     DT: gl.constexpr = x_ptr.dtype.element_ty
     S1: gl.constexpr = STAGES + 1
-    x0_buf, x1_buf, ready0, ready1, empty0, empty1 = _pipe_rings(DT, BLOCK_M, STAGES, X_SMEM)
+    x0_buf, x1_buf, ready0, ready1, empty0, empty1 = pipe_rings(DT, BLOCK_M, STAGES, X_SMEM)
     gl.warp_specialize([
         (_pipe_consumer, (qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_ym, stride_qn, stride_sn,
                           x0_buf, x1_buf, ready0, ready1, empty0, empty1, 0, GROUP_CHUNKS, HAS_ZEROS, HAS_BIAS,
@@ -695,8 +612,8 @@ def w4a16_gluon_pipe_kernel(x_ptr, x_desc, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr
         (_pipe_consumer, (qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_ym, stride_qn, stride_sn,
                           x0_buf, x1_buf, ready0, ready1, empty0, empty1, 1, GROUP_CHUNKS, HAS_ZEROS, HAS_BIAS,
                           SPLIT_K, BLOCK_M, STAGES, S1, MMA, WORDS, DOT_A, DT)),
-        (_pipe_loader, (x_desc, M, K, x0_buf, x1_buf, ready0, ready1, empty0, empty1, SPLIT_K, BLOCK_M, STAGES,
-                        S1)),
+        (pipe_loader, (x_desc, M, K, x0_buf, x1_buf, ready0, ready1, empty0, empty1, SPLIT_K, BLOCK_M, STAGES,
+                       S1)),
     ], [4, 1], [PIPE_CONSUMER_REGS, PIPE_PRODUCER_REGS])
 
 

@@ -20,8 +20,8 @@ Math and layouts: formats/qqq.py. Design (why):
   and 4 of another (high nibbles). The unpack is elementwise inline asm with pack=4 (one
   register in, two out: `_ASM_CHAN` 7 instructions per 8 weights, `_ASM_GROUP` 25 with the
   group scale), then tl.join + reshape/permute that Triton lowers to nothing: the int8
-  tile never goes through shared memory (bench/ptx.py --family w4a8 counts it; the natural
-  order of layout 1 cost a st.shared + ldmatrix round trip per K tile).
+  tile never goes through shared memory (`python -m sailfish.bench.ptx --family w4a8` counts it; the
+  natural order of layout 1 cost a st.shared + ldmatrix round trip per K tile).
 - int8 x int8 -> int32 accumulation is exact. Split-K: each K slice stores its int32
   partial tile in a workspace (SPLIT_K, M, N); the slices are added in slice order (exact, so
   deterministic) and the epilogue applied either by `_w4a8_splitk_reduce_kernel`, a second

@@ -42,8 +42,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_init, warpgroup_mma_wait)
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .w4a16_gluon import (_CHUNK, _HALF, CHUNK, PIPE_CONSUMER_REGS, PIPE_MAXNREG, PIPE_PRODUCER_REGS, _pipe_loader,
-                          _pipe_rings, _program, _rows)
+from .gluon_common import (CHUNK, CHUNK_C, PIPE_CONSUMER_REGS, PIPE_MAXNREG, PIPE_PRODUCER_REGS, WG_ROWS, pipe_loader,
+                           pipe_rings, program, rows)
 from .w4a8 import _ASM_CHAN, _ASM_GROUP, _ASM_GROUP_NOCLAMP
 
 
@@ -113,7 +113,7 @@ def _chunk_int8(w, s2, GROUPED: gl.constexpr, CLAMP: gl.constexpr, WJ: gl.conste
     q = gl.reshape(q, (64, 32))                   # 4-channel group j = 8s + 4h + t
     q = gl.convert_layout(q, gl.SliceLayout(2, WJ))
     q = gl.broadcast(gl.expand_dims(q, 2), gl.zeros((64, 32, 4), gl.int32, layout=WJ))[0]
-    q = gl.reshape(q, (64, _CHUNK))               # channel 4j + e: its group's word, four times
+    q = gl.reshape(q, (64, CHUNK_C))              # channel 4j + e: its group's word, four times
     q = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [q], dtype=gl.int8, is_pure=True, pack=4)
     return gl.convert_layout(q, DOT_A)
 
@@ -179,21 +179,21 @@ def _pipe_consumer8(xs_ptr, qb_ptr, sch_ptr, sg_ptr, bias_ptr, y_ptr, M, N, K, s
                     WORDS: gl.constexpr, WJ: gl.constexpr, DOT_A: gl.constexpr):
     """One consumer warpgroup: rows HALF * 64 .. + 64 of the program's 128, all of its K steps,
     and their store."""
-    pid_n, pid_m, pid_k, first, n = _program(M, K, SPLIT_K, BLOCK_M)
+    pid_n, pid_m, pid_k, first, n = program(M, K, SPLIT_K, BLOCK_M)
     pn = 2 * pid_n + HALF  # this warpgroup's 64 rows, as an N tile of 64
-    w_rows = (_rows(qb_ptr, pn, N, stride_qn, _HALF, WORDS)[:, None]
+    w_rows = (rows(qb_ptr, pn, N, stride_qn, WG_ROWS, WORDS)[:, None]
               + (first * 32 + gl.arange(0, 16, layout=gl.SliceLayout(0, WORDS)))[None, :])
     qa0, qa1 = _words(w_rows, 0)
     qb0, qb1 = _words(w_rows, gl.minimum(1, n - 1))
     if GROUPED:
-        s_rows = _rows(sg_ptr, pn, N, stride_gn, _HALF, WORDS) + 2 * first
+        s_rows = rows(sg_ptr, pn, N, stride_gn, WG_ROWS, WORDS) + 2 * first
         sn0, sn1 = _group_pairs(s_rows, 0, WORDS)
     else:  # (unused; sg_ptr may be None)
         s_rows = w_rows
         sn0 = qa0
         sn1 = qa1
-    acc = warpgroup_mma_init(gl.zeros((_HALF, BLOCK_M), gl.int32, layout=MMA))
-    w1 = gl.zeros((_HALF, _CHUNK), gl.int8, layout=DOT_A)
+    acc = warpgroup_mma_init(gl.zeros((WG_ROWS, BLOCK_M), gl.int32, layout=MMA))
+    w1 = gl.zeros((WG_ROWS, CHUNK_C), gl.int8, layout=DOT_A)
     # step 0 outside the loop: the loop carries an accumulator with a chunk in flight
     acc, w1, qa0, qa1, qb0, qb1, sn0, sn1 = _pipe_step8(
         0, n, acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, s_rows, w_rows, x0_buf, x1_buf, ready0, ready1, empty0,
@@ -203,7 +203,7 @@ def _pipe_consumer8(xs_ptr, qb_ptr, sch_ptr, sg_ptr, bias_ptr, y_ptr, M, N, K, s
             i, n, acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, s_rows, w_rows, x0_buf, x1_buf, ready0, ready1, empty0,
             empty1, GROUPED, CLAMP, S0, S1, WORDS, WJ, DOT_A, True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    an = pn * _HALF + gl.arange(0, _HALF, layout=gl.SliceLayout(1, MMA))
+    an = pn * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, MMA))
     om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
     mask = (om < M)[None, :] & (an < N)[:, None]
     on = an.to(gl.int64)
@@ -236,7 +236,7 @@ def w4a8_gluon_pipe_kernel(x_desc, xs_ptr, qb_ptr, sch_ptr, sg_ptr, bias_ptr, y_
     if PDL_EARLY:  # split-K: the reduce may launch now, it waits for the partial sums (kernels/common.py)
         gdc_launch_dependents()
     S1: gl.constexpr = STAGES + 1
-    x0_buf, x1_buf, ready0, ready1, empty0, empty1 = _pipe_rings(gl.int8, BLOCK_M, STAGES, X_SMEM)
+    x0_buf, x1_buf, ready0, ready1, empty0, empty1 = pipe_rings(gl.int8, BLOCK_M, STAGES, X_SMEM)
     gl.warp_specialize([
         (_pipe_consumer8, (xs_ptr, qb_ptr, sch_ptr, sg_ptr, bias_ptr, y_ptr, M, N, K, stride_ym, stride_qn,
                            stride_gn, x0_buf, x1_buf, ready0, ready1, empty0, empty1, 0, GROUPED, CLAMP, HAS_BIAS,
@@ -244,8 +244,8 @@ def w4a8_gluon_pipe_kernel(x_desc, xs_ptr, qb_ptr, sch_ptr, sg_ptr, bias_ptr, y_
         (_pipe_consumer8, (xs_ptr, qb_ptr, sch_ptr, sg_ptr, bias_ptr, y_ptr, M, N, K, stride_ym, stride_qn,
                            stride_gn, x0_buf, x1_buf, ready0, ready1, empty0, empty1, 1, GROUPED, CLAMP, HAS_BIAS,
                            SPLIT_K, RAW, BLOCK_M, STAGES, S1, MMA, WORDS, WJ, DOT_A)),
-        (_pipe_loader, (x_desc, M, K, x0_buf, x1_buf, ready0, ready1, empty0, empty1, SPLIT_K, BLOCK_M, STAGES,
-                        S1)),
+        (pipe_loader, (x_desc, M, K, x0_buf, x1_buf, ready0, ready1, empty0, empty1, SPLIT_K, BLOCK_M, STAGES,
+                       S1)),
     ], [4, 1], [PIPE_CONSUMER_REGS, PIPE_PRODUCER_REGS])
 
 

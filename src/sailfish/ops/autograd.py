@@ -28,7 +28,7 @@ import torch
 
 from ..formats.int4 import PackedW4, unpack
 from ..formats.qqq import PackedQQQ, unpack_qqq
-from . import define_op
+from ..runtime.dispatch import define_op
 from .w4a8 import W4A8_LINEAR_SCHEMA, _w4a8_linear_fake, w4a8_linear_impl
 
 

@@ -25,10 +25,11 @@ import torch
 
 from ..formats.experts import PackedExperts, padded_k_experts
 from ..formats.int4 import GROUP_SIZES, K_CHUNK, check_int_choice, unpack
-from ..tuning import Config, next_pow2, sms_for, split_k_for
-from . import check_devices, define_op, device_of, use_triton
-from .launch import Launch, aligned
-from .w4a16 import _has_bf16x2, acc_fence  # (device facts and the Triton-version rule of the dense path)
+from ..runtime.device import check_devices, device_of, has_bf16x2, sms_for, use_triton
+from ..runtime.dispatch import define_op
+from ..runtime.launch import Launch, aligned
+from ..tuning import Config, next_pow2, split_k_for
+from .common import acc_fence  # (the Triton-version rule of the dense path)
 
 MAX_TOPK = 32  # the top-k sum is unrolled (kernels/moe._topk_sum_kernel)
 # the routing kernels hold a (slots x experts) one-hot tile in registers (Router); the largest
@@ -201,7 +202,7 @@ class MoEPlan:
         device, dtype, M, topk, E, I, H, group_size, z13, z2, _ = key
         self.cfg13, self.cfg2, self.M, self.topk, self.E, self.I, self.H = cfg13, cfg2, M, topk, E, I, H
         emu = dtype == torch.bfloat16 and device.type != "cuda"  # interpreter bf16 (kernels/common.py)
-        asm = device.type == "cuda" and (dtype == torch.float16 or _has_bf16x2(device.index or 0))
+        asm = device.type == "cuda" and (dtype == torch.float16 or has_bf16x2(device.index or 0))
         gs = 0 if group_size == -1 else group_size
         dev = device.index if device.type == "cuda" else -1
 

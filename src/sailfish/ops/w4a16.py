@@ -5,12 +5,11 @@
     sailfish::w4a16_gemm_nograd(...)  the same without an autograd formula
 
 Host cost per steady-state call on CUDA: one dict lookup for the problem's plan (config
-and bound kernels, ops/launch.py) plus the allocations and the direct kernel launches; the
+and bound kernels, runtime/launch.py) plus the allocations and the direct kernel launches; the
 first call of a problem goes through the tuner and Triton's JIT and builds the plan.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from functools import lru_cache, partial
 from typing import Optional
@@ -18,10 +17,15 @@ from typing import Optional
 import torch
 
 from ..formats.int4 import K_CHUNK, K_PAD
-from ..tuning import (KERNELS, Config, Tuner, m_bucket, next_pow2, problem_key, scratch_runner, sm_count,
-                      split_k_for)
-from . import batch_invariant, check_devices, define_op, device_of, use_triton
-from .launch import Launch, aligned, current_device, hooks_idle, pdl, pointers
+from ..runtime.device import (check_devices, device_of, has_bf16x2, has_mma_asm, pdl, sm_count,
+                              use_triton)
+from ..runtime.dispatch import define_op
+from ..runtime.flags import FLAGS, batch_invariant
+from ..runtime.launch import Launch
+from ..runtime.plan import Plan, keep, run_built, run_steady
+from ..tuning import (KERNELS, Config, Tuner, check_blocks, check_fit, check_kernel, gemv_heuristic, m_bucket,
+                      mma_heuristic, problem_key, scratch_runner, split_k_for)
+from .common import GLUON_STEP, acc_fence, gluon_device, gluon_split_ok, invariant_config
 
 
 # ----------------------------------------------------------------------------------
@@ -30,71 +34,48 @@ from .launch import Launch, aligned, current_device, hooks_idle, pdl, pointers
 def _tensor_core_gemv(M: int, group_size: int, general_gidx: bool) -> bool:
     """Whether a 'gemv' config for this problem runs the tensor-core GEMV (the format side of
     gemv_on_tensor_cores; x's alignment is checked at launch)."""
-    return GEMV_MMA and M <= 8 and (group_size == -1 or group_size % K_CHUNK == 0) and not general_gidx
+    return FLAGS.gemv_mma and M <= 8 and (group_size == -1 or group_size % K_CHUNK == 0) and not general_gidx
 
 
-def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=False) -> Config:
+def w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=False) -> Config:
     sms = sm_count(device.index or 0) if device.type == "cuda" else 132
     if (2 <= M <= 16 and N * Kp >= (1 << 25) and gluon_format(group_size, general_gidx, Kp)
             and device.type == "cuda" and gluon_device(device.index or 0)):
-        # the Gluon kernel (where it applies: a 'gluon' config elsewhere runs its twin). Tuned
-        # on the H200 at M = 16, it was the best config on the 6 Llama shapes of >= 4096 x 8192
-        # weights (BM 16 / BN 64 / 3 steps, 1.00-1.22x the best Triton tile) and slower on the
-        # two smaller ones; its split was the smallest filling the SMs ~3 times (tiles x split
-        # >= 2.9 x SMs: 14336x4096 6-8, 8192x8192 and 8192x10240 3, 8192x57344 1). At M = 8
-        # (tuned with its tiles among the candidates, docs/perf_log.md v21) the same tile and
-        # split rule won on those 6 shapes for fp16 g128 and bf16 asymmetric (8192x57344 80 us
-        # vs 113 for the heuristic's tensor-core GEMV); at M = 4 the GEMV mostly kept its lead.
-        # At M <= 8 the BLOCK_M 8 tile (wgmma N = 8) with the same split rule: 1.04-1.18x the
-        # shipped table at M = 4 / 8 on 15 of 16 Llama rows; in the H200 tuner (fp16 g128, the 6
-        # shapes) within 0-10% of the best config at M = 4 / 8, and at M = 2 it takes 8192x10240
-        # from the tensor-core GEMV's 27.9 us to 19.3, 28672x8192 56.6 -> 42.7, 14336x4096 18.1
-        # -> 14.7 (docs/perf_log.md v24).
+        # the Gluon kernel (a 'gluon' config runs its twin where it does not apply): BN 64 / 3
+        # steps with the smallest split filling the SMs ~3 times was the tuner's best on the large
+        # Llama weights at M = 2-16 (BLOCK_M 8 at M <= 8); docs/perf_log.md v21, v24
         tiles = -(-N // 64)
         split = next((s for s in (1, 2, 3, 4, 6, 8) if gluon_split_ok(s, Kp // GLUON_STEP) and tiles * s >= 2.9 * sms),
                      1)
         return Config(_gluon_block_m(M), 64, GLUON_STEP, split, 8, 4, 3, kernel="gluon")
     if _tensor_core_gemv(M, group_size, general_gidx):
-        # tensor-core GEMV, H200 (GPU_CHECK.sh of issue 9, 8 Llama shapes): at M = 1, 16 rows x
-        # 8 chunk slots / 8 warps without prefetch was best or within ~10% of the best tile on
-        # 6 of 8 shapes (8192x57344 78.8 us vs 128.8 CUDA-core GEMV, 155 mma kernel); at
-        # M = 2..8, 32 rows x 4 slots with prefetch beat the mma kernel on every shape measured
-        # (8192x57344 M = 2 / 4 / 8: 79 / 87 / 114 us vs 161 / 139 / 138)
+        # tensor-core GEMV: 16 rows x 8 chunk slots / 8 warps without prefetch at M = 1, 32 rows
+        # x 4 slots with prefetch at M = 2-8, the best tiles on the 8 Llama shapes (H200, issue 9)
         rows, stages = (16, 1) if M == 1 else (32, 2)
         bk = next(b for b in ((1024, 512, 256) if M == 1 else (512, 256)) if Kp % b == 0)  # Kp % 256 == 0
         warps = 8 if bk == 1024 else 4  # (the launcher drops warps beyond the work units)
         tiles = -(-N // rows)
         split = split_k_for(tiles, Kp // bk, sms)
         # M = 1 with a program for every SM already: split K only while every split keeps
-        # >= 4 K tiles. H200, same run: 4096x4096 7.6 us with split 2 (2 tiles each), 6.9 us
-        # without (and no reduce launch: ~9 us less host time per eager call); 14336x4096
-        # 15.2 us with split 2 (7 tiles each), 17.5 us without
+        # >= 4 K tiles (fewer lost to the reduce launch on H200)
         while M == 1 and split > 1 and tiles >= sms and (Kp // bk) // split < 4:
             split //= 2
-        # (no scale_acc here, though it was 0.84-0.99x the time on these tiles for groups on the
-        # H200, docs/perf_log.md v19: it multiplies by the unrounded s * (q - z), so the
-        # heuristic keeps the numerics of QuantLinear.dequantize(); tuned tables may choose it)
+        # (no scale_acc here, though faster (docs/perf_log.md v19): it multiplies by the unrounded
+        # s * (q - z), so the heuristic keeps the numerics of QuantLinear.dequantize(); tuned
+        # tables may choose it)
         return Config(M, rows, bk, split, 8, warps, stages, kernel="gemv")
-    if M == 1:  # CUDA-core GEMV; BN=16, BK=512 measured best on H200 (docs/perf_log.md)
-        bk = 512 if Kp % 512 == 0 else 256
-        tiles = -(-N // 16)
-        return Config(1, 16, bk, split_k_for(tiles, Kp // bk, sms), 8, 4, 4, kernel="gemv")
-    # dequantize + cuBLAS from M = 1024. (H200, docs/perf_log.md v32: at M = 1024 the warp-specialized
-    # pipe tile was 1.01-1.16x it on all 8 Llama-3 shapes for fp16 g128 and 1.08-1.24x per channel,
-    # bf16 asymmetric 1.01-1.09x on 5 and 0.96-1.00x on the three with K = 4096, so the tables take
-    # it there; the heuristic cannot: it sees the packed Kp, and where x's K is not a multiple of 256
-    # the Gluon kernel does not apply and its twin is slower than dequantize + cuBLAS. At M = 2048 /
-    # 4096 dequantize + cuBLAS was ahead on 15 of 16 fp16 rows.)
+    if M == 1:  # CUDA-core GEMV
+        return gemv_heuristic(N, Kp, Kp, sms)
+    # dequantize + cuBLAS from M = 1024 (at M = 1024 the tables may take the pipe tile, which the
+    # heuristic cannot: it sees the packed Kp, and where x's K is not a multiple of 256 the Gluon
+    # kernel's twin runs, slower than cuBLAS; docs/perf_log.md v32)
     if M >= 1024 and device.type == "cuda":
         return Config(1, 64, 256, 1, 8, 4, 1, kernel="dequant")
     if (64 < M and device.type == "cuda" and gluon_format(group_size, general_gidx, Kp)
             and gluon_device(device.index or 0)):
         # the chunk-pipelined Gluon tile, one CTA (8 consumer warps and a producer, 224 KiB) per SM,
         # so the split is the smallest of 1 / 2 / 4 whose programs fill at least half of their last
-        # wave (measured with the kernel's barrier form, v31). H200, same
-        # process, 6 shapes without a table entry (Qwen2.5-7B and Llama-2-13B layers) x M = 128 /
-        # 256 / 512 (docs/perf_log.md v31): against the Triton tile below 1.21-1.45x (geomean 1.29)
-        # fp16 g128 and 1.22-1.71x (1.37) bf16 asymmetric, never below 0.77 of the best split tried
+        # wave; ahead of the Triton tile below on shapes without a table entry (docs/perf_log.md v31)
         tiles = -(-M // PIPE_TILE[0]) * -(-N // PIPE_TILE[1])
         split = next((s for s in (1, 2, 4) if gluon_split_ok(s, Kp // GLUON_STEP)
                       and 2 * tiles * s >= -(-tiles * s // sms) * sms), 1)
@@ -103,61 +84,39 @@ def _w4a16_heuristic(*, device, M, N, Kp, group_size, general_gidx, has_zeros=Fa
     if (16 < M <= 32 and N * Kp >= (1 << 25) and device.type == "cuda" and not general_gidx
             and scale_acc_tile(128, group_size)):
         # BM 32 / BN 64 / BK 128 / 4 stages with the scale on the fp32 product, split until the
-        # tiles fill the SMs ~3 times. H200, same run, the 10 shapes of >= 2**25 weights among
-        # the 8 Llama-3 ones, Qwen2.5-7B's and Llama-2-13B's MLP x fp16 g128 / fp16 per channel /
-        # bf16 asymmetric at M = 32: 1.03-1.71x the tile below (no scale_acc, 2 programs per SM)
-        # on all 30, geomean 1.28x; a tuned entry was up to 1.3x faster (28672x8192: Gluon),
-        # docs/perf_log.md v21. Like the Gluon tile at M <= 16 it multiplies by the unrounded
-        # s * (q - z), so as there only for large weights on the GPU: smaller layers and the
-        # interpreter keep the rounded weights of QuantLinear.dequantize().
+        # tiles fill the SMs ~3 times: faster than the tile below on every large weight measured
+        # (docs/perf_log.md v21). It multiplies by the unrounded s * (q - z), so only for large
+        # weights on the GPU: smaller layers and the interpreter keep the rounded weights of
+        # QuantLinear.dequantize().
         tiles = -(-N // 64)
         k_tiles = Kp // 128
         fits = [s for s in (1, 2, 3, 4, 6, 8) if s <= k_tiles]
         split = next((s for s in fits if tiles * s >= 2.9 * sms), fits[-1])
         return Config(32, 64, 128, split, 8, 4, 4, scale_acc=True)
-    # fragment-order tiles (shared/probes/regA_probe.py on H200, untuned): BM 16 / BN 128 /
-    # BK 256 / 3 stages was the best probe tile at M <= 16, BK 128 / 4 stages at M = 64
-    if M <= 16:
-        bm, bn, bk, warps, stages = 16, 128, 256, 4, 3
-    elif M <= 64:
-        bm, bn, bk, warps, stages = (32 if M <= 32 else 64), 128, 128, 4, 4
-    else:
-        bm, bn, bk, warps, stages = 128, 128, 128, 8, 3
-    bn = min(bn, max(64, next_pow2(N)))
-    tiles = -(-M // bm) * -(-N // bn)
-    # M > 64 (BM 128, 8 warps): split-K only while the tiles fill under half the SMs. Without
-    # it 4096x1024 at M = 128 ran 8 programs (46.9 us on H200; 12.4 us tuned, SPLIT_K = 16);
-    # splitting up to 2 programs per SM as at small M lost on 4096x14336 M = 128 (0.71x -> 0.50x)
-    split = split_k_for(tiles, Kp // bk, sms if M <= 64 else sms // 4)
-    # 33 <= M <= 64 on >= 2**25 weights (GPU): the same tile with the scale on the fp32 product.
-    # H200, same run, the 30 cases of the M = 32 rule above at M = 64: 0.96-1.38x, geomean 1.10x
-    # (the BM 64 mma tile of the M = 32 rule with BN 128: 1.09x but 0.92x on 28672x8192; the Gluon
-    # BM 64 tile 0.92x); docs/perf_log.md v21
+    # fragment-order tiles (a probe on H200, untuned): BM 16 / BN 128 / BK 256 / 3 stages was the
+    # best probe tile at M <= 16, BK 128 / 4 stages at M = 64
+    cfg = mma_heuristic(M, N, Kp, sms, (16, 128, 256, 4, 3), (32, 128, 128, 4, 4), (128, 128, 128, 8, 3))
+    # 33 <= M <= 64 on >= 2**25 weights (GPU): the same tile with the scale on the fp32 product
+    # (docs/perf_log.md v21)
     sa = (32 < M <= 64 and N * Kp >= (1 << 25) and device.type == "cuda" and not general_gidx
-          and scale_acc_tile(bk, group_size))
-    return Config(bm, bn, bk, split, 8, warps, stages, scale_acc=sa)
+          and scale_acc_tile(cfg.BLOCK_K, group_size))
+    return replace(cfg, scale_acc=sa)
 
 
 def _gluon_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros):
     """The Hopper Gluon kernels' tiles (kernels/w4a16_gluon.py) for M >= 2, where they can
     run (with or without zero points); at M = 2-8 its BLOCK_M 8 tiles (wgmma N = 8) compete with
-    the tensor-core GEMV. H200, fp16 g128, the 8 Llama shapes, one process (docs/perf_log.md
-    v24): BLOCK_M 8 took 8192x57344 M = 2 from 105.5 us (BLOCK_M 16) to 80.4, and was 1.04-1.18x
-    faster than the shipped table at M = 4 / 8 on 15 of 16 rows; at M = 1 it lost to the GEMV on
-    every shape (0.74-0.99x). Same runs, g128 (docs/perf_log.md v18): at M = 16 / 32,
-    BLOCK_N 64 with 3 stages (4 CTAs per SM at ~121 registers) was the best Gluon tile on all
-    8 Llama shapes on the H200; 4 or 6 stages cost occupancy, BLOCK_N 128 over one warpgroup
-    (spills) or two (8 warps sharing x) was 1.05-1.4x slower. At M = 64 only BLOCK_M 64 / BLOCK_N 128 over 8 warps
-    came close to the Triton tiles (4096x4096 1.10x, 14336x4096 1.04x of them, elsewhere
-    slower). The split-K that fills the SMs ~3-4 times decides the rest, so the splits 3 and
-    6 are tried too."""
+    the tensor-core GEMV (at M = 1 they lost to it everywhere). BLOCK_N 64 with 3 or 4 stages at
+    M <= 32 (more stages cost occupancy, BLOCK_N 128 spills or shares x), BLOCK_M 64 / BLOCK_N
+    128 over 8 warps at M = 33-64; the splits 3 and 6 are tried too, since the split-K that
+    fills the SMs ~3-4 times decides the rest (docs/perf_log.md v18, v24).
+    """
     if not (2 <= M and gluon_format(group_size, general_gidx, Kp) and gluon_device(device.index or 0)):
         return
     sms = sm_count(device.index or 0)
     if M > 64:  # the chunk-pipelined kernel's tile (PIPE_TILE)
         yield from _gluon_tiles("gluon_pipe", [PIPE_TILE], M=M, N=N, Kp=Kp, sms=sms)
-    elif M > 32:  # its BLOCK_M 64 form: H200 (docs/perf_log.md v32), M = 48 / 64, against the table:
-        # bf16 asymmetric 1.02-1.07x on 5 of 8 Llama shapes, fp16 g128 0.78-1.00x
+    elif M > 32:  # its BLOCK_M 64 form (ahead of the table for bf16 asymmetric; docs/perf_log.md v32)
         yield from _gluon_tiles("gluon_pipe", [(64,) + PIPE_TILE[1:]], M=M, N=N, Kp=Kp, sms=sms)
     if M > 128:  # ... alone
         return
@@ -165,9 +124,7 @@ def _gluon_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros):
     if M <= 64:
         tiles_ = [(bm, 64, 4, 3), (bm, 64, 4, 4)] if M <= 32 else [(64, 128, 8, 3)]
         yield from _gluon_tiles("gluon", tiles_, M=M, N=N, Kp=Kp, sms=sms)
-    # the overlap kernels (docs/perf_log.md v26, H100): best on 4-5 of 8 Llama shapes at M = 16-64; at
-    # M = 65-128 (two BLOCK_M 64 tiles per N tile) 'gluon_overlap_regs' was 1.05-1.21x faster than
-    # the table on 6 of 8 shapes
+    # the overlap kernels: best on about half the Llama shapes at M = 9-128 (docs/perf_log.md v26)
     if M > 8:
         for kernel in OVERLAP_KERNELS:
             yield from _gluon_tiles(kernel, _overlap_tiles(M), M=M, N=N, Kp=Kp, sms=sms)
@@ -183,10 +140,7 @@ def _overlap_tiles(M: int):
 # gluon_pipe's tile (BLOCK_M, BLOCK_N, num_warps, num_stages): 128 columns over two consumer warpgroups
 # (and a TMA producer warp), x rings of 3 / 4 chunks (224 KiB, one CTA per SM). The tuner's only Gluon
 # tile at M > 128 and, beside the overlap kernels, at M = 65-128 (where it covers the batch in one N
-# tile instead of two BLOCK_M 64 tiles); the heuristic's at 64 < M < 1024. H200 (docs/perf_log.md
-# v31, v32): the chunk pipeline with a CTA barrier was 1.04-1.18x the table at M = 128 on 6 of 8
-# shapes; warp-specialized, 1.04-1.24x that at M = 200-512 on 5 of 6 shapes and 1.02-1.16x
-# dequantize + cuBLAS at M = 1024 (tuner, all 8 Llama-3 shapes, fp16 g128)
+# tile instead of two BLOCK_M 64 tiles); the heuristic's at 64 < M < 1024 (docs/perf_log.md v31, v32)
 PIPE_TILE = (128, 128, 8, 3)
 
 
@@ -207,7 +161,7 @@ def _gluon_tiles(kernel: str, tiles_, *, M, N, Kp, sms):
                 yield Config(bm, bn, GLUON_STEP, split, 8, warps, stages, kernel=kernel)
 
 
-def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros=False):
+def w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros=False):
     sms = sm_count(device.index or 0)
     yield from _gluon_candidates(device=device, M=M, N=N, Kp=Kp, group_size=group_size, general_gidx=general_gidx,
                                  has_zeros=has_zeros)
@@ -215,18 +169,14 @@ def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros=F
         # the tensor-core GEMV (gemv_on_tensor_cores): BLOCK_N 16 runs one 16-row mma block
         # per asm element, >= 32 two (x loaded once for both); num_stages 1 / 2: without /
         # with the one-tile word prefetch. The tiles that were best on some Llama shape on
-        # an H200 (prefetch cost 5-10% on most; few-warp tiles with 4-8 chunk slots per warp
-        # were slower everywhere). Warps beyond the program's (chunk, row block) work units
-        # are dropped by the launcher (kernels/w4a16.gemv_warps). BLOCK_K 2048 (two chunks per
-        # warp, loaded at once; 2.34 SASS instructions per weight against 2.47): the H200 tuner
-        # (M = 1, 3 formats x 8 Llama shapes) took it for per channel 4096x4096 only (6.9 -> 6.7
-        # us); BLOCK_K 4096 was slower everywhere (docs/perf_log.md v34).
+        # an H200 (issue 9; BLOCK_K 2048: docs/perf_log.md v34). Warps beyond the program's
+        # (chunk, row block) work units are dropped by the launcher (kernels/w4a16.gemv_warps).
         space = [(M, 16, 1024, 8, 1), (M, 16, 1024, 8, 2), (M, 16, 2048, 8, 1), (M, 16, 2048, 8, 2),
                  (M, 16, 512, 4, 1), (M, 32, 512, 4, 1),
                  (M, 32, 512, 4, 2), (M, 64, 512, 4, 1), (M, 64, 512, 4, 2), (M, 128, 256, 4, 1),
                  (M, 128, 256, 4, 2)]
     elif M == 1:  # CUDA-core GEMV (group 32 / 64, a general g_idx)
-        # BK 1024: 4096x4096 7.9 -> 7.2 us on H200 (a sweep of 43 tiles was otherwise flat)
+        # (BK 1024: the one gain of a 43-tile sweep on H200, 4096x4096)
         space = [(1, 16, 512, 4, 4), (1, 32, 256, 4, 4), (1, 16, 256, 4, 6), (1, 32, 512, 4, 3),
                  (1, 64, 256, 4, 4), (1, 16, 512, 2, 4), (1, 16, 1024, 4, 4), (1, 16, 1024, 8, 4)]
     elif M <= 8:  # multi-row GEMV; registers: BLOCK_M * BLOCK_N * BLOCK_K / threads fp32
@@ -259,9 +209,7 @@ def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros=F
     for bm, bn, bk, warps, stages in space:
         tiles = -(-M // bm) * -(-N // bn)
         s0 = split_k_for(tiles, Kp // bk, sms)
-        # and split 3: H200, same run, 8192x10240 g128 (160 tiles of 64 x 128 at M = 128), split
-        # 3 vs the best power of two: M = 64 40.2 -> 32.2 us, M = 128 68.9 -> 60.2, M = 256
-        # 120.9 -> 116.2 (docs/perf_log.md v18)
+        # and split 3, which beat every power of two on 8192x10240 at M = 64-256 (docs/perf_log.md v18)
         for split in sorted({1, s0, min(2 * s0, Kp // bk), min(3, Kp // bk)}):
             cfg = Config(bm, bn, bk, split, 8, warps, stages)
             # M <= 64: each tile with the scale on the fp32 product too, where it applies
@@ -273,7 +221,7 @@ def _w4a16_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros=F
                     yield c
 
 
-def _experimental_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros=False):
+def experimental_candidates(*, device, M, N, Kp, group_size, general_gidx, has_zeros=False):
     """Tiles that pass every test (interpreter and H100) but did not win where measured, kept for
     the offline tuner on other GPUs and Triton versions (docs/perf_log.md v26): the tensor-core
     GEMV with its words through a cp.async ring (num_stages 3, 4; H100 M = 1-2: 6-12% slower than
@@ -284,7 +232,7 @@ def _experimental_candidates(*, device, M, N, Kp, group_size, general_gidx, has_
     problem = dict(device=device, M=M, N=N, Kp=Kp, group_size=group_size, general_gidx=general_gidx,
                    has_zeros=has_zeros)
     if _tensor_core_gemv(M, group_size, general_gidx):  # the regular GEMV tiles, with a 3- or 4-stage ring
-        for cfg in _w4a16_candidates(**problem):
+        for cfg in w4a16_candidates(**problem):
             if cfg.kernel == "gemv" and cfg.num_stages == 1:
                 yield from (replace(cfg, num_stages=stages) for stages in (3, 4))
     # the overlap kernels' tiles where the regular list has none (M = 9-128 it has, v26): M = 1-8
@@ -294,39 +242,53 @@ def _experimental_candidates(*, device, M, N, Kp, group_size, general_gidx, has_
             yield from _gluon_tiles(kernel, _overlap_tiles(M), M=M, N=N, Kp=Kp, sms=sm_count(device.index or 0))
 
 
+def w4a16_config(device: torch.device, M: int, N: int, Kp: int, group_size: int, has_zeros: bool,
+                 general_gidx: bool, dtype: torch.dtype, invariant: bool = False, make_run=None) -> Config:
+    """The config w4a16_launch runs when given none: batch-invariant mode's (invariant_config), else
+    the cached one (one dict lookup), else on a problem's first call the tuner's answer (table
+    entry, the shape's 'any' entry for another format, autotuning with make_run() where enabled,
+    the heuristic), checked. The offline tuner (bench/tune.py) asks it what ships."""
+    if invariant:
+        config = invariant_config(M, N, Kp)
+        check_w4a16_config(config, Kp, M, group_size, general_gidx)
+        return config
+    mb = m_bucket(M)
+    memo = (Kp, N, mb, group_size, has_zeros, general_gidx, dtype)
+    config = W4A16_TUNER.lookup(device, memo)
+    if config is None:  # first call of this problem on this device
+        config = W4A16_TUNER.get(w4a16_key(Kp, N, M, group_size, has_zeros, general_gidx, dtype), device,
+                                 None if make_run is None else make_run(),
+                                 fallback_key=problem_key("w4a16", Kp, N, M, "any"), memo_key=memo,
+                                 M=mb, N=N, Kp=Kp, group_size=group_size, general_gidx=general_gidx,
+                                 has_zeros=has_zeros)
+        check_w4a16_config(config, Kp, M, group_size, general_gidx, table=True)
+    return config
+
+
 def w4a16_key(kp: int, n: int, m: int, group_size: int, has_zeros: bool, general_gidx: bool,
               dtype: torch.dtype) -> str:
     flags = f"gs={group_size}|zeros={int(has_zeros)}|gidx={int(general_gidx)}|{str(dtype)[6:]}"
     return problem_key("w4a16", kp, n, m, flags)
 
 
-W4A16_TUNER = Tuner("w4a16", _w4a16_heuristic, _w4a16_candidates)
+W4A16_TUNER = Tuner("w4a16", w4a16_heuristic, w4a16_candidates)
 
 
-def _check_config(cfg: Config, kp: int, m: int, group_size: int = -1, general_gidx: bool = False,
+def check_w4a16_config(cfg: Config, kp: int, m: int, group_size: int = -1, general_gidx: bool = False,
                   table: bool = False) -> None:
     """ValueError naming the field for a config that cannot run. table=True (a shipped or
     tuned entry, possibly another format's fallback): scale_acc where it does not apply is
     not an error, the kernel runs without it (scale_acc())."""
-    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
-        v = getattr(cfg, name)
-        if v < 1 or v & (v - 1) or (v < 16 and name != "BLOCK_M"):
-            raise ValueError(f"config {name}={v} must be a power of two (>= 16 except BLOCK_M)")
+    check_blocks(cfg)
     if cfg.BLOCK_K % K_CHUNK:
         raise ValueError(f"config BLOCK_K={cfg.BLOCK_K} must be a multiple of {K_CHUNK} "
                          "(whole chunks of the fragment-order weight layout)")
-    if cfg.kernel not in W4A16_KERNELS:
-        raise ValueError(f"config kernel={cfg.kernel!r} is not one of {', '.join(map(repr, W4A16_KERNELS))}")
+    check_kernel(cfg, W4A16_KERNELS)
     if cfg.kernel in GLUON_KERNELS:
         _check_gluon_config(cfg, kp)
     if cfg.kernel == "gemv" and cfg.BLOCK_M < m:
         raise ValueError(f"config kernel='gemv' needs BLOCK_M >= M, got BLOCK_M={cfg.BLOCK_M}, M={m}")
-    if cfg.kernel == "mma" and cfg.BLOCK_M < 16:
-        raise ValueError(f"config kernel='mma' needs BLOCK_M >= 16, got {cfg.BLOCK_M}")
-    if kp % cfg.BLOCK_K:
-        raise ValueError(f"config BLOCK_K={cfg.BLOCK_K} must divide the padded K={kp}")
-    if cfg.SPLIT_K < 1 or cfg.SPLIT_K > kp // cfg.BLOCK_K:
-        raise ValueError(f"config SPLIT_K={cfg.SPLIT_K} must lie in [1, {kp // cfg.BLOCK_K}]")
+    check_fit(cfg, kp, kp)
     if cfg.scale_acc and not table and not scale_acc_format(cfg, group_size, general_gidx):
         raise ValueError(f"config scale_acc=True needs kernel='mma' with BLOCK_K <= group_size (or = 2 * group_size "
                          f">= 256) or kernel='gemv' with groups of whole {K_CHUNK}-channel chunks, and no general "
@@ -369,7 +331,8 @@ def _check_gluon_config(cfg: Config, kp: int) -> None:
     ring = 3 if k in OVERLAP_KERNELS or k == "gluon_pipe" else 2
     if cfg.num_stages < ring:
         raise ValueError(f"config kernel={k!r} needs num_stages >= {ring} (the cp.async ring), got {cfg.num_stages}")
-    from ..kernels.w4a16_gluon import CTA_RESERVED_SHARED, SM_SHARED_BYTES, pipe_shared_bytes, shared_bytes
+    from ..kernels.gluon_common import CTA_RESERVED_SHARED, SM_SHARED_BYTES, pipe_shared_bytes
+    from ..kernels.w4a16_gluon import shared_bytes
     ring_bytes = (pipe_shared_bytes(cfg.BLOCK_M, cfg.num_stages) if k == "gluon_pipe" else
                   shared_bytes(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_stages, words=k != "gluon_overlap_regs"))
     if ring_bytes + CTA_RESERVED_SHARED > SM_SHARED_BYTES:
@@ -389,26 +352,6 @@ def _check_gluon_config(cfg: Config, kp: int) -> None:
 # ----------------------------------------------------------------------------------
 # W4A16 launcher
 # ----------------------------------------------------------------------------------
-def invariant_config(M: int, N: int, Kp: int) -> Config:
-    """The config of batch-invariant mode (ops.set_batch_invariant) for an (M, N, padded K)
-    problem: the Triton tensor-core tile with one K order at every M (BLOCK_K 128, the scales
-    on the weights, a split-K that depends on N and K only: 2 programs per SM at M = 1 on a
-    132-SM GPU, so the bits do not depend on the GPU model either); only BLOCK_M, BLOCK_N and
-    the warps follow M, and they do not change any output element's arithmetic: bit-identical
-    outputs for BLOCK_M 16-128, BLOCK_N 64-256, 4 / 8 warps, fp16 / bf16, symmetric /
-    asymmetric, g128 / per channel, M = 1-300 (NVIDIA H200; also for the W4A8 fp8 kernel,
-    ops/w4a8.py). No GEMV, Gluon kernel or dequantize + cuBLAS: their reduction orders differ
-    (fp16 g128 rows differ by up to 2e-3 between M buckets without the mode)."""
-    # tiles: the fastest of a sweep per M bucket on the H200 (fp16 g128, 8 Llama-3 shapes, the
-    # split fixed as below: the rule that was fastest at M <= 64, where decode runs; at M >= 256
-    # half the split would be 0.88-0.92x the time), except M = 33-64: BLOCK_N 64, as fast for
-    # fp16 and 1.1-1.3x faster for bf16 asymmetric than the sweep's BLOCK_N 128 (docs/perf_log.md v34)
-    bm, bn, warps, stages = ((16, 128, 4, 4) if M <= 8 else (16, 64, 4, 3) if M <= 16 else (32, 64, 4, 4) if M <= 32
-                             else (64, 64, 4, 3) if M <= 64 else (128, 256, 8, 3))
-    split = split_k_for(-(-N // 64), Kp // 128, 132)
-    return Config(bm, bn, 128, split, 8, warps, stages)
-
-
 def w4a16_reference(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_features, group_size):
     """PyTorch twin of the kernel: the same effective weight, an fp32 matmul."""
     from ..formats.int4 import PackedW4, unpack
@@ -428,45 +371,37 @@ DEQUANT_SLICE_BYTES = 128 << 20
 def prefetch_scales(cfg: Config, group_size: int, general_gidx: bool = False, has_zeros: bool = False) -> bool:
     """Load the next K tile's scales one iteration early in the mma kernel (a 2-byte load is
     too narrow for the cp.async pipeline, so one issued in the tile that uses it stalls it).
-    - SCALE_ACC with one group per K tile (BLOCK_K <= group size) and no zero points: on.
-      ncu (H100, 8192x57344 M = 16 g128, BM 16 / BN 64 / BK 256) put 37% of the warps' stall
-      samples on the scale's fp16 -> fp32 convert waiting for its load. H200, same run, table
-      tiles, off -> on: fp16 g128 M = 32 / 64 on BLOCK_K 128 tiles 1.03-1.09x (8192x8192
-      M = 32 21.9 -> 20.2 us, 8192x57344 M = 64 153.0 -> 144.9), M = 16 0.99-1.04x.
-      Not with two groups per tile (BLOCK_K 256 halves: 0.98-1.00x) nor with zero points
-      (they stay synchronous in the dequantization, bf16 asym 0.97-1.03x); docs/perf_log.md v17.
+    - SCALE_ACC with one group per K tile (BLOCK_K <= group size) and no zero points: on
+      (the stalls on the scale's load were the largest share in ncu; faster on the BLOCK_K 128
+      tiles, neutral elsewhere). Not with two groups per tile nor with zero points (they stay
+      synchronous in the dequantization): no gain there. docs/perf_log.md v17.
     - Without SCALE_ACC (the scale enters the dequantization): off. Only possible where
       BLOCK_N >= 32 * num_warps and the group size is not 64 (else Triton 3.6 and 3.9 send
-      the dequantized tile through shared memory: regA probe, `python -m sailfish.bench.ptx
-      --group-size 64`), and measured slower there (H200, same run, tuned: 8192x57344 M = 2 /
-      16 117 / 117 us with it, 103 / 101 us without; 4096x4096 9.0 vs 9.6 us).
+      the dequantized tile through shared memory: `python -m sailfish.bench.ptx --group-size
+      64`), and measured slower there (docs/perf_log.md v17).
     SAILFISH_SCALE_PREFETCH=0 turns it off everywhere, =1 on wherever possible (to measure)."""
-    if SCALE_PREFETCH == "0":
+    mode = FLAGS.scale_prefetch
+    if mode == "0":
         return False
     if scale_acc(cfg, group_size, general_gidx):
         one_group = 0 < cfg.BLOCK_K <= group_size
-        return one_group and (SCALE_PREFETCH == "1" or not has_zeros)
-    return SCALE_PREFETCH == "1" and cfg.BLOCK_N >= 32 * cfg.num_warps and group_size != 64
-
-
-SCALE_PREFETCH = os.environ.get("SAILFISH_SCALE_PREFETCH", "auto")
+        return one_group and (mode == "1" or not has_zeros)
+    return mode == "1" and cfg.BLOCK_N >= 32 * cfg.num_warps and group_size != 64
 
 
 # The mma kernel loads the per-group scales (and zeros) as int32 pairs of two adjacent groups,
 # so Triton pipelines them with cp.async like the weights (a 2-byte load is too narrow for it
 # and stalled every K tile: docs/perf_log.md v12). Needs rows of an even number of elements
 # that start 4-byte aligned; otherwise the 2-byte load. SAILFISH_PAIRED_SCALES=0 turns it off.
-PAIRED_SCALES = os.environ.get("SAILFISH_PAIRED_SCALES", "1") == "1"
 
 
 def paired_scales(cfg: Config) -> bool:
     """Whether the mma kernel loads its scales as int32 pairs (PAIRED_SCALES) with this tile.
     Only where BLOCK_N >= 32 * num_warps: with fewer rows than threads Triton (3.6 and 3.9)
     sends the dequantized tile through shared memory again (`python -m sailfish.bench.ptx`),
-    as with PREFETCH_S. Only for BLOCK_M >= 32: H200, same run, table configs, paired vs not:
-    M = 64 8192x57344 256 -> 202 us, 14336x4096 45 -> 35 us, M = 32-128 otherwise within 2%,
-    but M = 2-16 mixed (8192x10240 26.2 -> 24.7 us, 14336x4096 19.0 -> 20.4 us)."""
-    return PAIRED_SCALES and cfg.BLOCK_N >= 32 * cfg.num_warps and cfg.BLOCK_M >= 32
+    as with PREFETCH_S. Only for BLOCK_M >= 32: up to 1.3x faster at M = 64, mixed at M = 2-16
+    (docs/perf_log.md v12)."""
+    return FLAGS.paired_scales and cfg.BLOCK_N >= 32 * cfg.num_warps and cfg.BLOCK_M >= 32
 
 
 def scale_acc_tile(block_k: int, group_size: int) -> bool:
@@ -491,55 +426,26 @@ def scale_acc(cfg: Config, group_size: int, general_gidx: bool) -> bool:
     """Whether the mma kernel or the tensor-core GEMV runs with SCALE_ACC (a config choice,
     Config.scale_acc): the scales multiply the fp32 product once per K tile or chunk (per
     channel: the mma kernel once at the end) instead of every dequantized weight, 4 of the
-    13 fp16 asm instructions per word (scale_acc_format; _check_config refuses the rest).
-    mma kernel, H200, same run, fenced (docs/perf_log.md v15): M = 32 8192x8192 25.1 -> 22.9 us,
-    14336x4096 23.1 -> 20.8; slower where BLOCK_K 256 wins (M = 16 on the 70B shapes) and at
-    M = 128 (64 FFMAs per K tile per thread), so the tuner decides. (A 'gemv' config whose
+    13 fp16 asm instructions per word (scale_acc_format; check_w4a16_config refuses the rest).
+    Faster at M = 32, slower where BLOCK_K 256 wins and at M = 128 (64 FFMAs per K tile per
+    thread), so the tuner decides (docs/perf_log.md v15). (A 'gemv' config whose
     problem falls back to the CUDA-core GEMV, gemv_on_tensor_cores, runs without it.)"""
     return cfg.scale_acc and scale_acc_format(cfg, group_size, general_gidx)
 
 
-# Triton 3.6-3.8 leave the mma kernel's wgmmas (A in registers) in flight across the K loop's
-# back edge; the kernel's ACC_FENCE makes them complete inside each K tile (kernels/w4a16.py).
-# Triton 3.9 waits correctly (`python -m sailfish.bench.ptx --hazard` checks the SASS of every
-# shipped tile, tests/test_w4a16.py::test_no_wgmma_register_hazard). SAILFISH_ACC_FENCE=0 / 1
-# overrides the version rule (to measure; 0 on Triton < 3.9 can give wrong results).
-@lru_cache(maxsize=None)
-def acc_fence() -> bool:
-    env = os.environ.get("SAILFISH_ACC_FENCE", "auto")
-    if env in ("0", "1"):
-        return env == "1"
-    import triton
-
-    return tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:2]) < (3, 9)
-
-
-@lru_cache(maxsize=None)
-def _has_bf16x2(device_index: int) -> bool:
-    """sub/mul.bf16x2 (the bf16 asm dequantization) need sm_90; ptxas rejects them below."""
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
-
-
 # The 'gemv' configs run on the tensor cores (kernels/w4a16._w4a16_gemv_mma_kernel, issue 9)
 # wherever that kernel applies; SAILFISH_GEMV_MMA=0 keeps the CUDA-core GEMV, to compare.
-GEMV_MMA = os.environ.get("SAILFISH_GEMV_MMA", "1") == "1"
 
 
 # The 'gluon' configs run the Hopper Gluon kernel (kernels/w4a16_gluon.py) wherever it applies
 # (gluon_applies) and its Triton twin (gluon_twin) elsewhere: the CPU interpreter, other GPUs,
 # a general g_idx, K % 256 != 0. SAILFISH_GLUON=0 runs the twin everywhere and
-# keeps the Gluon tiles out of the tuner's candidates (to compare).
-GLUON = os.environ.get("SAILFISH_GLUON", "1") == "1"
-GLUON_STEP = 2 * K_CHUNK  # channels per K step of the Gluon kernel (its BLOCK_K)
+# keeps the Gluon tiles out of the tuner's candidates (to compare; ops/common.py).
 # 'gluon_overlap': the Gluon kernel that dequantizes each K step while the previous step's
-# wgmmas run (kernels/w4a16_gluon.w4a16_gluon_overlap_kernel; docs/perf_log.md v25). H100: 3-9%
-# faster than the shipped tile at M = 64 on 4 of 8 Llama shapes, 1-8% at M = 16-32 on 3-4, slower on
-# 8192x57344 (v26); a regular candidate at M = 9-128 (v26), the offline tuner's --experimental elsewhere.
-# 'gluon_overlap_regs': the same with the packed words loaded from global memory straight into
-# registers two steps ahead (the ring holds x only: no LDS of the words, a third less shared
-# memory); H100, same process: 1.02-1.17x faster than 'gluon_overlap' at BLOCK_M 64 on 6 of 6
-# (shape, format) rows tried, 0.89-1.19x at BLOCK_M 16-32 (fp16 mostly slower, bf16 with zero
-# points faster), bit-identical outputs (v26); both are candidates and the tables pick
+# wgmmas run (kernels/w4a16_gluon.w4a16_gluon_overlap_kernel); 'gluon_overlap_regs': the same with
+# the packed words loaded from global memory straight into registers two steps ahead (the ring
+# holds x only). Each wins on some shapes and formats: regular candidates at M = 9-128, the
+# offline tuner's --experimental elsewhere (docs/perf_log.md v25, v26)
 OVERLAP_KERNELS = ("gluon_overlap", "gluon_overlap_regs")
 # 'gluon_pipe' (large M): each 128-channel chunk dequantized while the previous chunk's wgmmas run
 # (kernels/w4a16_gluon.w4a16_gluon_pipe_kernel); a candidate at M > 64 (docs/perf_log.md v30, v31)
@@ -551,12 +457,6 @@ def gluon_format(group_size: int, general_gidx: bool, k: int) -> bool:
     """The weight formats and K the Gluon kernel takes: groups of whole 128-channel chunks (or
     per channel), no general g_idx, K a multiple of its 256-channel step."""
     return not general_gidx and (group_size == -1 or group_size % K_CHUNK == 0) and k % GLUON_STEP == 0
-
-
-def gluon_split_ok(split: int, steps: int) -> bool:
-    """Every one of `split` splits of `steps` K steps gets one at least (the Gluon kernel gives
-    split k the steps from k * ceil(steps / split))."""
-    return 1 <= split <= steps and (split - 1) * -(-steps // split) < steps
 
 
 def gluon_overlap_split_ok(split: int, steps: int) -> bool:
@@ -572,43 +472,6 @@ def gluon_overlap_split_ok(split: int, steps: int) -> bool:
 def _gluon_split_ok(kernel: str):
     """The split rule of a Gluon kernel: gluon_split_ok or gluon_overlap_split_ok."""
     return gluon_overlap_split_ok if kernel in OVERLAP_KERNELS else gluon_split_ok
-
-
-@lru_cache(maxsize=None)
-def gluon_device(device_index: int) -> bool:
-    """An sm_90 GPU (Gluon's Hopper warpgroup_mma) and a Triton whose Gluon the kernel
-    compiles with (3.6 to 3.9 are tested), unless SAILFISH_GLUON=0."""
-    if not GLUON or device_index < 0 or not torch.cuda.is_available():
-        return False
-    if torch.cuda.get_device_capability(device_index) != (9, 0):
-        return False
-    try:
-        from ..kernels import w4a16_gluon  # noqa: F401
-    except Exception:  # noqa: BLE001 - a Triton without Gluon or with another Gluon API
-        return False
-    return True
-
-
-def _gluon_compile_failed(err: Exception, family: str = "W4A16") -> bool:
-    """Whether `err` is the Gluon kernel failing to compile (a Triton whose Gluon differs from
-    the tested 3.6-3.9); if so, warn once and run every Gluon config (both families: one switch)
-    as its twin from now on (a CUDA or launch error is not this, and is raised). family: the
-    kernel that failed, for the warning."""
-    global GLUON
-    from triton.compiler.errors import CompilationError
-
-    if not isinstance(err, CompilationError):
-        return False
-    import warnings
-
-    import triton
-
-    GLUON = False
-    gluon_device.cache_clear()
-    warnings.warn(f"sailfish: the Gluon {family} kernel does not compile with Triton {triton.__version__} "
-                  f"({type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}); "
-                  "every Gluon config (W4A16 and W4A8) runs as its Triton twin from now on", RuntimeWarning, stacklevel=4)
-    return True
 
 
 def gluon_twin(cfg: Config, group_size: int = 128) -> Config:
@@ -641,26 +504,20 @@ def gemv_on_tensor_cores(cfg: Config, x: torch.Tensor, gs: int, general_gidx: bo
     per-channel group index, x readable as 4-byte channel pairs (even K, aligned rows).
     Elsewhere (group 32 / 64, a general g_idx, odd K) the CUDA-core GEMV runs."""
     # (x is contiguous and its row stride is passed as K: K even makes every row 4-byte aligned)
-    return (GEMV_MMA and cfg.BLOCK_M <= 8 and cfg.BLOCK_N >= 16 and not general_gidx
+    return (FLAGS.gemv_mma and cfg.BLOCK_M <= 8 and cfg.BLOCK_N >= 16 and not general_gidx
             and gs % K_CHUNK == 0 and x.shape[1] % 2 == 0 and x.data_ptr() % 4 == 0)
 
 
-def _has_mma_asm(x: torch.Tensor) -> bool:
-    """mma.sync m16n8k16 needs sm_80; the bf16 dequantization's sub/mul.bf16x2 sm_90."""
-    if not x.is_cuda:
-        return False
-    cap = torch.cuda.get_device_capability(x.device.index)
-    return cap >= (9, 0) or (cap >= (8, 0) and x.dtype == torch.float16)
 _REDUCE_BLOCK = 1024
 
 
-class _GemmPlan:
+class _GemmPlan(Plan):
     """The fused paths ("gemv", "mma", "gluon") of one W4A16 problem on one GPU: its config and the
-    bound kernels (GEMM, split-K reduce; ops/launch.py). w4a16_launch builds one per call
+    bound kernels (GEMM, split-K reduce; runtime/launch.py). w4a16_launch builds one per call
     on the slow path and keeps it in W4A16_TUNER.plans under its plan key (below) once its
     kernels are bound, so that a steady-state call skips the tuner and Triton's binding."""
 
-    __slots__ = ("config", "kind", "gemm", "reduce", "x_desc")
+    __slots__ = ("x_desc",)
 
     def __init__(self, cfg: Config, device_index: int, *, gs: int, has_zeros: bool, has_gidx: bool,
                  has_bias: bool, emu: bool, asm: bool, mma_asm: bool, tensor_core_gemv: bool,
@@ -673,7 +530,7 @@ class _GemmPlan:
         self.config = cfg
         self.x_desc = None  # the pipe kernel's: x -> its TMA descriptor
         even_k = K % cfg.BLOCK_K == 0
-        # PDL (ops/launch.py): the split-K GEMM lets the reduce launch at once, the reduce waits
+        # PDL (runtime/launch.py): the split-K GEMM lets the reduce launch at once, the reduce waits
         chained = cfg.SPLIT_K > 1 and pdl(device_index)
         meta = dict(GROUP_SIZE=gs, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, EVEN_K=even_k, SPLIT_K=cfg.SPLIT_K,
                     EMU_BF16=emu, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, PDL_EARLY=chained,
@@ -729,9 +586,6 @@ class _GemmPlan:
                                                              **({"launch_pdl": True} if chained else {})),
                                  device_index)
 
-    def bound(self) -> bool:
-        return self.gemm.run is not None and (self.reduce is None or self.reduce.run is not None)
-
     def __call__(self, out, y, x, qweight, scales, z_arg, sorted_g_idx, bias, M, N, K, sqn, ssn,
                  x_tensor: Optional[torch.Tensor] = None) -> None:
         """out (M, N) = the product; y, x, ..., bias: out's and the operands' pointers, as
@@ -762,15 +616,16 @@ class _GemmPlan:
             self.reduce((-(-(M * N) // _REDUCE_BLOCK), 1), ws, bias, y, M, N, sym)
 
 
-class _DequantPlan:
+class _DequantPlan(Plan):
     """The large-M path ("dequant") of one W4A16 problem on one GPU: dequantize into a
     transient weight in slices of whole BLOCK_N tiles, each at most DEQUANT_SLICE_BYTES, and
     multiply each slice with cuBLAS. Kept as a plan like _GemmPlan, so that a steady call
-    launches the dequantization kernel directly (ops/launch.py) instead of through Triton's
+    launches the dequantization kernel directly (runtime/launch.py) instead of through Triton's
     JIT binding (~15-25 us of host time per launch, which a prefill pays for every layer).
     One bound kernel per slice height (the last slice may specialize differently)."""
 
-    __slots__ = ("config", "kind", "meta", "device_index", "rows", "launches")
+    __slots__ = ("meta", "device_index", "rows", "launches")
+    takes_tensors = True  # (cuBLAS multiplies tensor slices)
 
     def __init__(self, cfg: Config, device_index: int, flags: dict, K: int):
         self.config, self.kind, self.device_index = cfg, "dequant", device_index
@@ -781,9 +636,10 @@ class _DequantPlan:
     def bound(self) -> bool:
         return all(lc.run is not None for lc in self.launches.values())
 
-    def __call__(self, out, x, qweight, scales, z_arg, sorted_g_idx, bias) -> None:
+    def __call__(self, out, y, x, qweight, scales, z_arg, sorted_g_idx, bias, *_) -> None:
         """out (M, N) = x @ W^T (+ bias), all arguments tensors (the first call: Triton
-        specializes on them; the slices after it pass their pointers as ints)."""
+        specializes on them; the slices after it pass their pointers as ints); y is out, and
+        what follows bias (the fused plans' sizes and strides) is not needed."""
         from ..kernels.w4a16 import _w4a16_dequant_kernel
 
         g_arg = qweight if sorted_g_idx is None else sorted_g_idx  # (an unread pointer)
@@ -844,26 +700,16 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         key = (dev, x.dtype, (M - 1).bit_length(), M & 15 == 0, N, K, kp8, group_size, sqn, ssn,
                None if zeros is None else zeros.dtype, None if sorted_g_idx is None else sorted_g_idx.dtype,
                None if bias is None else bias.dtype, invariant)
-        plan = W4A16_TUNER.plan(key)
-        if plan is not None and hooks_idle():
-            ptrs = pointers(y, x, qweight, scales, z_arg, sorted_g_idx, bias)
-            if ptrs is not None:
-                # (the dequant plan takes tensors: cuBLAS multiplies its slices)
-                args = ((x, qweight, scales, z_arg, sorted_g_idx, bias) if plan.kind == "dequant"
-                        else (*ptrs, M, N, K, sqn, ssn))
-                kw = {"x_tensor": x} if plan.kind == "gluon_pipe" else {}
-                if current_device() == dev:
-                    plan(y, *args, **kw)
-                else:
-                    with device_of(x):
-                        plan(y, *args, **kw)
-                return y
+        # (x last: the pipe kernel's TMA descriptor is made from it)
+        if run_steady(W4A16_TUNER, key, dev, x, y, (y, x, qweight, scales, z_arg, sorted_g_idx, bias),
+                      (M, N, K, sqn, ssn, x)):
+            return y
     plans = None if key is None else W4A16_TUNER.plans_for_build()  # before the config lookup
     Kp = kp8 * 8
     gs = 0 if group_size == -1 else group_size
     emu = x.dtype == torch.bfloat16 and not x.is_cuda  # interpreter bf16 twin (kernels/common.py)
     asm = (use_asm and x.is_cuda and sorted_g_idx is None
-           and (x.dtype == torch.float16 or _has_bf16x2(x.device.index)))
+           and (x.dtype == torch.float16 or has_bf16x2(x.device.index)))
     # scales / zeros as int32 pairs (paired_scales): a function of the plan key (group size,
     # the shared row stride) and of 4-byte alignment (`aligned` checks 16 per steady call)
     pairable = gs > 0 and ssn % 2 == 0 and scales.data_ptr() % 4 == 0 and z_arg.data_ptr() % 4 == 0
@@ -873,48 +719,27 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             dplan = _DequantPlan(cfg, x.get_device(), dict(GROUP_SIZE=gs, HAS_ZEROS=zeros is not None,
                                                            HAS_GIDX=sorted_g_idx is not None, EMU_BF16=emu,
                                                            USE_ASM=asm), K)
-            dplan(out, x, qweight, scales, z_arg, sorted_g_idx, bias)
+            dplan(out, out, x, qweight, scales, z_arg, sorted_g_idx, bias)
             return dplan
-        def build() -> _GemmPlan:
-            return _GemmPlan(cfg, x.get_device(), gs=gs, has_zeros=zeros is not None,
-                             has_gidx=sorted_g_idx is not None, has_bias=bias is not None, emu=emu, asm=asm,
-                             mma_asm=use_asm and _has_mma_asm(x),
-                             tensor_core_gemv=gemv_on_tensor_cores(cfg, x, gs, sorted_g_idx is not None),
-                             paired=pairable, bf16=x.dtype == torch.bfloat16, K=K, group_size=group_size,
-                             gluon=cfg.kernel in GLUON_KERNELS and gluon_applies(x, qweight, group_size,
-                                                                           sorted_g_idx is not None, use_asm))
-
-        plan = build()
-        try:
-            plan(out, out, x, qweight, scales, z_arg, sorted_g_idx, bias, M, N, K, sqn, ssn)
-        except Exception as e:  # noqa: BLE001 - only a Gluon compile failure is handled
-            if plan.kind not in ("gluon", "gluon_pipe") or not _gluon_compile_failed(e):
-                raise
-            plan = build()  # (the twin, from now on)
-            plan(out, out, x, qweight, scales, z_arg, sorted_g_idx, bias, M, N, K, sqn, ssn)
-        return plan
+        return run_built(
+            lambda: _GemmPlan(cfg, x.get_device(), gs=gs, has_zeros=zeros is not None,
+                              has_gidx=sorted_g_idx is not None, has_bias=bias is not None, emu=emu, asm=asm,
+                              mma_asm=use_asm and has_mma_asm(x),
+                              tensor_core_gemv=gemv_on_tensor_cores(cfg, x, gs, sorted_g_idx is not None),
+                              paired=pairable, bf16=x.dtype == torch.bfloat16, K=K, group_size=group_size,
+                              gluon=cfg.kernel in GLUON_KERNELS and gluon_applies(x, qweight, group_size,
+                                                                                sorted_g_idx is not None, use_asm)),
+            lambda plan: plan(out, out, x, qweight, scales, z_arg, sorted_g_idx, bias, M, N, K, sqn, ssn),
+            ("gluon", "gluon_pipe"), "W4A16")
 
     with device_of(x):
-        if config is None and invariant:
-            config = invariant_config(M, N, Kp)
-            _check_config(config, Kp, M, group_size, sorted_g_idx is not None)
-        elif config is None:
-            mb = m_bucket(M)
-            memo = (Kp, N, mb, group_size, zeros is not None, sorted_g_idx is not None, x.dtype)
-            config = W4A16_TUNER.lookup(x.device, memo)  # steady state: one dict lookup
-            if config is None:  # first call of this problem on this device
-                key_str = w4a16_key(Kp, N, M, group_size, zeros is not None, sorted_g_idx is not None, x.dtype)
-                config = W4A16_TUNER.get(key_str, x.device, scratch_runner(run, y),
-                                         fallback_key=problem_key("w4a16", Kp, N, M, "any"), memo_key=memo,
-                                         M=mb, N=N, Kp=Kp, group_size=group_size,
-                                         general_gidx=sorted_g_idx is not None, has_zeros=zeros is not None)
-                _check_config(config, Kp, M, group_size, sorted_g_idx is not None, table=True)
+        if config is None:
+            config = w4a16_config(x.device, M, N, Kp, group_size, zeros is not None, sorted_g_idx is not None,
+                                  x.dtype, invariant, lambda: scratch_runner(run, y))
         else:
-            _check_config(config, Kp, M, group_size, sorted_g_idx is not None)
+            check_w4a16_config(config, Kp, M, group_size, sorted_g_idx is not None)
         plan = run(config)
-    if (plans is not None and plan is not None and plan.bound()
-            and aligned(x, qweight, scales, zeros, sorted_g_idx, bias)):
-        plans[key] = plan
+    keep(plans, key, plan, x, qweight, scales, zeros, sorted_g_idx, bias)
     return y
 
 

@@ -23,13 +23,13 @@ fp8 activations (x_q float8_e4m3fn) run "mma" only, under their own table keys.
 
 Every launch runs with the tensors' GPU current (ops.device_of when it is not). Host cost
 per steady-state call on CUDA: one dict lookup for the problem's plan (config and bound
-kernels, ops/launch.py) plus the allocations and the direct kernel launches; the first
+kernels, runtime/launch.py) plus the allocations and the direct kernel launches; the first
 call of a problem goes through the tuner and Triton's JIT and builds the plan.
 """
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import lru_cache, partial
+from functools import partial
 from typing import Optional, Tuple
 
 import torch
@@ -37,16 +37,16 @@ import torch
 from ..formats.int4 import HALF_DTYPES, K_PAD
 from ..formats.qqq import (GROUP_SIZES_W4A8, PackedQQQ, check_act_dtype, fp8_weight, group_scales_fit_int8,
                            quantize_activations, unpack_qqq)
-from ..tuning import (KERNELS, Config, Tuner, check_config, gemv_candidates, m_bucket,
-                      mma_candidates, mma_heuristic, next_pow2, problem_key, scratch_runner, sms_for,
-                      split_k_for)
-from . import batch_invariant, check_devices, define_op, device_of, use_triton
-from .launch import Launch, aligned, current_device, hooks_idle, pointers, stream_getter
-from .w4a16 import GLUON_STEP, _gluon_compile_failed, gluon_device, gluon_split_ok, invariant_config
+from ..runtime.device import capability, check_devices, device_of, sms_for, use_triton
+from ..runtime.dispatch import define_op
+from ..runtime.flags import FLAGS, batch_invariant
+from ..runtime.launch import Launch, stream_getter
+from ..runtime.plan import Plan, keep, run_built, run_steady
+from ..tuning import (KERNELS, Config, Tuner, check_config, gemv_candidates, m_bucket, mma_candidates,
+                      mma_heuristic, next_pow2, problem_key, scratch_runner, split_k_for)
+from .common import GLUON_STEP, gluon_device, gluon_split_ok, invariant_config
 
 ACT_DTYPES = HALF_DTYPES + (torch.float32,)
-# the quantized activations' torch dtype per act_dtype (formats.qqq.ACT_DTYPES_W4A8)
-X_Q_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 # Rows up to this many channels are quantized from registers in one pass (at most 64 fp32
 # values per thread: 4 warps up to 2048 channels, 8 up to 8192, 16 above); longer rows take
 # a max pass and a quantize pass. The second pass over a row cost the M = 1 GEMM chain
@@ -103,7 +103,7 @@ def quantize_per_token_launch(x: torch.Tensor, block_k: Optional[int] = None, ac
     (x_q (M, K) contiguous, int8 or, act_dtype="fp8", float8_e4m3fn; scales float32 (M,)).
     block_k: tile over K (a power of two); default: the whole row if K <= QUANT_ONE_PASS_MAX,
     else 4096 (two passes). On CUDA the bound kernel is kept per (device, dtype, act_dtype,
-    K, row stride, block_k) in W4A8_TUNER.plans (ops/launch.py)."""
+    K, row stride, block_k) in W4A8_TUNER.plans (runtime/launch.py)."""
     fp8 = act_dtype == "fp8"
     if fp8:
         _check_fp8_device(x)
@@ -122,16 +122,8 @@ def quantize_per_token_launch(x: torch.Tensor, block_k: Optional[int] = None, ac
     if x.is_cuda:
         dev = x.get_device()
         key = ("quantize", dev, x.dtype, fp8, K, sxm, block_k)
-        launch = W4A8_TUNER.plan(key)
-        if launch is not None and hooks_idle():
-            ptrs = pointers(x, x_q, scales)
-            if ptrs is not None:
-                if current_device() == dev:
-                    launch((M, 1), *ptrs, K, sxm, K)
-                else:
-                    with device_of(x):
-                        launch((M, 1), *ptrs, K, sxm, K)
-                return x_q, scales
+        if run_steady(W4A8_TUNER, key, dev, x, (M, 1), (x, x_q, scales), (K, sxm, K)):  # (the plan: a Launch)
+            return x_q, scales
     plans = None if key is None else W4A8_TUNER.plans_for_build()
     bk = block_k
     if bk is None:
@@ -144,20 +136,14 @@ def quantize_per_token_launch(x: torch.Tensor, block_k: Optional[int] = None, ac
                     x.get_device())
     with device_of(x):
         launch((M, 1), x, x_q, scales, K, sxm, K)
-    if plans is not None and launch.run is not None and x.data_ptr() & 15 == 0:
-        plans[key] = launch
+    keep(plans, key, launch, x)
     return x_q, scales
-
-
-@lru_cache(maxsize=None)
-def _capability(device_index: int) -> Tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
 
 
 def _check_fp8_device(t: torch.Tensor) -> None:
     """fp8 (e4m3) activations need sm_89+ (Ada, Hopper): e4m3 tensor cores and conversions."""
     if t.is_cuda:
-        cap = _capability(t.get_device())
+        cap = capability(t.get_device())
         if cap < (8, 9):
             raise RuntimeError(f"fp8 (e4m3) activations need a GPU of compute capability >= 8.9, "
                                f"{t.device} has {cap[0]}.{cap[1]}; use act_dtype='int8'")
@@ -225,17 +211,10 @@ W4A8_KERNELS = KERNELS + ("gluon_pipe",)
 W4A8_PIPE_TILES = ((128, 128, 8, 3), (128, 128, 8, 4))
 
 
-@lru_cache(maxsize=None)
 def w4a8_gluon_device(device_index: int) -> bool:
     """gluon_device (an sm_90 GPU, a Triton whose Gluon compiles the kernels, SAILFISH_GLUON)
-    and kernels/w4a8_gluon importable."""
-    if not gluon_device(device_index):
-        return False
-    try:
-        from ..kernels import w4a8_gluon  # noqa: F401
-    except Exception:  # noqa: BLE001 - a Triton whose Gluon API differs
-        return False
-    return True
+    with kernels/w4a8_gluon importable."""
+    return gluon_device(device_index, "w4a8_gluon")  # (which imports kernels/w4a16_gluon)
 
 
 def w4a8_gluon_applies(x_q: torch.Tensor, qweight: torch.Tensor) -> bool:
@@ -278,7 +257,7 @@ def _gluon_pipe_candidates(*, device, M, N, Kp, group_size, act_dtype):
 _W4A8_TILES = ((16, 64, 256, 4, 4), (32, 64, 256, 4, 4), (128, 128, 128, 8, 3))
 
 
-def _w4a8_heuristic(*, device, M, N, K, Kp, group_size, act_dtype="int8") -> Config:
+def w4a8_heuristic(*, device, M, N, K, Kp, group_size, act_dtype="int8") -> Config:
     sms = sms_for(device)
     small, mid, large = _W4A8_TILES
     if act_dtype == "fp8":  # per-group fp8 takes K tiles within one group
@@ -300,7 +279,7 @@ def _w4a8_heuristic(*, device, M, N, K, Kp, group_size, act_dtype="int8") -> Con
     return cfg
 
 
-def _w4a8_candidates(*, device, M, N, K, Kp, group_size, act_dtype="int8"):
+def w4a8_candidates(*, device, M, N, K, Kp, group_size, act_dtype="int8"):
     sms = sms_for(device)
     if act_dtype == "fp8":  # the tensor-core kernel only, K tiles within one group
         bk = 128 if group_size != -1 else 256
@@ -330,12 +309,38 @@ def _w4a8_candidates(*, device, M, N, K, Kp, group_size, act_dtype="int8"):
     yield from mma_candidates(space, M, N, K, Kp, sms)
 
 
+def w4a8_config(device: torch.device, M: int, N: int, K: int, Kp: int, group_size: int, out_dtype: torch.dtype,
+                act: str = "int8", invariant: bool = False, make_run=None) -> Config:
+    """The config w4a8_launch runs when given none: batch-invariant mode's for fp8 (invariant_config;
+    fp8's float32 sums depend on the K tiling and split, int8's int32 sums are exact in any order,
+    so int8 is batch-invariant with every config), else the cached one (one dict lookup), else on
+    a problem's first call the tuner's answer (checked by W4A8_TUNER). The offline tuner
+    (bench/tune.py) asks it what ships."""
+    if invariant:
+        config = invariant_config(M, N, Kp)
+        check_w4a8_config(config, M, N, K, Kp, group_size, act)
+        return config
+    mb = m_bucket(M)
+    memo = (K, N, mb, group_size, out_dtype, act)
+    config = W4A8_TUNER.lookup(device, memo)
+    if config is None:  # first call of this problem on this device
+        # no entry for this group size / output dtype: the same shape's g128 fp16 config (every
+        # int8 config runs every format; fp8 has no fallback: its kernel set differs). Per-channel
+        # on heuristics alone chose the fused tiles at large M, 0.63-0.71x cuBLAS fp16 on H200
+        # 8192x57344 vs 1.04-1.22x for g128.
+        config = W4A8_TUNER.get(w4a8_key(K, N, M, group_size, out_dtype, act), device,
+                                None if make_run is None else make_run(),
+                                fallback_key=None if act == "fp8" else problem_key("w4a8", K, N, M, "any"),
+                                memo_key=memo, M=mb, N=N, K=K, Kp=Kp, group_size=group_size, act_dtype=act)
+    return config
+
+
 def w4a8_key(k: int, n: int, m: int, group_size: int, out_dtype: torch.dtype, act_dtype: str = "int8") -> str:
     fp8 = "|fp8" if act_dtype == "fp8" else ""
     return problem_key("w4a8", k, n, m, f"gs={group_size}|{str(out_dtype)[6:]}{fp8}")
 
 
-def _check_config(cfg: Config, M: int, N: int, K: int, Kp: int, group_size: int = -1,
+def check_w4a8_config(cfg: Config, M: int, N: int, K: int, Kp: int, group_size: int = -1,
                   act_dtype: str = "int8") -> None:
     """W4A8's own rules, then tuning.check_config's. M may be the M bucket: the rules hold
     for every M of a bucket alike (gemv: bucket 1; dequant: buckets >= 32). fp8 activations
@@ -363,11 +368,11 @@ def _check_config(cfg: Config, M: int, N: int, K: int, Kp: int, group_size: int 
 
 
 def _check_pipe_config(cfg: Config, Kp: int) -> None:
-    """The tiles kernels/w4a8_gluon.py compiles (int8 activations: _check_config): BLOCK_K = one K step of two
+    """The tiles kernels/w4a8_gluon.py compiles (int8 activations: check_w4a8_config): BLOCK_K = one K step of two
     128-channel chunks, BLOCK_M 64 or 128 (wgmma's N; the int32 accumulator of 64 x 128 per
     consumer thread group), BLOCK_N 128 over two consumer warpgroups (num_warps 8), x_q rings of
     >= 3 and >= 4 chunks that fit an SM's shared memory, every split non-empty."""
-    from ..kernels.w4a16_gluon import CTA_RESERVED_SHARED, SM_SHARED_BYTES, pipe_shared_bytes
+    from ..kernels.gluon_common import CTA_RESERVED_SHARED, SM_SHARED_BYTES, pipe_shared_bytes
 
     k = "config kernel='gluon_pipe'"
     if cfg.BLOCK_K != GLUON_STEP:
@@ -387,9 +392,9 @@ def _check_pipe_config(cfg: Config, Kp: int) -> None:
                          "takes steps [k * ceil(steps / SPLIT_K), ...))")
 
 
-W4A8_TUNER = Tuner("w4a8", _w4a8_heuristic, _w4a8_candidates,
+W4A8_TUNER = Tuner("w4a8", w4a8_heuristic, w4a8_candidates,
                    check=lambda cfg, *, M, N, K, Kp, group_size=-1, act_dtype="int8", **_:
-                   _check_config(cfg, M, N, K, Kp, group_size, act_dtype))
+                   check_w4a8_config(cfg, M, N, K, Kp, group_size, act_dtype))
 
 
 # ----------------------------------------------------------------------------------
@@ -416,15 +421,15 @@ def w4a8_reference(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_s
 # measured faster: H200, whole layer call, same configs, 4 shapes x per channel / g128 x M = 1-64
 # (docs/perf_log.md v23): BLOCK_N 64 with BLOCK_M <= 32, and the GEMV, 1.00-1.15x (one launch
 # less); BLOCK_N >= 128 or BLOCK_M 64 0.81-1.09x, mostly slower (their last slice reads more).
-SPLIT_FIXUP = True
 SYNC_CAP = 1 << 14  # output tiles of one launch the counters serve (more: the reduce kernel)
 _SYNC = {}
 _CURRENT_STREAM = None  # Triton's current-stream function, on first use
 
 
 def fixup_tile(cfg: Config) -> bool:
-    """Whether split-K config cfg adds its slices inside the GEMM (SPLIT_FIXUP above)."""
-    return SPLIT_FIXUP and cfg.SPLIT_K > 1 and (cfg.kernel == "gemv" or (cfg.BLOCK_M <= 32 and cfg.BLOCK_N <= 64))
+    """Whether split-K config cfg adds its slices inside the GEMM (above; SAILFISH_SPLIT_FIXUP=0:
+    never)."""
+    return FLAGS.split_fixup and cfg.SPLIT_K > 1 and (cfg.kernel == "gemv" or (cfg.BLOCK_M <= 32 and cfg.BLOCK_N <= 64))
 
 
 def sync_buffer(device: torch.device, device_index: int) -> torch.Tensor:
@@ -446,13 +451,13 @@ def sync_buffer(device: torch.device, device_index: int) -> torch.Tensor:
     return buf
 
 
-class _W4A8Plan:
+class _W4A8Plan(Plan):
     """The fused paths ("gemv", "mma") of one W4A8 problem on one GPU: its config and the
-    bound kernels (GEMM, split-K reduce; ops/launch.py), kept in W4A8_TUNER.plans as
+    bound kernels (GEMM, split-K reduce; runtime/launch.py), kept in W4A8_TUNER.plans as
     ops/w4a16.py keeps W4A16's (_GemmPlan there). fixup: the split-K slices are added inside
     the GEMM (fixup_tile), no reduce kernel; each call then passes the stream's sync_buffer."""
 
-    __slots__ = ("config", "kind", "gemv", "gemm", "reduce", "ws_dtype", "fixup", "sync_at", "x_desc")
+    __slots__ = ("gemv", "ws_dtype", "fixup", "sync_at", "x_desc")
 
     def __init__(self, cfg: Config, device_index: int, *, gs: int, has_bias: bool, raw: bool, emu: bool,
                  asm: bool, fp8: bool, K: int, clamp: bool = True, fixup: bool = False, gluon: bool = False):
@@ -482,9 +487,6 @@ class _W4A8Plan:
             self.gemm = Launch(kern._w4a8_kernel, meta, device_index)
         self.reduce = None if cfg.SPLIT_K == 1 or self.fixup else \
             _reduce_launch(cfg.SPLIT_K, has_bias, raw, emu, device_index)
-
-    def bound(self) -> bool:
-        return self.gemm.run is not None and (self.reduce is None or self.reduce.run is not None)
 
     def __call__(self, out, y, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sgn,
                  x_tensor: Optional[torch.Tensor] = None) -> None:
@@ -518,7 +520,7 @@ class _W4A8Plan:
 
 def _reduce_launch(split: int, has_bias: bool, raw: bool, emu: bool, device_index: int) -> Launch:
     """int32 ws (split, M, N) -> out: the exact sum, then the epilogue (raw: the sum);
-    grid (cdiv(M, 16), cdiv(N, 128)). Not a programmatic dependent (ops/launch.py pdl): with
+    grid (cdiv(M, 16), cdiv(N, 128)). Not a programmatic dependent (runtime/device.py pdl): with
     it, W4A8's chains measured 0.91-1.05x (H200, docs/perf_log.md v16)."""
     return Launch(_kernels()._w4a8_splitk_reduce_kernel,
                   dict(SPLIT_K=split, HAS_BIAS=has_bias, RAW=raw, EMU_BF16=emu, BLOCK_M=16, BLOCK_N=128,
@@ -563,16 +565,8 @@ def _launch(cfg: Config, out: torch.Tensor, x_q, x_scales, qweight, s_ch, s_g, b
                          gluon=cfg.kernel == "gluon_pipe" and w4a8_gluon_applies(x_q, qweight))
 
     sxm = K if M == 1 else x_q.stride(0)
-    plan = build()
-    try:
-        plan(out, out, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sg_stride)
-    except Exception as e:  # noqa: BLE001 - only a Gluon compile failure is handled
-        if plan.kind != "gluon_pipe" or not _gluon_compile_failed(e, "W4A8"):
-            raise
-        w4a8_gluon_device.cache_clear()
-        plan = build()  # (the twin, from now on)
-        plan(out, out, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn, sg_stride)
-    return plan
+    return run_built(build, lambda plan: plan(out, out, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn,
+                                              sg_stride), ("gluon_pipe",), "W4A8")
 
 
 def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor,
@@ -613,16 +607,10 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
         sqn, sgn = 4 * qweight.stride(0), 0 if s_g is None else s_g.stride(0)  # (sqn in bytes)
         key = (dev, out_dtype, fp8, raw_acc, (M - 1).bit_length(), M & 15 == 0, N, K, kp8, group_size, sxm, sqn, sgn,
                None if bias is None else bias.dtype, clamp, invariant)
-        plan = W4A8_TUNER.plan(key)
-        if plan is not None and hooks_idle():
-            ptrs = pointers(y, x_q, x_scales, qweight, s_ch, s_g, bias)
-            if ptrs is not None:
-                if current_device() == dev:  # (x_q itself too: the Gluon kernel's descriptor)
-                    plan(y, *ptrs, M, N, K, sxm, sqn, sgn, x_q)
-                else:
-                    with device_of(x_q):
-                        plan(y, *ptrs, M, N, K, sxm, sqn, sgn, x_q)
-                return y
+        # (x_q last: the Gluon kernel's TMA descriptor is made from it)
+        if run_steady(W4A8_TUNER, key, dev, x_q, y, (y, x_q, x_scales, qweight, s_ch, s_g, bias),
+                      (M, N, K, sxm, sqn, sgn, x_q)):
+            return y
     plans = None if key is None else W4A8_TUNER.plans_for_build()  # before the config lookup
     Kp = kp8 * 8
     gs = 0 if group_size == -1 else group_size
@@ -630,30 +618,13 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
     emu = out_dtype == torch.bfloat16 and not x_q.is_cuda  # interpreter bf16 twin (kernels/common.py)
     args = (x_q, x_scales, qweight, s_ch, s_g, bias, gs, raw_acc, emu, clamp)
     with device_of(x_q):
-        if config is None and invariant:
-            # fp8's float32 sums depend on the K tiling and split; int8's int32 sums are exact in
-            # any order, so int8 is batch-invariant with every config
-            config = invariant_config(M, N, Kp)
-            _check_config(config, M, N, K, Kp, group_size, act)
-        elif config is None:
-            mb = m_bucket(M)
-            config = W4A8_TUNER.lookup(x_q.device, (K, N, mb, group_size, out_dtype, act))
-            if config is None:  # first call of this problem on this device
-                # no entry for this group size / output dtype: the same shape's g128 fp16
-                # config (every int8 config runs every format; fp8 has no fallback: its
-                # kernel set differs). Per-channel on heuristics alone chose the fused tiles
-                # at large M, 0.63-0.71x cuBLAS fp16 on H200 8192x57344 vs 1.04-1.22x for g128.
-                config = W4A8_TUNER.get(
-                    w4a8_key(K, N, M, group_size, out_dtype, act), x_q.device,
-                    scratch_runner(lambda cfg, out: _launch(cfg, out, *args), y),
-                    fallback_key=None if act == "fp8" else problem_key("w4a8", K, N, M, "any"),
-                    memo_key=(K, N, mb, group_size, out_dtype, act),
-                    M=mb, N=N, K=K, Kp=Kp, group_size=group_size, act_dtype=act)
+        if config is None:
+            config = w4a8_config(x_q.device, M, N, K, Kp, group_size, out_dtype, act, invariant,
+                                 lambda: scratch_runner(lambda cfg, out: _launch(cfg, out, *args), y))
         else:
-            _check_config(config, M, N, K, Kp, group_size, act)
+            check_w4a8_config(config, M, N, K, Kp, group_size, act)
         plan = _launch(config, y, *args)
-    if plans is not None and plan is not None and plan.bound() and aligned(x_q, x_scales, qweight, s_ch, s_g, bias):
-        plans[key] = plan
+    keep(plans, key, plan, x_q, x_scales, qweight, s_ch, s_g, bias)
     return y
 
 

@@ -10,7 +10,7 @@ and 3.9).
 
 That is only correct while the arguments specialize as they did at the first call (pointer
 dtypes and 16-byte alignment; ints equal to 1, divisible by 16, or 64-bit): the caller keys
-its Launch objects on exactly that (see ops/w4a16.py `_plan_key`). The first call runs on
+its Launch objects on exactly that (see runtime/plan.py). The first call runs on
 the caller's stream and device like any launch; later calls use the current stream of the
 device (the caller makes the tensors' device current, as Triton itself requires).
 
@@ -19,8 +19,6 @@ Triton's launch hooks (profilers such as proton install them) need the full path
 """
 from __future__ import annotations
 
-import os
-from functools import lru_cache
 from typing import Any, Optional, Sequence, Tuple
 
 import torch
@@ -63,27 +61,6 @@ def aligned(*tensors: Optional[torch.Tensor]) -> bool:
     return pointers(*tensors) is not None
 
 
-# the current CUDA device index without torch.cuda.current_device()'s Python layers
-current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
-
-
-@lru_cache(maxsize=None)
-def _capability(device_index: int) -> Tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
-def pdl(device_index: int) -> bool:
-    """Whether W4A16's split-K chain (GEMM -> reduce) uses programmatic dependent launch on
-    this device (kernels/common.py: the GEMM lets the reduce launch early, the reduce waits
-    before reading the partial sums). Needs sm_90+ (griddepcontrol); the CPU (device_index
-    < 0) never. SAILFISH_PDL=0 turns it off (=1 forces it, also below sm_90, where the
-    launches fail)."""
-    env = os.environ.get("SAILFISH_PDL", "auto")
-    if device_index < 0 or env == "0":
-        return False
-    return env == "1" or _capability(device_index) >= (9, 0)
-
-
 def stream_getter():
     """Triton's current-stream function (torch's raw current stream of a device index)."""
     from triton.runtime import driver
@@ -100,6 +77,7 @@ class Launch:
     it directly on the current stream of `device_index`."""
 
     __slots__ = ("fn", "meta", "device_index", "tail", "kernel", "run", "function", "packed", "stream")
+    takes_tensors = False  # (as a plan: runtime/plan.py run_steady passes pointers)
 
     def __init__(self, fn, meta: dict, device_index: int):
         self.fn, self.meta, self.device_index = fn, meta, device_index
@@ -113,6 +91,10 @@ class Launch:
             return
         kernel = self.fn[grid](*args, **self.meta)
         self._bind(kernel, len(args))
+
+    def bound(self) -> bool:
+        """Whether the compiled kernel is bound (later calls launch it directly)."""
+        return self.run is not None
 
     def _bind(self, kernel, n_runtime: int) -> None:
         """Keep `kernel` (a CompiledKernel) for direct launches, if this Triton exposes what

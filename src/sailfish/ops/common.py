@@ -1,0 +1,81 @@
+"""What the kernel families share above the kernels: the Hopper Gluon switch and its one
+compile-failure fallback, the Gluon K step and split rule, and the batch-invariant config.
+
+One switch for every family: `runtime.flags.FLAGS.gluon` (SAILFISH_GLUON). A Gluon kernel that
+fails to compile (a Triton whose Gluon API differs from the tested 3.6-3.9) turns it off for
+the process (runtime/plan.py gluon_compile_failed), so every family's Gluon configs run as their
+Triton twins from then on.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from ..formats.int4 import K_CHUNK
+from ..runtime.device import gluon_capable
+from ..runtime.flags import FLAGS
+from ..tuning import Config, split_k_for
+
+GLUON_STEP = 2 * K_CHUNK  # channels per K step of the Gluon kernels (their BLOCK_K)
+
+
+@lru_cache(maxsize=None)
+def _gluon_kernels_import(module: str) -> bool:
+    """Whether kernels/<module> (w4a16_gluon or w4a8_gluon) imports: a Triton with Gluon, with
+    the API the kernels use. (Imported here, on first use, after TRITON_INTERPRET is settled.)"""
+    try:
+        if module == "w4a8_gluon":
+            from ..kernels import w4a8_gluon  # noqa: F401
+        else:
+            from ..kernels import w4a16_gluon  # noqa: F401
+    except Exception:  # noqa: BLE001 - a Triton without Gluon or with another Gluon API
+        return False
+    return True
+
+
+def gluon_device(device_index: int, module: str = "w4a16_gluon") -> bool:
+    """An sm_90 GPU (Gluon's Hopper warpgroup_mma) and a Triton whose Gluon compiles the
+    family's kernel module (3.6 to 3.9 are tested), unless SAILFISH_GLUON=0 or a Gluon kernel
+    failed to compile in this process."""
+    return gluon_capable(device_index) and _gluon_kernels_import(module)
+
+
+def gluon_split_ok(split: int, steps: int) -> bool:
+    """Every one of `split` splits of `steps` K steps gets one at least (the Gluon kernels give
+    split k the steps from k * ceil(steps / split))."""
+    return 1 <= split <= steps and (split - 1) * -(-steps // split) < steps
+
+
+def invariant_config(M: int, N: int, Kp: int) -> Config:
+    """The config of batch-invariant mode (ops.set_batch_invariant) for an (M, N, padded K)
+    problem: the Triton tensor-core tile with one K order at every M (BLOCK_K 128, the scales
+    on the weights, a split-K that depends on N and K only: 2 programs per SM at M = 1 on a
+    132-SM GPU, so the bits do not depend on the GPU model either); only BLOCK_M, BLOCK_N and
+    the warps follow M, and they do not change any output element's arithmetic: bit-identical
+    outputs for BLOCK_M 16-128, BLOCK_N 64-256, 4 / 8 warps, fp16 / bf16, symmetric /
+    asymmetric, g128 / per channel, M = 1-300 (NVIDIA H200; also for the W4A8 fp8 kernel,
+    ops/w4a8.py). No GEMV, Gluon kernel or dequantize + cuBLAS: their reduction orders differ
+    (fp16 g128 rows differ by up to 2e-3 between M buckets without the mode)."""
+    # tiles: the fastest of a sweep per M bucket on the H200 (fp16 g128, 8 Llama-3 shapes, the
+    # split fixed as below; docs/perf_log.md v34)
+    bm, bn, warps, stages = ((16, 128, 4, 4) if M <= 8 else (16, 64, 4, 3) if M <= 16 else (32, 64, 4, 4) if M <= 32
+                             else (64, 64, 4, 3) if M <= 64 else (128, 256, 8, 3))
+    split = split_k_for(-(-N // 64), Kp // 128, 132)
+    return Config(bm, bn, 128, split, 8, warps, stages)
+
+
+# Triton 3.6-3.8 leave the mma kernel's wgmmas (A in registers) in flight across the K loop's
+# back edge; the kernel's ACC_FENCE makes them complete inside each K tile (kernels/w4a16.py; the MoE kernels take the same fence).
+# Triton 3.9 waits correctly (`python -m sailfish.bench.ptx --hazard` checks the SASS of every
+# shipped tile, tests/test_w4a16.py::test_no_wgmma_register_hazard). SAILFISH_ACC_FENCE=0 / 1
+# overrides the version rule (to measure; 0 on Triton < 3.9 can give wrong results).
+def acc_fence() -> bool:
+    if FLAGS.acc_fence != "auto":
+        return FLAGS.acc_fence == "1"
+    return _triton_before_3_9()
+
+
+@lru_cache(maxsize=None)
+def _triton_before_3_9() -> bool:
+    import triton
+
+    return tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:2]) < (3, 9)
