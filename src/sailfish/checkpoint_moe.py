@@ -1,6 +1,6 @@
 """MoE checkpoints: the per-expert 4-bit tensors of GPTQ, AWQ and compressed-tensors
 checkpoints <-> QuantExperts' stacked layout (formats/experts.py), for load_quantized and
-save_quantized (checkpoint.py).
+save_quantized (checkpoint.py), on checkpoint_io.py's readers.
 
 Checkpoints store every expert's projections as separate 2-D layers, under the names the
 models had before transformers 5 merged them (as GPTQModel, AutoAWQ, llm-compressor and
@@ -27,8 +27,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .checkpoint import (CT, _check_tensor, _ct_ignores, _field_error, _g_idx_key, _HALF, _layer_tensors, _matches,
-                         _read_layer)
+from .checkpoint_io import (CT, _check_tensor, _ct_ignores, _field_error, _g_idx_key, _HALF, _layer_tensors, _matches,
+                            _read_layer)
 from .formats.experts import pack_into
 from .formats.int4 import QuantizedWeight, cast_scales, unpack
 from .formats.shard import slice_weight
