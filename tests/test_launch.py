@@ -252,6 +252,29 @@ def test_w4a8_plan_hit_matches_the_jit_launch(heuristics, k, n, m, gs):
 
 
 @requires_cuda
+@pytest.mark.parametrize("M", [1, 160])  # decode (split-K gate_up: the gated reduce); BLOCK_M 32
+def test_moe_plan_hit_matches_the_jit_launch(heuristics, M):
+    from test_moe import make_problem
+
+    from sailfish.ops.moe import MOE_TUNER, moe_config, moe_w4a16_launch
+
+    args, _, _ = make_problem(8, 2, M, 512, 256, 128, False, torch.float16, "cuda")
+    first = moe_w4a16_launch(*args)  # builds the plan
+    assert len(MOE_TUNER.plans) == 1
+    for _ in range(2):
+        moe_w4a16_launch(torch.randn_like(args[0]), *args[1:])
+    hit = moe_w4a16_launch(*args)
+    assert len(MOE_TUNER.plans) == 1
+    cfgs = moe_config(args[0].device, M, 2, 8, 256, 512, 512, 256)  # (cached: what the plan runs)
+    assert (M > 1 or cfgs[0].SPLIT_K > 1) and list(MOE_TUNER.plans.values())[0].bound()
+    ref = moe_w4a16_launch(*args, configs=cfgs)  # (explicit configs: the JIT, no plan)
+    torch.cuda.synchronize()
+    assert torch.equal(first, ref) and torch.equal(hit, ref)
+    clear_caches()
+    assert MOE_TUNER.plans == {} and MOE_TUNER.cache == {}
+
+
+@requires_cuda
 def test_misaligned_input_takes_the_jit_and_keeps_the_plan(heuristics):
     from sailfish.ops.w4a16 import W4A16_TUNER
 

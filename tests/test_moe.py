@@ -205,6 +205,47 @@ def test_moe_kernel_configs(split13, split2, bk2, device):
     assert_moe_close(moe_w4a16_launch(*args, configs=cfgs).cpu(), ref, bound)
 
 
+@pytest.mark.parametrize("cfgs,match", [
+    ((Config(16, 64, 128, 1, kernel="moe"), Config(32, 64, 128, 1, kernel="moe")),
+     "down config BLOCK_M=32 must be the routing's BLOCK_M=16: gate_up and down BLOCK_M must agree"),
+    ((Config(16, 64, 64, 1, kernel="moe"), Config(16, 64, 128, 1, kernel="moe")),
+     "gate_up config BLOCK_K=64 must be a multiple of 128"),
+    ((Config(16, 48, 128, 1, kernel="moe"), Config(16, 64, 128, 1, kernel="moe")), "BLOCK_N=48 must be a power"),
+    ((Config(16, 64, 128, 1, kernel="moe"), Config(16, 64, 128, 3, kernel="moe")), r"SPLIT_K=3 must lie in \[1, 2\]"),
+    ((Config(8, 64, 128, 1, kernel="moe"), Config(8, 64, 128, 1, kernel="moe")), "BLOCK_M=8 must be >= 16"),
+    ((Config(16, 64, 128, 1), Config(16, 64, 128, 1, kernel="moe")), "kernel='mma' is not one of 'moe'"),
+])
+def test_moe_explicit_configs_are_checked(cfgs, match):
+    args = zero_problem(H=256, I=256)
+    with pytest.raises(ValueError, match=match):
+        moe_w4a16_launch(*args, configs=cfgs)
+
+
+def test_moe_tuner_heuristic_candidates_and_clear_caches():
+    """The family's tuner: per GEMM the heuristic's config at the routing's BLOCK_M, cached
+    (one per problem and device) until clear_caches; every candidate passes the check and
+    keeps the routing's BLOCK_M (so any gate_up / down pair the tuner picks agrees)."""
+    from sailfish.ops.moe import MOE_TUNER, check_moe_config, moe_block_m, moe_candidates, moe_config, moe_heuristic
+    from sailfish.tuning import clear_caches
+
+    cpu = torch.device("cpu")
+    clear_caches()
+    for M, topk, E, I, H in ((1, 8, 128, 768, 2048), (256, 2, 8, 14336, 4096), (1024, 6, 64, 1408, 2048)):
+        bm = moe_block_m(M, topk, E)
+        pair = moe_config(cpu, M, topk, E, I, H, H, I)
+        for cfg, gated, N, Kp in ((pair[0], True, I, H), (pair[1], False, H, I)):
+            p = dict(device=cpu, M=M, topk=topk, E=E, N=N, Kp=Kp, gated=gated, block_m=bm)
+            assert cfg == moe_heuristic(**p) and cfg.BLOCK_M == bm
+            cands = list(moe_candidates(**p))
+            assert cands[0] == cfg and len(cands) >= 3 and all(c.BLOCK_M == bm for c in cands)
+            for c in cands:
+                check_moe_config(c, Kp=Kp, block_m=bm, gated=gated)
+        assert moe_config(cpu, M, topk, E, I, H, H, I) == pair
+    assert len(MOE_TUNER.cache) == 6
+    clear_caches()
+    assert MOE_TUNER.cache == {}
+
+
 # ----------------------------------------------------------------------------------
 # The op: fake implementation, torch.compile, bad input
 # ----------------------------------------------------------------------------------
@@ -296,14 +337,17 @@ import triton
 from triton.backends.compiler import GPUTarget
 from sailfish.tools.ptx import ast_source, k_loop_stats, sass, wgmma_register_hazard
 from sailfish.kernels.moe import _moe_w4a16_kernel
-from sailfish.ops.moe import acc_fence, moe_config
+import torch
+from sailfish.ops.moe import acc_fence, moe_block_m, moe_heuristic
 
 INTS = ("T", "N", "K", "num_blocks", "stride_xm", "stride_ym", "stride_qe", "stride_qn", "stride_se", "stride_sn")
 ALIGNED = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "sorted_ptr", "bexp_ptr", "tw_ptr", "y_ptr", "ws_ptr", "N", "K",
            "stride_xm", "stride_ym", "stride_qe", "stride_qn")
 bad, n = [], 0
 # the distinct configs the launcher picks for the benchmark's models at decode and prefill
-tiles = {(gated, moe_config(M, topk, E, N, K, gated, 132)) for (H, I, E, topk) in
+cpu = torch.device("cpu")  # (132 SMs, an H100's)
+tiles = {(gated, moe_heuristic(device=cpu, M=M, topk=topk, E=E, N=N, Kp=K, gated=gated,
+                               block_m=moe_block_m(M, topk, E))) for (H, I, E, topk) in
          ((2048, 768, 128, 8), (4096, 14336, 8, 2), (2048, 1408, 64, 6)) for M in (1, 16, 256, 4096)
          for gated, N, K in ((True, I, H), (False, H, I))}
 topk = 8

@@ -13,7 +13,7 @@ import torch
 
 from sailfish.bench.moe import MODELS, make_experts, routing
 from sailfish.bench.timing import graph_time_us
-from sailfish.ops.moe import moe_config, moe_w4a16_launch
+from sailfish.ops.moe import moe_block_m, moe_heuristic, moe_w4a16_launch
 from sailfish.runtime.device import sms_for
 from sailfish.tuning import Config
 
@@ -34,8 +34,9 @@ def main():
             x = torch.randn(M, H, dtype=torch.bfloat16, device=dev)
             args = (x, ids, w, ex.q13.qweight, ex.q13.scales, ex.q13.zeros, ex.q2.qweight, ex.q2.scales,
                     ex.q2.zeros, 128)
-            h13 = moe_config(M, topk, E, I, kp13, True, sms)
-            h2 = moe_config(M, topk, E, H, kp2, False, sms)
+            p = dict(device=dev, M=M, topk=topk, E=E, block_m=moe_block_m(M, topk, E))
+            h13 = moe_heuristic(N=I, Kp=kp13, gated=True, **p)
+            h2 = moe_heuristic(N=H, Kp=kp2, gated=False, **p)
 
             def t(c13, c2):
                 try:

@@ -27,8 +27,9 @@ from ..formats.experts import PackedExperts, padded_k_experts
 from ..formats.int4 import GROUP_SIZES, K_CHUNK, check_int_choice, unpack
 from ..runtime.device import check_devices, device_of, has_bf16x2, sms_for, use_triton
 from ..runtime.dispatch import define_op
-from ..runtime.launch import Launch, aligned
-from ..tuning import Config, next_pow2, split_k_for
+from ..runtime.launch import Launch
+from ..runtime.plan import Plan, keep, run_built, run_steady
+from ..tuning import Config, Tuner, check_blocks, check_fit, check_kernel, next_pow2, problem_key
 from .common import acc_fence  # (the Triton-version rule of the dense path)
 
 MAX_TOPK = 32  # the top-k sum is unrolled (kernels/moe._topk_sum_kernel)
@@ -122,6 +123,11 @@ class Router:
                                                           ONE_CHUNK=True, num_warps=4), device_index)
         self.e_pow2 = ep
 
+    def bound(self) -> bool:
+        """Whether the launches of the plan's slot count are bound (one chunk: place_one; else
+        count and place)."""
+        return self.place_one.run is not None or (self.count.run is not None and self.place.run is not None)
+
     def __call__(self, topk_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         ids = topk_ids.reshape(-1)
         T, E, bm = ids.numel(), self.E, self.block_m
@@ -140,8 +146,8 @@ class Router:
 
 
 # ----------------------------------------------------------------------------------
-# Configs (one function per M bucket; NOT MEASURED: first guesses from the dense kernel's
-# tiles, for the lead to tune on an H100)
+# Configs: the gate_up and down GEMMs are two tuner problems of one block, each with BLOCK_M
+# fixed by the routing (block_m: one routing serves both GEMMs, so their BLOCK_M agree)
 # ----------------------------------------------------------------------------------
 def moe_block_m(M: int, topk: int, num_experts: int) -> int:
     """BLOCK_M of both GEMMs (one routing serves both), from the average slots per routed expert.
@@ -153,14 +159,29 @@ def moe_block_m(M: int, topk: int, num_experts: int) -> int:
     return 16 if per <= 16 else 32 if per <= 48 else 64 if per < 96 else 128
 
 
-def moe_config(M: int, topk: int, num_experts: int, N: int, Kp: int, gated: bool, sms: int) -> Config:
-    """The tile of one GEMM of the block (N output columns, Kp padded K; gated: gate_up, whose
-    program holds a gate and an up tile of BLOCK_N columns each). From the H100 sweep of the
-    three benchmark models at M = 1, 16, 256, 1024 (benchmarks/probes/moe_config_sweep.py,
-    docs/perf_log.md v39); other GPUs take the same rules."""
-    bm = moe_block_m(M, topk, num_experts)
+def _blocks(M: int, topk: int, E: int, bm: int) -> int:
+    """The blocks a uniform routing fills."""
     T = M * topk
-    blocks = max(min(num_experts, T), -(-T // bm))  # the blocks a uniform routing fills
+    return max(min(E, T), -(-T // bm))
+
+
+def _decode_split(tiles: int, Kp: int, bk: int, want: int) -> int:
+    """Split K until `want` programs (or Kp // bk splits, or 16)."""
+    split = 1
+    while tiles * split < want and split * 2 <= Kp // bk and split < 16:
+        split *= 2
+    return split
+
+
+def moe_heuristic(*, device, M, topk, E, N, Kp, gated, block_m) -> Config:
+    """The tile of one GEMM of the block (N output columns, Kp padded K; gated: gate_up, whose
+    program holds a gate and an up tile of BLOCK_N columns each; block_m: the routing's
+    BLOCK_M, moe_block_m's). From the H100 sweep of the three benchmark models at M = 1, 16,
+    256, 1024 (benchmarks/probes/moe_config_sweep.py, docs/perf_log.md v39); other GPUs take
+    the same rules."""
+    sms = sms_for(device)
+    bm = block_m
+    blocks = _blocks(M, topk, E, bm)
     bk256 = 256 if Kp % 256 == 0 else K_CHUNK
     if bm == 16:  # decode
         if gated:  # 128 columns of each; 64 (and BLOCK_K 128) where even that leaves most SMs idle
@@ -177,30 +198,91 @@ def moe_config(M: int, topk: int, num_experts: int, N: int, Kp: int, gated: bool
     split = 1
     tiles = blocks * -(-N // bn)
     if bm == 16 and tiles < sms:  # split K until every SM has a program (twice, for the gate_up)
-        want = 2 * sms if gated else sms
-        while tiles * split < want and split * 2 <= Kp // bk and split < 16:
-            split *= 2
+        split = _decode_split(tiles, Kp, bk, 2 * sms if gated else sms)
     return Config(bm, bn, bk, split, 8, warps, 3, kernel="moe")
 
 
+def moe_candidates(*, device, M, topk, E, N, Kp, gated, block_m):
+    """The heuristic's config, then the tiles of moe_config_sweep.py at the routing's BLOCK_M:
+    BLOCK_N 32-128 (gate_up) / 64-256 (down), BLOCK_K 128 / 256, unsplit and, at BLOCK_M 16,
+    the split giving 2 programs per SM and half that."""
+    sms = sms_for(device)
+    first = moe_heuristic(device=device, M=M, topk=topk, E=E, N=N, Kp=Kp, gated=gated, block_m=block_m)
+    yield first
+    blocks = _blocks(M, topk, E, block_m)
+    for bn in (32, 64, 128) if gated else (64, 128, 256):
+        for bk in (K_CHUNK, 256):
+            if Kp % bk:
+                continue
+            splits = {1}
+            if block_m == 16:
+                sp = _decode_split(blocks * -(-N // bn), Kp, bk, 2 * sms)
+                splits |= {sp, max(1, sp // 2)}
+            for split in sorted(splits):
+                cfg = Config(block_m, bn, bk, split, 8, 4 if block_m <= 32 else 8, 3, kernel="moe")
+                if cfg != first:
+                    yield cfg
+
+
+def check_moe_config(cfg: Config, *, Kp: int, block_m: int, gated: bool = True, **_) -> None:
+    """ValueError naming the field of a config one GEMM of the block cannot run: the shared
+    checks (tuning.check_blocks / check_kernel / check_fit), whole 128-channel K chunks, and
+    BLOCK_M the routing's (block_m: both GEMMs share one routing)."""
+    what = "gate_up" if gated else "down"
+    check_blocks(cfg)
+    check_kernel(cfg, ("moe",))
+    if cfg.BLOCK_M < 16:
+        raise ValueError(f"{what} config BLOCK_M={cfg.BLOCK_M} must be >= 16 (the smallest tl.dot tile)")
+    if cfg.BLOCK_M != block_m:
+        raise ValueError(f"{what} config BLOCK_M={cfg.BLOCK_M} must be the routing's BLOCK_M={block_m}: "
+                         "gate_up and down BLOCK_M must agree (one routing serves both GEMMs)")
+    if cfg.BLOCK_K % K_CHUNK:
+        raise ValueError(f"{what} config BLOCK_K={cfg.BLOCK_K} must be a multiple of {K_CHUNK}")
+    check_fit(cfg, Kp, Kp)
+
+
+MOE_TUNER = Tuner("moe_w4a16", moe_heuristic, moe_candidates, check_moe_config)
+
+
+def moe_key(M: int, topk: int, E: int, N: int, Kp: int, gated: bool, block_m: int) -> str:
+    return problem_key("moe_w4a16", Kp, N, M, f"{'gate_up' if gated else 'down'}|E={E}|topk={topk}|bm={block_m}")
+
+
+def moe_config(device: torch.device, M: int, topk: int, E: int, I: int, H: int, kp13: int, kp2: int,
+               make_run=None) -> Tuple[Config, Config]:
+    """The (gate_up, down) configs moe_w4a16_launch runs when given none: per GEMM the cached
+    one, else on a problem's first call the tuner's answer (table entry, autotuning with
+    make_run(gated) where enabled, the heuristic), checked. M is exact (BLOCK_M follows it)."""
+    bm = moe_block_m(M, topk, E)
+    out = []
+    for gated, N, Kp in ((True, I, kp13), (False, H, kp2)):
+        memo = (M, topk, E, N, Kp, gated)
+        cfg = MOE_TUNER.lookup(device, memo)
+        if cfg is None:  # first call of this problem on this device
+            cfg = MOE_TUNER.get(moe_key(M, topk, E, N, Kp, gated, bm), device,
+                                None if make_run is None else make_run(gated, out), memo_key=memo,
+                                M=M, topk=topk, E=E, N=N, Kp=Kp, gated=gated, block_m=bm)
+        out.append(cfg)
+    return out[0], out[1]
+
+
 # ----------------------------------------------------------------------------------
-# Launcher: a plan per problem (configs and bound launches), built once
+# Launcher: a plan per problem (configs and bound launches; runtime/plan.py), built once
 # ----------------------------------------------------------------------------------
-def problem_key(x, topk_ids, w13_qweight, w13_zeros, w2_zeros, group_size) -> tuple:
-    """Everything the plan's kernels are specialised for (the operands are contiguous, so
-    their strides follow from the shapes): device, dtype, M, top-k, E, I, H, format, id dtype."""
-    return (x.device, x.dtype, x.shape[0], topk_ids.shape[1], w13_qweight.shape[0], w13_qweight.shape[1] // 2,
-            x.shape[1], group_size, w13_zeros is not None, w2_zeros is not None, topk_ids.dtype)
+class MoEPlan(Plan):
+    """The configs (gate_up: `config`, down: `cfg2`) and bound kernel launches of one MoE
+    problem (the plan key of moe_w4a16_launch): router, gate_up GEMM, the split gate_up's
+    gated reduce, down GEMM, top-k sum. Its calls take the tensors (allocations, strides)."""
 
+    __slots__ = ("cfg2", "M", "topk", "E", "I", "H", "router", "gated_reduce", "down", "topk_sum")
+    takes_tensors = True
 
-class MoEPlan:
-    """The configs and bound kernel launches of one MoE problem (problem_key)."""
-
-    def __init__(self, key: tuple, cfg13: Config, cfg2: Config):
+    def __init__(self, cfg13: Config, cfg2: Config, device: torch.device, dtype: torch.dtype, M: int, topk: int,
+                 E: int, I: int, H: int, group_size: int, z13: bool, z2: bool):
         from ..kernels.moe import _gated_reduce_kernel, _moe_w4a16_kernel, _topk_sum_kernel
 
-        device, dtype, M, topk, E, I, H, group_size, z13, z2, _ = key
-        self.cfg13, self.cfg2, self.M, self.topk, self.E, self.I, self.H = cfg13, cfg2, M, topk, E, I, H
+        self.config, self.cfg2, self.kind = cfg13, cfg2, "moe"
+        self.M, self.topk, self.E, self.I, self.H = M, topk, E, I, H
         emu = dtype == torch.bfloat16 and device.type != "cuda"  # interpreter bf16 (kernels/common.py)
         asm = device.type == "cuda" and (dtype == torch.float16 or has_bf16x2(device.index or 0))
         gs = 0 if group_size == -1 else group_size
@@ -213,18 +295,24 @@ class MoEPlan:
                 BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, ACC_FENCE=asm and acc_fence(), **cfg.launch()), dev)
 
         self.router = Router(E, cfg13.BLOCK_M, dev)
-        self.gate_up = gemm(cfg13, True, z13, H)
+        self.gemm = gemm(cfg13, True, z13, H)  # gate_up
         self.down = gemm(cfg2, False, z2, I)
+        self.reduce = None  # (Plan's split-K reduce: the MoE plan's are gated_reduce and topk_sum)
         self.gated_reduce = None if cfg13.SPLIT_K == 1 else Launch(
             _gated_reduce_kernel, dict(SPLIT_K=cfg13.SPLIT_K, EMU_BF16=emu, BLOCK=_REDUCE_BLOCK, num_warps=4), dev)
         self.topk_sum = Launch(_topk_sum_kernel, dict(TOPK=topk, SPLIT_K=cfg2.SPLIT_K, WEIGHTED=cfg2.SPLIT_K == 1,
                                                       EMU_BF16=emu, BLOCK=_REDUCE_BLOCK, num_warps=4), dev)
 
-    def __call__(self, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales,
-                 w2_zeros) -> torch.Tensor:
+    def bound(self) -> bool:
+        return (self.router.bound() and self.gemm.run is not None and self.down.run is not None
+                and self.topk_sum.run is not None and (self.gated_reduce is None or self.gated_reduce.run is not None))
+
+    def __call__(self, y, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales,
+                 w2_zeros) -> None:
+        """y (M, H) = the block; operands contiguous (topk_ids too)."""
         M, topk, I, H = self.M, self.topk, self.I, self.H
         T = M * topk
-        c13, c2 = self.cfg13, self.cfg2
+        c13, c2 = self.config, self.cfg2
         sorted_slots, block_expert = self.router(topk_ids)
         nb = block_expert.shape[0]
         tw = topk_weights.reshape(-1).float().contiguous()
@@ -232,9 +320,9 @@ class MoEPlan:
         f32 = torch.float32
         ws = None if c13.SPLIT_K == 1 else x.new_empty((c13.SPLIT_K, T, 2 * I), dtype=f32)
         z13 = w13_scales if w13_zeros is None else w13_zeros  # symmetric: an unread pointer
-        self.gate_up((nb * -(-I // c13.BLOCK_N), c13.SPLIT_K), x, w13_qweight, w13_scales, z13, sorted_slots,
-                     block_expert, None, None if ws is not None else h, ws, T, I, H, nb, H, I,
-                     w13_qweight.stride(0), w13_qweight.stride(1), w13_scales.stride(0), w13_scales.stride(1))
+        self.gemm((nb * -(-I // c13.BLOCK_N), c13.SPLIT_K), x, w13_qweight, w13_scales, z13, sorted_slots,
+                  block_expert, None, None if ws is not None else h, ws, T, I, H, nb, H, I,
+                  w13_qweight.stride(0), w13_qweight.stride(1), w13_scales.stride(0), w13_scales.stride(1))
         if ws is not None:
             self.gated_reduce((-(-T * I // _REDUCE_BLOCK), 1), ws, h, T, I)
         split = c2.SPLIT_K
@@ -243,57 +331,58 @@ class MoEPlan:
         self.down((nb * -(-H // c2.BLOCK_N), split), h, w2_qweight, w2_scales, z2, sorted_slots, block_expert,
                   tw, rows if split == 1 else None, None if split == 1 else rows, T, H, I, nb, I, H,
                   w2_qweight.stride(0), w2_qweight.stride(1), w2_scales.stride(0), w2_scales.stride(1))
-        y = x.new_empty((M, H))
         self.topk_sum((-(-M * H // _REDUCE_BLOCK), 1), rows, topk_ids, None if split == 1 else tw, y, M, H, self.E)
-        return y
-
-
-_PLANS: dict = {}
 
 
 def moe_w4a16_launch(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales,
                      w2_zeros, group_size, configs: Optional[Tuple[Config, Config]] = None) -> torch.Tensor:
     """Run the MoE block's kernels (validated operands). configs: (gate_up, down) to force
-    (tests); their BLOCK_M must agree (one routing serves both GEMMs)."""
-    if x.shape[0] == 0:
-        return x.new_empty(x.shape)
-    x = x.contiguous()
-    key = problem_key(x, topk_ids, w13_qweight, w13_zeros, w2_zeros, group_size)
-    # a cached plan's bound launches assume what Triton specialised the first call for: the
-    # pointers 16-byte aligned (ops/launch.py); anything else takes a fresh plan (the JIT path)
-    topk_ids = topk_ids.contiguous()
-    cacheable = configs is None and aligned(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight,
-                                            w2_scales, w2_zeros)
-    plan = _PLANS.get(key) if cacheable else None
-    if plan is None:
-        if configs is None:
-            _, _, M, topk, E, I, H = key[:7]
-            sms = sms_for(x.device)
-            configs = (moe_config(M, topk, E, I, w13_qweight.shape[2] * 8, True, sms),
-                       moe_config(M, topk, E, H, w2_qweight.shape[2] * 8, False, sms))
-        check_configs(*configs, w13_qweight.shape[2] * 8, w2_qweight.shape[2] * 8)
-        plan = MoEPlan(key, *configs)
-        if cacheable:
-            _PLANS[key] = plan
+    (tests), checked; their BLOCK_M must agree (one routing serves both GEMMs).
+
+    Steady state (CUDA, configs=None): the problem's plan (MoEPlan) from one dict lookup under
+    a key that fixes everything the kernels are compiled for (the operands are contiguous, so
+    their strides follow from the shapes); only pointer alignment is checked per call."""
+    M, H = x.shape
+    y = x.new_empty((M, H))
+    if M == 0:
+        return y
+    x, topk_ids = x.contiguous(), topk_ids.contiguous()
+    topk, (E, two_i, kw13) = topk_ids.shape[1], w13_qweight.shape
+    I = two_i // 2
+    operands = (x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales, w2_zeros)
+    key = None
+    if configs is None and x.is_cuda:
+        dev = x.get_device()
+        key = (dev, x.dtype, M, topk, E, I, H, group_size, w13_zeros is not None, w2_zeros is not None,
+               topk_ids.dtype)
+        if run_steady(MOE_TUNER, key, dev, x, y, operands, ()):
+            return y
+    plans = None if key is None else MOE_TUNER.plans_for_build()  # before the config lookup
+    kp13, kp2 = kw13 * 8, w2_qweight.shape[2] * 8
+
+    def build(cfg13: Config, cfg2: Config) -> MoEPlan:
+        return MoEPlan(cfg13, cfg2, x.device, x.dtype, M, topk, E, I, H, group_size, w13_zeros is not None,
+                       w2_zeros is not None)
+
+    def make_run(gated: bool, chosen: list):
+        """The tuner's run(cfg) for one GEMM: the whole block, the other GEMM at the chosen
+        gate_up config (down) or the heuristic (gate_up)."""
+        def run(cfg: Config) -> None:
+            other = chosen[0] if not gated else moe_heuristic(
+                device=x.device, M=M, topk=topk, E=E, N=H, Kp=kp2, gated=False, block_m=cfg.BLOCK_M)
+            (build(cfg, other) if gated else build(other, cfg))(x.new_empty((M, H)), *operands)
+        return run
+
     with device_of(x):
-        return plan(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales, w2_zeros)
-
-
-def check_configs(cfg13: Config, cfg2: Config, kp13: int, kp2: int) -> None:
-    """ValueError naming the field of a (gate_up, down) config pair the kernels cannot run."""
-    if cfg13.BLOCK_M != cfg2.BLOCK_M:
-        raise ValueError(f"configs: gate_up BLOCK_M={cfg13.BLOCK_M} and down BLOCK_M={cfg2.BLOCK_M} must agree "
-                         "(one routing serves both GEMMs)")
-    for what, cfg, kp in (("gate_up", cfg13, kp13), ("down", cfg2, kp2)):
-        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
-            v = getattr(cfg, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"{what} config {name}={v} must be a power of two >= 16")
-        if cfg.BLOCK_K % K_CHUNK or kp % cfg.BLOCK_K:
-            raise ValueError(f"{what} config BLOCK_K={cfg.BLOCK_K} must be a multiple of {K_CHUNK} that divides "
-                             f"the padded K={kp}")
-        if not 1 <= cfg.SPLIT_K <= kp // cfg.BLOCK_K:
-            raise ValueError(f"{what} config SPLIT_K={cfg.SPLIT_K} must lie in [1, {kp // cfg.BLOCK_K}]")
+        if configs is None:
+            configs = moe_config(x.device, M, topk, E, I, H, kp13, kp2, make_run)
+        else:
+            bm = configs[0].BLOCK_M
+            check_moe_config(configs[0], Kp=kp13, block_m=bm, gated=True)
+            check_moe_config(configs[1], Kp=kp2, block_m=bm, gated=False)
+        plan = run_built(lambda: build(*configs), lambda p: p(y, *operands), (), "MoE W4A16")
+    keep(plans, key, plan, *operands)
+    return y
 
 
 # ----------------------------------------------------------------------------------

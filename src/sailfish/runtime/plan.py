@@ -17,8 +17,8 @@ One call of a family's launcher, on CUDA without an explicit config:
 The steady path is tuned to microseconds: `run_steady` is the only layer between a launcher
 and its plan (it replaces the Tuner.plan call), and does no work beyond the list above.
 
-A kernel family implements (ops/w4a16.py, ops/w4a8.py; the activation quantizer's plan is a
-bare `Launch`), all under public names:
+A kernel family implements (ops/w4a16.py, ops/w4a8.py, ops/moe.py; the activation quantizer's
+plan is a bare `Launch`), all under public names:
   - `<family>_heuristic(*, device, M, ...)` and `<family>_candidates(...)` -> Configs, and
     `check_<family>_config(cfg, ...)` (ValueError naming the field; built from
     tuning.check_blocks / check_kernel / check_fit), wired into one `tuning.Tuner`;
