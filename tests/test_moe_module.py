@@ -52,19 +52,29 @@ class Recorder(nn.Module):
         return self.inner(hidden_states, top_k_index, top_k_weights)
 
 
-def check_against_transformers(experts_fp32, layer, x, ids, weights):
+def check_against_transformers(experts_fp32, layer, x, ids, weights, sentinel=False):
     """layer(x, ids, weights) against transformers' experts module (float32, the layer's
     dequantized weights), per element: the bound of test_moe.moe_bound for the layer plus the
-    float32 module's own."""
+    float32 module's own. sentinel: ids hold E ("no local expert"), which transformers'
+    experts accept only in newer releases (5.17's Mixtral one-hot raises): then, where it
+    raises, the layer is checked against the float64 reference alone."""
     gate_up, down = (w.cpu() for w in layer.dequantize())  # (the reference runs on the CPU)
+    ref, bound = moe_bound(x.cpu(), ids.cpu(), weights.cpu(), gate_up, down, x.dtype)
+    _, bound32 = moe_bound(x.cpu(), ids.cpu(), weights.cpu(), gate_up, down, torch.float32)
     with torch.no_grad():
         experts_fp32.gate_up_proj.copy_(gate_up)
         experts_fp32.down_proj.copy_(down)
-        theirs = experts_fp32(x.cpu().float(), ids.cpu(), weights.cpu().float()).double()
         ours = layer(x, ids, weights)
+        try:
+            theirs = experts_fp32(x.cpu().float(), ids.cpu(), weights.cpu().float()).double()
+        except RuntimeError:
+            if not sentinel:
+                raise
+            theirs = None
     assert ours.shape == x.shape and ours.dtype == x.dtype
-    ref, bound = moe_bound(x.cpu(), ids.cpu(), weights.cpu(), gate_up, down, x.dtype)
-    _, bound32 = moe_bound(x.cpu(), ids.cpu(), weights.cpu(), gate_up, down, torch.float32)
+    if theirs is None:
+        assert_moe_close(ours.cpu(), ref, bound)
+        return
     assert_moe_close(ours.cpu(), theirs, bound + bound32)
     assert_moe_close(theirs, ref, bound32)
 
@@ -83,7 +93,7 @@ def test_quant_experts_match_transformers(arch, dtype, gs, sym, device):
     check_against_transformers(experts.float(), layer, x, ids, weights)
     # transformers' id E ("no local expert") contributes nothing, in both
     ids[2, 1] = E
-    check_against_transformers(experts.float(), layer, x, ids, weights.to(dtype))
+    check_against_transformers(experts.float(), layer, x, ids, weights.to(dtype), sentinel=True)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
