@@ -41,7 +41,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from .formats.int4 import QuantizedWeight
 from .formats.qqq import QQQWeight
 from .formats.shard import shard_bias, shard_bounds, shard_quantized, shard_range  # noqa: F401  (re-exported)
-from .fuse import _Fused, shard_fused
+from .fuse import PROJECTIONS, _Fused, shard_fused
 from .nn import QuantLinear, QuantLinearW4A8
 
 Weight = Union[QuantizedWeight, QQQWeight]
@@ -170,7 +170,6 @@ def resolve_plan(plan: dict, names) -> Dict[str, Tuple[int, ParallelStyle]]:
     plan shards: dim 0 for SailfishColwiseParallel, 1 for SailfishRowwiseParallel. A pattern
     naming a fused layer (qkv_proj, gate_up_proj) applies to the projections it stacks.
     ValueError for a pattern that names none of them, TypeError for another style."""
-    from .fuse import PROJECTIONS
     fused_name = {p: f for f, parts in PROJECTIONS for p in parts}
     if not isinstance(plan, dict):
         raise TypeError(f"tp_plan must be a dict of module-name pattern -> SailfishColwiseParallel / "

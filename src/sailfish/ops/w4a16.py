@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ..formats.int4 import K_CHUNK, K_PAD
+from ..formats.int4 import K_CHUNK, K_PAD, PackedW4, unpack
 from ..runtime.device import (check_devices, device_of, has_bf16x2, has_mma_asm, pdl, sm_count,
                               use_triton)
 from ..runtime.dispatch import define_op
@@ -354,8 +354,6 @@ def _check_gluon_config(cfg: Config, kp: int) -> None:
 # ----------------------------------------------------------------------------------
 def w4a16_reference(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_features, group_size):
     """PyTorch twin of the kernel: the same effective weight, an fp32 matmul."""
-    from ..formats.int4 import PackedW4, unpack
-
     w = unpack(PackedW4(qweight, scales, zeros, perm, sorted_g_idx, in_features, group_size)).dequantize()
     y = x.float() @ w.T.to(x.device)
     if bias is not None:
