@@ -410,3 +410,35 @@ def test_tp_worker_error_is_one_line(monkeypatch, capsys):
     assert tp.main(["--nproc", "2", "--preset", "tiny", "--cpu"]) == 1
     assert capsys.readouterr().err == ("python -m sailfish.bench.tp: error: ValueError: kv_heads=2 is not "
                                        "divisible by world_size=3\n")
+
+
+def test_lm_head_option():
+    """lm_head=True quantizes the lm_head that quantize_model and SailfishConfig leave in 16 bits
+    by default; naming it in skip as well is a contradiction, said."""
+    from torch import nn as tnn
+
+    from sailfish import QuantLinear, quantize_model
+
+    def model():
+        m = tnn.Module()
+        m.body, m.lm_head = tnn.Linear(64, 64), tnn.Linear(64, 128)
+        return m
+
+    default = quantize_model(model())
+    assert isinstance(default.body, QuantLinear) and isinstance(default.lm_head, tnn.Linear)
+    assert default.sailfish_report["skipped"] == {"lm_head": "in skip list"}
+    both = quantize_model(model(), lm_head=True)
+    assert isinstance(both.lm_head, QuantLinear) and both.sailfish_report["skipped"] == {}
+    kept = quantize_model(model(), lm_head=True, skip=("body",))
+    assert isinstance(kept.lm_head, QuantLinear) and isinstance(kept.body, tnn.Linear)
+    with pytest.raises(ValueError, match=r"lm_head=True quantizes the lm_head, but skip=\['lm_head'\]"):
+        quantize_model(model(), lm_head=True, skip="lm_head")
+    with pytest.raises(TypeError, match="lm_head=1"):
+        quantize_model(model(), lm_head=1)
+    pytest.importorskip("transformers")
+    from sailfish.hf import SailfishConfig
+
+    assert SailfishConfig().modules_to_not_convert == ["lm_head"]
+    assert SailfishConfig(lm_head=True).modules_to_not_convert == [] and SailfishConfig(lm_head=True).lm_head
+    with pytest.raises(ValueError, match="modules_to_not_convert=\\['lm_head'\\]"):
+        SailfishConfig(lm_head=True, modules_to_not_convert=["lm_head"])

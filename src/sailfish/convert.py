@@ -37,13 +37,32 @@ def module_names(names, arg: str) -> tuple:
     return names
 
 
+# quantize_model's and SailfishConfig's default skip list: the lm_head stays in 16 bits (its
+# rounding shows directly in the logits); lm_head=True quantizes it too. (Compared by
+# identity, so that an explicit ("lm_head",) with lm_head=True is caught as a contradiction.)
+DEFAULT_SKIP = ("lm_head",)
+
+
+def skip_names(skip, lm_head: bool, arg: str = "skip") -> tuple:
+    """The module names to leave alone: DEFAULT_SKIP unless lm_head=True (then none), else
+    `skip` as given (module_names). ValueError when lm_head=True and `skip` names lm_head."""
+    check_flag("lm_head", lm_head)
+    if skip is DEFAULT_SKIP:
+        return () if lm_head else DEFAULT_SKIP
+    names = module_names(skip, arg)
+    if lm_head and "lm_head" in names:
+        raise ValueError(f"lm_head=True quantizes the lm_head, but {arg}={list(names)!r} leaves it alone; "
+                         "drop 'lm_head' from one of them")
+    return names
+
+
 def _skip_match(name: str, skip: Iterable[str]) -> bool:
     parts = name.split(".")
     return any(s == name or s in parts for s in skip)
 
 
 def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sym: bool = True,
-                   skip: Iterable[str] = ("lm_head",), act_bits: int = 16,
+                   skip: Iterable[str] = DEFAULT_SKIP, lm_head: bool = False, act_bits: int = 16,
                    dtype: Optional[torch.dtype] = None, fuse: bool = True, method: str = "rtn",
                    calibration=None, act_order: bool = False, static_groups: bool = False,
                    percdamp: float = 0.01, device=None, progress: Optional[bool] = None) -> nn.Module:
@@ -76,6 +95,9 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
     (model.half(), a no-op for float16 QuantLinears), since the layers take only it.
 
     skip: module names (or name components) left alone; one name may be given as a str.
+    Default: the lm_head (16 bits for accuracy; GPTQModel's "lm_head": false). lm_head=True
+    quantizes it as well (W4A16 decode saves the most on it: docs/perf_log.md v36); an
+    explicit skip replaces the default list (skip=() quantizes the lm_head too).
     A Linear reachable under several names (tied, e.g. shared by two attributes) is
     converted once and the one layer is set under every name (skipped under every name if
     any of them is in skip). Returns the model; what was quantized and what was skipped,
@@ -103,7 +125,7 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
         _check_group_size(group_size)
     _check_layer_dtype(dtype, act_bits)
     gptq = gptq_options(method, calibration, act_bits, act_order, static_groups, percdamp, device, progress)
-    skip = module_names(skip, "skip")
+    skip = skip_names(skip, lm_head)
     if not isinstance(model, nn.Module) or isinstance(model, nn.Linear):
         # (a Linear cannot replace itself in place: it would be returned unchanged)
         what = "an nn.Linear itself" if isinstance(model, nn.Module) else f"a {type(model).__name__}"

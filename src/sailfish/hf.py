@@ -34,7 +34,7 @@ except ImportError as e:  # transformers missing, or too old to accept third-par
 from .formats.int4 import HALF_DTYPES, _check_bits, _check_group_size
 from .formats.qqq import check_group_size_w4a8
 from .fuse import check_fuse_flag
-from .convert import module_names, quantize_model
+from .convert import DEFAULT_SKIP, quantize_model, skip_names
 from .nn import _check_act_bits
 
 QUANT_METHOD = "sailfish"
@@ -47,16 +47,19 @@ class SailfishConfig(QuantizationConfigMixin):
     bits: 4. group_size: 32, 64, 128, 256 or -1 (act_bits=8: -1 or 128). sym: symmetric
     (Marlin) or asymmetric weights. act_bits: 16 (W4A16 QuantLinear) or 8 (W4A8).
     modules_to_not_convert: module names (or name components) left in full precision,
-    default ["lm_head"]; one name may be given as a str. fuse: q/k/v and gate/up as one layer
-    each where exact (sailfish.fuse).
+    default ["lm_head"]; one name may be given as a str. lm_head=True: quantize the lm_head
+    too (then the default list is empty). fuse: q/k/v and gate/up as one layer each where
+    exact (sailfish.fuse).
     """
 
     def __init__(self, bits: int = 4, group_size: int = 128, sym: bool = True, act_bits: int = 16,
-                 modules_to_not_convert: Optional[Iterable[str]] = ("lm_head",), fuse: bool = True, **kwargs):
+                 modules_to_not_convert: Optional[Iterable[str]] = DEFAULT_SKIP, fuse: bool = True,
+                 lm_head: bool = False, **kwargs):
         self.quant_method = QUANT_METHOD
         self.bits, self.group_size, self.sym, self.act_bits = bits, group_size, sym, act_bits
         self.fuse = fuse
-        self.modules_to_not_convert = list(module_names(modules_to_not_convert, "modules_to_not_convert"))
+        self.lm_head = lm_head
+        self.modules_to_not_convert = list(skip_names(modules_to_not_convert, lm_head, "modules_to_not_convert"))
         self.post_init()
 
     def post_init(self) -> None:

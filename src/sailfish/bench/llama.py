@@ -77,9 +77,9 @@ VARIANTS: Dict[str, Variant] = {v.name: v for v in (
             dict(group_size=128, sym=True, fuse=False)),
     Variant("w4a8", "W4A8 g128 fp16", torch.float16, dict(group_size=128, act_bits=8)),
     Variant("w4a8-unfused", "W4A8 g128 fp16, unfused", torch.float16, dict(group_size=128, act_bits=8, fuse=False)),
-    # lm_head quantized too (skip nothing; quantize_model skips it by default, for accuracy)
+    # lm_head quantized too (quantize_model leaves it in 16 bits by default, for accuracy)
     Variant("w4a16-lmhead", "W4A16 sym g128 fp16, lm_head quantized", torch.float16,
-            dict(group_size=128, sym=True, skip=())),
+            dict(group_size=128, sym=True, lm_head=True)),
     Variant("bf16", "bf16", torch.bfloat16, None),
     Variant("w4a16-bf16", "W4A16 sym g128 bf16", torch.bfloat16, dict(group_size=128, sym=True)),
     Variant("w4a16-asym-bf16", "W4A16 asym g128 bf16 (GPTQ-style)", torch.bfloat16,
@@ -88,7 +88,7 @@ VARIANTS: Dict[str, Variant] = {v.name: v for v in (
 # What runs without --variants: all but the unfused twins, the quantized lm_head and the sym
 # bf16 W4A16 (the MoE models' variant: transformers' grouped_mm experts are bf16 kernels).
 DEFAULT_VARIANTS = tuple(n for n, v in VARIANTS.items()
-                         if (v.quant or {}).get("fuse", True) and "skip" not in (v.quant or {})
+                         if (v.quant or {}).get("fuse", True) and not (v.quant or {}).get("lm_head")
                          and n != "w4a16-bf16")
 MOE_DEFAULT_VARIANTS = ("bf16", "w4a16-bf16")
 
