@@ -25,66 +25,95 @@ def _hessian(k: int, rows: int, seed: int, dead: int = 0) -> torch.Tensor:
     return h.value()
 
 
-def _near_tie(x: torch.Tensor) -> torch.Tensor:
-    return ((x - x.floor()) - 0.5).abs() <= TIE
+def _near_tie(x: torch.Tensor, tie=TIE) -> torch.Tensor:
+    return ((x - x.floor()) - 0.5).abs() <= tie
 
 
-def reference_gptq(w, h, follow, *, group_size, sym, act_order, static_groups, percdamp, dtype):
+def _rounding_range(x: torch.Tensor, tie=TIE):
+    """(low, high): round(x) twice, except where x lies within `tie` of a rounding tie, where
+    the float32 solver may round either way: floor(x) and ceil(x)."""
+    near, r = _near_tie(x, tie), torch.round(x)
+    return torch.where(near, x.floor(), r), torch.where(near, x.ceil(), r)
+
+
+class Follower:
+    """The ties a column rule of reference_gptq took from the solver: `take(mine, theirs,
+    low, high, what)` asserts that the solver's values lie in [low, high] (the reference's
+    own choice, widened to both neighbours where it lies within TIE of a rounding tie) and
+    returns them, counting where they differ from the reference's own."""
+
+    def __init__(self):
+        self.ties = 0
+
+    def take(self, mine, theirs, low, high, what):
+        theirs = theirs.to(mine.dtype)
+        assert bool(((low <= theirs) & (theirs <= high)).all()), f"{what} differ"
+        self.ties += int((mine != theirs).sum())
+        return theirs
+
+
+class Int4Rule(Follower):
+    """reference_gptq's column rule for formats.int4 (gptq_quantize), following `follow` (the
+    solver's QuantizedWeight): a group's grid from its current weights when its first column
+    comes in GPTQ's order (or from the original weight with static groups, groups of channels)."""
+
+    def __init__(self, follow, *, group_size, sym, static_groups, dtype):
+        super().__init__()
+        self.follow, self.group_size, self.sym, self.static, self.dtype = follow, group_size, sym, static_groups, dtype
+        self.group = follow.group_index()
+        self.s = self.z = None
+
+    def __call__(self, t, c, w, original, order):
+        k, f = w.shape[1], self.follow
+        gs = k if self.group_size == -1 else self.group_size
+        if self.static or t % gs == 0:
+            g = c // gs if self.static else t // gs
+            cols = torch.arange(g * gs, min(k, g * gs + gs)) if self.static else order[t:t + gs]
+            current = (original if self.static else w)[:, cols]
+            exact, s, _ = grid(current, self.sym, self.dtype)
+            # a differing scale: the exact one lies at the midpoint of the two stored values
+            mid = (s.double() + f.scales[g].double()) / 2
+            assert bool(((exact - mid).abs() <= TIE * exact)[s != f.scales[g]].all()), f"group {g}: scales differ"
+            self.ties += int((s != f.scales[g]).sum())
+            self.s = f.scales[g].double()
+            if not self.sym:
+                x = -current.amin(dim=1).clamp(max=0) / self.s
+                self.z = self.take(torch.round(x).clamp(0, 15), f.zeros[g],
+                                   *(r.clamp(0, 15) for r in _rounding_range(x)),
+                                   f"group {g}: zero points")
+        assert int(self.group[c]) == (c // gs if self.static else t // gs), f"channel {c}: group"
+        z = 8 if self.z is None else self.z
+        x = w[:, c] / self.s
+        low, high = _rounding_range(x)
+        code = self.take((torch.round(x) + z).clamp(0, 15), f.qweight[:, c], (low + z).clamp(0, 15),
+                         (high + z).clamp(0, 15), f"channel {c}: codes")
+        return (self.s * (code - z)).to(self.dtype).double()
+
+
+def reference_gptq(w, h, rule, *, act_order, percdamp):
     """GPTQ one column at a time in float64, straight from the paper (its Algorithm 1 before
     the Cholesky and lazy-batch rewrites, i.e. Optimal Brain Surgeon's updates):
         e = (w_c - q_c) / [H^-1]_cc,  w_F -= e [H^-1]_{c,F},
         H^-1 <- H^-1 - [H^-1]_{:,c} [H^-1]_{c,:} / [H^-1]_cc   (eliminate c).
-    Grids as in the paper's group rule (a group's grid from its current weights when its
-    first column comes, or from the original weight with static groups).
-    `follow` (the solver's QuantizedWeight): where the reference's own choice of a scale, zero
-    point or code lies within TIE of a rounding tie, the solver's may differ by one step and
-    the reference then takes it, so both stay on one path; everywhere else they must agree
-    exactly. Returns the number of such ties taken."""
-    n, k = w.shape
+    q_c = rule(t, c, w, original, order): the effective weight (N,) of column c, the t-th in
+    GPTQ's `order`, quantized from the current weights w (original: before any update) by the
+    format's rule (Int4Rule; test_qqq_calibrate's for W4A8). The rule follows the solver's
+    choice where its own lies within TIE of a rounding tie (the solver may round the other
+    way), so both stay on one path; everywhere else they must agree exactly (rule.ties counts
+    the ties taken)."""
     w, h = w.double().clone(), h.double().clone()
     dead = torch.diag(h) == 0
     h[dead, dead] = 1
     w[:, dead] = 0
-    gs = k if group_size == -1 else group_size
-    order = torch.argsort(torch.diag(h), descending=True, stable=True) if act_order else torch.arange(k)
+    order = torch.argsort(torch.diag(h), descending=True, stable=True) if act_order else torch.arange(w.shape[1])
     original = w.clone()
     h.diagonal().add_(percdamp * torch.diag(h).mean())
     hinv = torch.linalg.inv(h)
-    f_codes, f_scales = follow.qweight.double(), follow.scales
-    f_zeros, f_group = follow.zeros, follow.group_index()
-    ties, s, z = 0, None, None
     for t, c in enumerate(order.tolist()):
-        if static_groups or t % gs == 0:
-            g = c // gs if static_groups else t // gs
-            cols = torch.arange(g * gs, min(k, g * gs + gs)) if static_groups else order[t:t + gs]
-            exact, s, z = grid((original if static_groups else w)[:, cols], sym, dtype)
-            fs = f_scales[g]
-            differ = s != fs
-            # a differing scale: the exact one lies at the midpoint of the two stored values
-            mid = (s.double() + fs.double()) / 2
-            assert bool(((exact - mid).abs() <= TIE * exact)[differ].all()), f"group {g}: scales differ"
-            ties += int(differ.sum())
-            s = fs
-            if not sym:
-                lo = (original if static_groups else w)[:, cols].amin(dim=1).clamp(max=0)
-                x = -lo / s.double()
-                z = torch.round(x).clamp(0, 15)
-                differ = z != f_zeros[g].double()
-                assert bool(_near_tie(x)[differ].all()), f"group {g}: zero points differ"
-                ties += int(differ.sum())
-                z = f_zeros[g].double()
-        assert bool((f_group[c] == (c // gs if static_groups else t // gs))), f"channel {c}: group"
-        x = w[:, c] / s.double()
-        code = (torch.round(x) + (8 if z is None else z)).clamp(0, 15)
-        differ = code != f_codes[:, c]
-        assert bool((_near_tie(x) & ((code - f_codes[:, c]).abs() == 1))[differ].all()), f"channel {c}: codes"
-        ties += int(differ.sum())
-        code = f_codes[:, c]
-        q = (s.double() * (code - (8 if z is None else z))).to(dtype).double()
+        q = rule(t, c, w, original, order)
         e = (w[:, c] - q) / hinv[c, c]
         w -= e[:, None] * hinv[c][None, :]
         hinv -= hinv[:, c:c + 1] @ hinv[c:c + 1, :] / hinv[c, c]
-    return ties
 
 
 # Two Hessians: full rank (1024 rows), and rank-deficient (128 rows) with 3 dead channels
@@ -107,8 +136,9 @@ def test_blocked_equals_column_by_column(sym, group_size, act_order, static_grou
     kw = dict(group_size=group_size, sym=sym, act_order=act_order, static_groups=static_groups, percdamp=0.01,
               dtype=dtype)
     qw = gptq_quantize(w, h, **kw)
-    ties = reference_gptq(w, h, qw, **kw)
-    assert ties <= n * k // 1000, f"{ties} rounding ties taken: more than float32 rounding explains"
+    rule = Int4Rule(qw, group_size=group_size, sym=sym, static_groups=static_groups, dtype=dtype)
+    reference_gptq(w, h, rule, act_order=act_order, percdamp=0.01)
+    assert rule.ties <= n * k // 1000, f"{rule.ties} rounding ties taken: more than float32 rounding explains"
     assert (qw.g_idx is not None) == (act_order and group_size != -1 and not static_groups)
     if dead:  # dead channels hold weight 0
         assert bool((qw.dequantize()[:, k - dead:] == 0).all())
