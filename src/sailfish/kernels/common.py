@@ -58,7 +58,7 @@ def split_k_range(pid_k, K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
 
 
 # ----------------------------------------------------------------------------------
-# Split-K inside one launch ("fixup"; W4A8 since docs/perf_log.md v23, W4A16's GEMVs since v35)
+# Split-K inside one launch ("fixup": W4A8, docs/perf_log.md v23; W4A16's GEMVs, issue 39)
 # ----------------------------------------------------------------------------------
 # Instead of a second kernel summing the (SPLIT_K, M, N) workspace, the last slice of each output
 # tile to finish sums it. sync_ptr holds int32 counters, one per output tile from SYNC_TILES on,
