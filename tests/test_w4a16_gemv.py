@@ -434,3 +434,157 @@ def test_gemv_heuristic_is_valid(m, kp):
     cfg = ops16.w4a16_heuristic(device=torch.device("cpu"), M=m, N=4096, Kp=kp, group_size=-1, general_gidx=False)
     assert cfg.kernel == "gemv" and gemv_on_tensor_cores(cfg, torch.empty(m, 64), 0, False)
     ops16.check_w4a16_config(cfg, kp, m)
+
+
+# split-K slices added inside the GEMV (ops/w4a16.gemv_fixup): 784 channels in 4 K tiles of 256 split 3
+# (2 + 2 + an empty slice) or 7 of 128 split 2 (4 + 3, a K tail), N = 40 not a multiple of BLOCK_N;
+# the CUDA-core GEMV where the tensor-core one does not apply (group 64)
+#   M   gs    sym    dtype bias  config
+FIXUP_CASES = [
+    (1, 128, True, F16, True, gemv(1, 16, 256, 3)),
+    (3, -1, False, BF16, True, gemv(4, 32, 128, 2, scale_acc=True)),
+    (1, 64, False, BF16, True, gemv(1, 16, 256, 3)),
+    (2, 64, True, F16, False, gemv(2, 16, 128, 2)),
+]
+
+
+@pytest.mark.parametrize("m,gs,sym,dtype,bias,cfg", FIXUP_CASES,
+                         ids=["mma-M1", "mma-M3-scale_acc", "cuda-cores-M1", "cuda-cores-M2"])
+def test_gemv_split_k_in_one_launch(m, gs, sym, dtype, bias, cfg, device, monkeypatch):
+    """A split-K GEMV call is one launch: each tile's last slice adds the slices (kernels/w4a16.py
+    _gemv_fixup) in the reduce kernel's order, so the output equals the two-launch path's bit for
+    bit (same shape, computed twice) and the reference per element; every tile counter is back at
+    zero afterwards (the next launch on the stream relies on it)."""
+    from sailfish.ops.common import sync_buffer
+    from sailfish.runtime import launch as launch_mod
+
+    k, n = 784, 40
+    layer = make_layer(k, n, gs, sym, dtype, bias, device)
+    x = torch.randn(m, k, device=device).to(dtype)
+    assert gemv_on_tensor_cores(cfg, x, 0 if gs == -1 else gs, False) == (gs != 64)
+    launches = []
+    call = launch_mod.Launch.__call__
+    monkeypatch.setattr(launch_mod.Launch, "__call__", lambda self, *a: (launches.append(self.fn), call(self, *a)))
+    out = {}
+    for fixup in (False, True):
+        monkeypatch.setattr(FLAGS, "split_fixup", fixup)
+        launches.clear()
+        out[fixup] = launch(layer, x, cfg)
+        assert len(launches) == (1 if fixup else 2), [f.__name__ for f in launches]
+    assert torch.equal(out[True], out[False])
+    w = layer.quantized_weight().dequantize(rounded=not cfg.scale_acc)
+    assert_close_per_element(out[True], x, w, layer.bias)
+    assert not sync_buffer(x.device, x.get_device()).any(), "tile counters left non-zero"
+
+
+def test_gemv_fixup_rule(monkeypatch):
+    """The fixup takes the split-K GEMVs only, while the tile counters serve the launch
+    (ops/common.py fixup_fits), and SAILFISH_SPLIT_FIXUP=0 turns it off."""
+    assert ops16.gemv_fixup(gemv(1, 16, 256, 2), 1, 4096)
+    assert not ops16.gemv_fixup(gemv(1, 16, 256, 1), 1, 4096)  # no split
+    assert not ops16.gemv_fixup(Config(16, 64, 256, 2), 16, 4096)  # the mma kernel: the reduce kernel
+    assert not ops16.gemv_fixup(gemv(1, 16, 256, 2), 1, 16 * (1 << 14) + 1)  # more tiles than counters
+    monkeypatch.setattr(FLAGS, "split_fixup", False)
+    assert not ops16.gemv_fixup(gemv(1, 16, 256, 2), 1, 4096)
+
+
+@pytest.mark.parametrize("m,gs,cfg", [(1, -1, gemv(1, 16, 128, 3)), (3, -1, gemv(4, 32, 128, 3)),
+                                      (1, 64, gemv(1, 16, 128, 3))], ids=["mma-M1", "mma-M3", "cuda-cores-M1"])
+def test_gemv_split_k_sums_in_slice_order(m, gs, cfg, device):
+    """The in-kernel slice sum keeps the reduce kernel's order 0, 1, 2 whichever slice finishes
+    last, where the order decides the bits: x is 2**30 at a channel of slice 0, -2**30 at one of
+    slice 1 with the same weights (same codes, scales and zero points), 2**-10 at one of slice 2,
+    so (A + B) + C = C exactly per output, while C + B loses C (rows of |w| > 0). Compared to
+    that exact value (no bias: bf16 would round C away beside it)."""
+    k, n, c0, c1, c2 = 784, 40, 5, 400, 770  # 7 K tiles of 128 split 3: channels [0, 384), [384, 768), [768, 784)
+    qw = random_quantized(k, n, gs, False, BF16, None, device)
+    qw.qweight[:, c1] = qw.qweight[:, c0]
+    if gs != -1:  # the two channels' groups alike
+        qw.scales[c1 // gs] = qw.scales[c0 // gs]
+        qw.zeros[c1 // gs] = qw.zeros[c0 // gs]
+    layer = QuantLinear.from_quantized(qw, None)
+    x = torch.zeros(m, k, device=device, dtype=BF16)
+    x[:, c0], x[:, c1], x[:, c2] = 2.0 ** 30, -2.0 ** 30, 2.0 ** -10
+    assert gemv_on_tensor_cores(cfg, x, max(gs, 0), False) == (gs == -1) and ops16.gemv_fixup(cfg, m, n)
+    w = layer.quantized_weight().dequantize().float()
+    assert torch.equal(w[:, c0], w[:, c1]) and (w[:, c0] != 0).any()
+    y = launch(layer, x, cfg)
+    assert torch.equal(y, (w[:, c2] * 2.0 ** -10).to(BF16).expand(m, n))
+
+
+_FIXUP_PTX_CHILD = r"""
+import re
+import sys
+from sailfish.kernels.w4a16 import _w4a16_gemv_kernel
+from sailfish.tools.ptx import ast_source, compile_gemv, gemv_loop, ptxas_report
+import triton
+from triton.backends.compiler import GPUTarget
+
+
+def registers(ptx):
+    rep = ptxas_report(ptx)
+    return int(re.search(r"Used (\d+) registers", rep).group(1)), " 0 bytes spill stores" in rep
+
+
+def protocol(ptx):  # the count-in (acq_rel), the slices read past L1, the counter reset
+    return ("atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx and "atom.global.gpu.relaxed.exch" in ptx)
+
+
+bad = []
+for c in [(1, 16, 1024, 2, 8, 1), (2, 32, 512, 4, 4, 2)]:
+    base, fx = (compile_gemv(*c, fixup=f).asm["ptx"] for f in (False, True))
+    loops = [gemv_loop(*c, fixup=f).per_weight for f in (False, True)]
+    if not protocol(fx) or protocol(base) or loops[0] != loops[1] or registers(fx)[0] > registers(base)[0] + 8 \
+            or not registers(fx)[1]:
+        bad.append((c, loops, registers(base), registers(fx)))
+sig = {"x_ptr": "*fp16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "gidx_ptr": "*i32", "bias_ptr": "*fp16",
+       "y_ptr": "*fp16", "ws_ptr": "*fp32", **{k: "i32" for k in ("M", "N", "K", "stride_xm", "stride_ym", "stride_qn",
+                                                                "stride_sn")}, "sync_ptr": "*i32"}
+ptx = triton.compile(ast_source(_w4a16_gemv_kernel, sig, dict(
+    GROUP_SIZE=64, HAS_ZEROS=True, HAS_GIDX=False, HAS_BIAS=True, EVEN_K=True, SPLIT_K=4, EMU_BF16=False, USE_ASM=True,
+    BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, FIXUP=True)), target=GPUTarget("cuda", 90, 32),
+    options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
+if not protocol(ptx) or not registers(ptx)[1]:
+    bad.append(("cuda-cores", registers(ptx)))
+print("checked")
+sys.exit(f"GEMV fixup off target: {bad}" if bad else 0)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
+def test_gemv_fixup_compiles_to_its_protocol(tmp_path):
+    """Compiled for sm_90a: a split-K GEMV with FIXUP counts its slice in with an acq_rel atomic
+    at GPU scope (after a CTA barrier), the last slice reads the workspace with ld.global.cg
+    (past the L1, which another SM's stores do not update) and resets the counter; the K loop
+    of the tensor-core GEMV keeps its instructions per weight and the registers stay within 8 of
+    the two-launch kernel's, with no spill."""
+    run_compile_child(_FIXUP_PTX_CHILD, tmp_path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_gemv_fixup_in_a_cuda_graph():
+    """A captured split-K GEMV with the in-kernel sum replays correctly again and again: each
+    launch leaves its stream's tile counters at zero (no memset, no host sync, nothing allocated
+    outside the graph's pool), and the replays equal eager calls on fresh inputs bit for bit."""
+    from sailfish.ops import common
+
+    layer = make_layer(2048, 256, 128, True, F16, True, "cuda")
+    cfg = gemv(1, 16, 512, 4)
+    x = torch.randn(1, 2048, device="cuda").half()
+    assert ops16.gemv_fixup(cfg, 1, 256)
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up (compile) off the capture
+            launch(layer, x, cfg)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = launch(layer, x, cfg)
+        for _ in range(3):
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            assert torch.equal(out, launch(layer, x, cfg))
+    torch.cuda.synchronize()
+    assert not any(buf.any() for buf in common._SYNC.values()), "tile counters left non-zero"

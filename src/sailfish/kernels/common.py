@@ -57,6 +57,41 @@ def split_k_range(pid_k, K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     return kt0, tl.minimum(kt0 + per_split, k_tiles)
 
 
+# ----------------------------------------------------------------------------------
+# Split-K inside one launch ("fixup": W4A8, docs/perf_log.md v23; W4A16's GEMVs, issue 39)
+# ----------------------------------------------------------------------------------
+# Instead of a second kernel summing the (SPLIT_K, M, N) workspace, the last slice of each output
+# tile to finish sums it. sync_ptr holds int32 counters, one per output tile from SYNC_TILES on,
+# zero between launches (each launch leaves them as it found them: no memset), one buffer per
+# device and stream (ops/common.py sync_buffer). The sum runs over the slices in slice order
+# whichever slice arrives last, so the result does not depend on the programs' timing.
+SYNC_TILES = tl.constexpr(32)  # (the first 128 bytes are left free)
+
+
+@triton.jit
+def last_slice(cnt_ptr, SPLIT_K: tl.constexpr):
+    """Count this program's slice in on its tile's counter, once all of its threads have stored
+    their part of the partial tile (the barrier orders every thread's stores before the release);
+    True for the tile's last slice, whose acquire makes the other slices' stores visible to it."""
+    tl.debug_barrier()
+    return tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == SPLIT_K - 1
+
+
+@triton.jit
+def sum_slices(total, ws_ptr, offs, cnt_ptr, mn, mask, SPLIT_K: tl.constexpr):
+    """The last slice (last_slice): total (zeros, the tile's shape and dtype) plus the SPLIT_K
+    slices of the workspace at offs (the tile's offsets within a slice, 32-bit: the launchers take
+    this path only while M * N < 2**31; mn: one slice's size, 64-bit) in slice order, read past L1
+    (.cg: another SM wrote them); then the counter back to zero for the next launch. One slice per
+    loop step: unrolled, every slice's load stays in flight and the registers (allocated for the
+    whole kernel, K loop included) went from 80 to 255 at W4A8's BM 64 / BN 64 / split 8."""
+    tl.debug_barrier()
+    for s in tl.range(0, SPLIT_K, num_stages=1):
+        total += tl.load((ws_ptr + s * mn) + offs, mask=mask, other=0, cache_modifier=".cg")
+    tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
+    return total
+
+
 @triton.jit
 def join8(n0, n1, n2, n3, n4, n5, n6, n7):
     """8 tensors (..., R) -> (..., R, 2, 2, 2) with element [..., r, i, l, m] = n_{4i + 2l + m}[..., r].

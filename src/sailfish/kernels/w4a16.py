@@ -18,7 +18,9 @@ Design (why, see docs/perf_log.md for the measurements):
   the GPU path does it two values per instruction (Marlin's lop3 trick, `_ASM_DEQUANT`).
 - Split-K over a fixed partition of the K tiles when there are too few output tiles
   to fill the GPU; partial sums go to an fp32 workspace and `_splitk_reduce_kernel`
-  adds them in a fixed order, so results are deterministic run to run.
+  adds them in a fixed order, so results are deterministic run to run. The GEMVs (FIXUP)
+  can instead have each output tile's last slice add them (`_gemv_fixup`): the same order and
+  the same bits, one launch instead of two.
 - Offsets that scale with M * N or N * K are int64 (57344 x 40960 passes 2^31).
 """
 import re
@@ -27,7 +29,8 @@ from functools import lru_cache
 import triton
 import triton.language as tl
 
-from .common import cast_out, grouped_tile, join8, pdl_release, pdl_wait, round_bf16_emu, split_k_range
+from .common import (SYNC_TILES, cast_out, grouped_tile, join8, last_slice, pdl_release, pdl_wait, round_bf16_emu,
+                     split_k_range, sum_slices)
 
 # One int32 word -> its 8 codes, dequantized, as 8 half-precision values (Marlin's trick):
 # lop3 (w & 0x000f000f) | MAGIC puts nibbles j and j+4 into the mantissas of a half2 whose
@@ -475,15 +478,16 @@ def _w4a16_kernel(
 @triton.jit
 def _w4a16_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, y_ptr, ws_ptr,
-    M, N, K, stride_xm, stride_ym, stride_qn, stride_sn,
+    M, N, K, stride_xm, stride_ym, stride_qn, stride_sn, sync_ptr,
     GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr,
     USE_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL_EARLY: tl.constexpr = False,
+    PDL_EARLY: tl.constexpr = False, FIXUP: tl.constexpr = False,
 ):
     """Small M (BLOCK_M >= M rows, one program per N tile): y[m, n] = sum_k x[m, k] W[n, k]
     on CUDA cores, fp32 FMAs into a (BLOCK_M, BLOCK_N, BLOCK_K) accumulator reduced once
-    at the end. Same dequantization and split-K protocol as _w4a16_kernel. The weights stay
+    at the end. Same dequantization and split-K protocol as _w4a16_kernel (FIXUP, sync_ptr: the
+    slices added in the kernel, _gemv_fixup). The weights stay
     in word order (a sum over K does not care about the order); x is read in that order.
     Why a separate path: at M = 1 the FMAs are cheaper than filling a 16-wide MMA
     (8192x57344 on H200: 166 us with tl.dot vs 122 us here, natural-order layout)."""
@@ -547,6 +551,9 @@ def _w4a16_gemv_kernel(
         tl.store(y_ptr + offs_m[:, None] * stride_ym + on[None, :], cast_out(out, DTYPE, EMU_BF16), mask=mask)
     else:
         tl.store(ws_ptr + (pid_k * M + offs_m[:, None]) * N + on[None, :], out, mask=mask)
+        if FIXUP:
+            _gemv_fixup(ws_ptr, bias_ptr, y_ptr, sync_ptr, pid_n, M, N, stride_ym, SPLIT_K, HAS_BIAS, EMU_BF16, DTYPE,
+                        BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -592,6 +599,30 @@ def _splitk_reduce_kernel(ws_ptr, bias_ptr, y_ptr, M, N, stride_ym,
         acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
     m = offs // N
     tl.store(y_ptr + m * stride_ym + n, cast_out(acc, y_ptr.dtype.element_ty, EMU_BF16), mask=mask)
+
+
+@triton.jit
+def _gemv_fixup(ws_ptr, bias_ptr, y_ptr, sync_ptr, pid_n, M, N, stride_ym, SPLIT_K: tl.constexpr,
+                HAS_BIAS: tl.constexpr, EMU_BF16: tl.constexpr, DTYPE: tl.constexpr, ROWS: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """Split-K without the reduce kernel (FIXUP), for a GEMV program that has stored its partial
+    sums of rows n in [pid_n * BLOCK_N, + BLOCK_N) and batch rows m < M <= ROWS (a power of two)
+    in the workspace slice pid_k: it counts itself in on the tile's counter (kernels/common.py
+    last_slice), and the tile's last slice computes exactly what _splitk_reduce_kernel does for
+    these outputs: zero plus slices 0, 1, ..., SPLIT_K - 1 in fp32, plus the bias, cast once
+    (sum_slices; bit for bit the same, tests/test_w4a16_gemv.py). The launcher takes this path
+    only while M * N < 2**31 (32-bit offsets within a slice)."""
+    cnt = sync_ptr + SYNC_TILES + pid_n
+    if last_slice(cnt, SPLIT_K):
+        offs_m = tl.arange(0, ROWS)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        acc = sum_slices(tl.zeros((ROWS, BLOCK_N), tl.float32), ws_ptr, offs_m[:, None] * N + offs_n[None, :], cnt,
+                         tl.cast(M, tl.int64) * N, mask, SPLIT_K)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n % N).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n.to(tl.int64)[None, :], cast_out(acc, DTYPE, EMU_BF16),
+                 mask=mask)
 
 
 # ----------------------------------------------------------------------------------
@@ -885,12 +916,12 @@ def _gemv_pair_words(wl, wh, ql, qh, dt, PREFETCH: tl.constexpr):
 @triton.jit
 def _w4a16_gemv_mma_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
-    M, N, K, stride_xm, stride_ym, stride_qn, stride_sn,
+    M, N, K, stride_xm, stride_ym, stride_qn, stride_sn, sync_ptr,
     GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr, ASM: tl.constexpr,
     ASM_CONSTRAINTS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PDL_EARLY: tl.constexpr = False, SCALE_ACC: tl.constexpr = False,
-    RING: tl.constexpr = 1,
+    RING: tl.constexpr = 1, FIXUP: tl.constexpr = False,
 ):
     """y (M, N) = x (M, K) @ W^T for M <= BLOCK_M <= 8, on the tensor cores (mma.sync
     m16n8k16, fp32 accumulators) with the weights read straight into registers: see the
@@ -911,7 +942,8 @@ def _w4a16_gemv_mma_kernel(
     a tile's words with one tile in flight per warp (docs/perf_log.md v24); measured (H100, v26)
     6-12% slower than RING = 1 on the 8 Llama shapes at M = 1-2, so only the offline tuner's
     --experimental offers it. SCALE_ACC: each chunk's fp32 product is scaled once per row (ASM must be the
-    gemv_asm(..., scale_acc=True) text). Split-K as _w4a16_kernel. Accumulator acc_{4p + i} (V, 4): lane (v, t) holds
+    gemv_asm(..., scale_acc=True) text). Split-K as _w4a16_kernel; FIXUP (sync_ptr: the
+    stream's tile counters) adds the slices in the kernel (_gemv_fixup). Accumulator acc_{4p + i} (V, 4): lane (v, t) holds
     y[2t + i % 2] of row 16 (P rb + p) + g + 8 (i // 2) over chunk slot c."""
     pdl_release(PDL_EARLY)
     DTYPE = x_ptr.dtype.element_ty
@@ -1040,3 +1072,6 @@ def _w4a16_gemv_mma_kernel(
                     EMU_BF16, DTYPE)
         _gemv_store(acc7, n1h, 1, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, C, HAS_BIAS, SPLIT_K,
                     EMU_BF16, DTYPE)
+    if SPLIT_K > 1 and FIXUP:  # (rows m < M <= BLOCK_M <= 8)
+        _gemv_fixup(ws_ptr, bias_ptr, y_ptr, sync_ptr, pid_n, M, N, stride_ym, SPLIT_K, HAS_BIAS, EMU_BF16, DTYPE, 8,
+                    BLOCK_N)

@@ -51,7 +51,7 @@ Math and layouts: formats/qqq.py. Design (why):
 import triton
 import triton.language as tl
 
-from .common import cast_out, grouped_tile, split_k_range
+from .common import SYNC_TILES, cast_out, grouped_tile, last_slice, split_k_range, sum_slices
 
 _RND = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + _RND has ulp 1 for |x| <= 2**22
 _RND_BITS = tl.constexpr(0x4B400000)  # bit pattern of _RND
@@ -164,35 +164,21 @@ def _quantize_per_token_kernel(x_ptr, xq_ptr, s_ptr, K, stride_xm, stride_qm,
 # ----------------------------------------------------------------------------------
 # GEMM
 # ----------------------------------------------------------------------------------
-# Split-K inside one launch (FIXUP): sync_ptr holds int32 counters, one per output tile from
-# SYNC_TILES on, zero between launches (each launch leaves them as it found them), one buffer
-# per stream (ops/w4a8.py sync_buffer).
-SYNC_TILES = tl.constexpr(32)  # (the first 128 bytes are left free)
-
-
 @triton.jit
 def _add_slices(acc, ws_ptr, offs, cnt_ptr, mn, mask, SPLIT_K: tl.constexpr):
-    """Split-K without a reduce kernel: every slice stores its partial tile in the workspace
-    (SPLIT_K, M, N) (offs: the tile's offsets within a slice, 32-bit: the launcher takes this path
-    only while M * N < 2**31; mn: one slice's size, 64-bit) and counts
-    itself in (release, after a barrier: every thread's stores are ordered before it). The last
-    of the tile's slices to do so (acquire) adds the SPLIT_K slices in slice order (int32: exact;
-    fp8's float32: one fixed order, so deterministic as well), zeroes the counter and returns
-    (True, sum); the others (False, their partial). The slices are read one per loop step and its
-    own partial from memory too: unrolled, or keeping acc live, the kernel's registers (allocated
-    for the whole kernel, K loop included) went from 80 to 158-255 at BM 64 / BN 64 / split 8;
-    64-bit pointers per element cost BM 32 / BN 64 26 more registers than 32-bit offsets."""
+    """Split-K without a reduce kernel (kernels/common.py last_slice, sum_slices): every slice
+    stores its partial tile in the workspace (SPLIT_K, M, N) and counts itself in; the last of
+    the tile's slices adds the SPLIT_K slices in slice order (int32: exact; fp8's float32: one
+    fixed order, so deterministic as well) and returns (True, sum); the others (False, their
+    partial). Its own partial is read from memory too: keeping acc live costs registers in the
+    K loop; 64-bit pointers per element cost BM 32 / BN 64 26 more registers than 32-bit offsets."""
     tl.store(ws_ptr + tl.program_id(1).to(tl.int64) * mn + offs, acc, mask=mask)
-    tl.debug_barrier()
-    last = tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == SPLIT_K - 1
+    last = last_slice(cnt_ptr, SPLIT_K)
     total = acc
     if last:
-        tl.debug_barrier()
-        total = tl.zeros_like(acc)
-        for s in tl.range(0, SPLIT_K, num_stages=1):
-            total += tl.load((ws_ptr + s * mn) + offs, mask=mask, other=0, cache_modifier=".cg")
-        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
+        total = sum_slices(tl.zeros_like(acc), ws_ptr, offs, cnt_ptr, mn, mask, SPLIT_K)
     return last, total
+
 
 # 4 packed bytes (8 codes) -> two registers of 4 int8 weights: `lo` from the low nibbles,
 # `hi` from the high ones (byte e of each register from byte e of the input), in the

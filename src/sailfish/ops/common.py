@@ -1,5 +1,6 @@
 """What the kernel families share above the kernels: the Hopper Gluon switch and its one
-compile-failure fallback, the Gluon K step and split rule, and the batch-invariant config.
+compile-failure fallback, the Gluon K step and split rule, the batch-invariant config, and the
+split-K tile counters of the in-kernel split-K sum (sync_buffer; W4A8 and W4A16's GEMVs).
 
 One switch for every family: `runtime.flags.FLAGS.gluon` (SAILFISH_GLUON). A Gluon kernel that
 fails to compile (a Triton whose Gluon API differs from the tested 3.6-3.9) turns it off for
@@ -10,9 +11,12 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import torch
+
 from ..formats.int4 import K_CHUNK
 from ..runtime.device import gluon_capable
 from ..runtime.flags import FLAGS
+from ..runtime.launch import stream_getter
 from ..tuning import Config, split_k_for
 
 GLUON_STEP = 2 * K_CHUNK  # channels per K step of the Gluon kernels (their BLOCK_K)
@@ -79,3 +83,39 @@ def _triton_before_3_9() -> bool:
     import triton
 
     return tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:2]) < (3, 9)
+
+
+# Split-K slices summed inside the GEMM by each tile's last slice (kernels/common.py last_slice,
+# sum_slices) instead of by a reduce kernel after it: its tile counters.
+SYNC_CAP = 1 << 14  # output tiles of one launch the counters serve (more: the reduce kernel)
+_SYNC = {}
+_CURRENT_STREAM = None  # Triton's current-stream function, on first use
+
+
+def fixup_fits(tiles: int, M: int, N: int) -> bool:
+    """Whether a split-K launch of `tiles` output tiles over an (M, N) output can sum its slices in
+    the kernel: a counter for every tile, and 32-bit offsets within a workspace slice."""
+    return tiles <= SYNC_CAP and M * N < 2**31
+
+
+def sync_buffer(device: torch.device, device_index: int) -> torch.Tensor:
+    """The split-K tile counters (int32, zero between launches) of the current stream of
+    `device`: one buffer per stream, since two launches running at once must not share them
+    (launches on one stream run one after another, so every family and plan shares it).
+    Kept for the life of the process, so a captured CUDA graph's pointer stays valid. A graph
+    keeps the buffer of the stream it was captured on: two graphs captured on one stream must not
+    be replayed at the same time on two streams (a split-K launch with the fixup in each would
+    share it). device_index < 0: the interpreter's (CPU) buffer."""
+    global _CURRENT_STREAM
+    if device_index < 0:
+        key = (device_index, 0)
+    else:
+        if _CURRENT_STREAM is None:
+            _CURRENT_STREAM = stream_getter()
+        key = (device_index, _CURRENT_STREAM(device_index))
+    buf = _SYNC.get(key)
+    if buf is None:
+        from ..kernels.common import SYNC_TILES  # (after TRITON_INTERPRET is settled)
+
+        buf = _SYNC[key] = torch.zeros(SYNC_TILES.value + SYNC_CAP, dtype=torch.int32, device=device)
+    return buf

@@ -25,7 +25,7 @@ from ..runtime.launch import Launch
 from ..runtime.plan import Plan, keep, run_built, run_steady
 from ..tuning import (KERNELS, Config, Tuner, check_blocks, check_fit, check_kernel, gemv_heuristic, m_bucket,
                       mma_heuristic, problem_key, scratch_runner, split_k_for)
-from .common import GLUON_STEP, acc_fence, gluon_device, gluon_split_ok, invariant_config
+from .common import GLUON_STEP, acc_fence, fixup_fits, gluon_device, gluon_split_ok, invariant_config, sync_buffer
 
 
 # ----------------------------------------------------------------------------------
@@ -509,17 +509,30 @@ def gemv_on_tensor_cores(cfg: Config, x: torch.Tensor, gs: int, general_gidx: bo
 _REDUCE_BLOCK = 1024
 
 
+def gemv_fixup(cfg: Config, M: int, N: int) -> bool:
+    """Whether split-K config cfg adds its slices inside the GEMM: the two GEMVs (kernels/w4a16.py
+    _gemv_fixup, bit for bit what the reduce kernel computes), where the tile counters and 32-bit
+    slice offsets serve (ops/common.py fixup_fits; M up to twice this call's, a plan serving an M
+    bucket). One launch per call instead of two: the reduce launch's host time in eager mode
+    (issue 39); in a CUDA graph the PDL-chained reduce measured about even with it (H200,
+    docs/perf_log.md v23, "the same in-GEMM split-K for W4A16"). SAILFISH_SPLIT_FIXUP=0: never."""
+    return (FLAGS.split_fixup and cfg.kernel == "gemv" and cfg.SPLIT_K > 1
+            and fixup_fits(-(-N // cfg.BLOCK_N), 2 * M, N))
+
+
 class _GemmPlan(Plan):
     """The fused paths ("gemv", "mma", "gluon") of one W4A16 problem on one GPU: its config and the
     bound kernels (GEMM, split-K reduce; runtime/launch.py). w4a16_launch builds one per call
     on the slow path and keeps it in W4A16_TUNER.plans under its plan key (below) once its
-    kernels are bound, so that a steady-state call skips the tuner and Triton's binding."""
+    kernels are bound, so that a steady-state call skips the tuner and Triton's binding.
+    fixup (gemv_fixup): the GEMV adds its split-K slices itself, no reduce kernel; each call then
+    passes the current stream's tile counters (ops/common.py sync_buffer)."""
 
-    __slots__ = ("x_desc",)
+    __slots__ = ("x_desc", "fixup", "sync_at")
 
     def __init__(self, cfg: Config, device_index: int, *, gs: int, has_zeros: bool, has_gidx: bool,
                  has_bias: bool, emu: bool, asm: bool, mma_asm: bool, tensor_core_gemv: bool,
-                 paired: bool, bf16: bool, K: int, group_size: int, gluon: bool = False):
+                 paired: bool, bf16: bool, K: int, group_size: int, gluon: bool = False, fixup: bool = False):
         from ..kernels.w4a16 import (_splitk_reduce_kernel, _w4a16_gemv_kernel, _w4a16_gemv_mma_kernel,
                                      _w4a16_kernel, gemv_asm, gemv_pairs, gemv_warps)
 
@@ -527,9 +540,12 @@ class _GemmPlan(Plan):
             cfg = gluon_twin(cfg, group_size)
         self.config = cfg
         self.x_desc = None  # the pipe kernel's: x -> its TMA descriptor
+        self.fixup = fixup and cfg.kernel == "gemv"
+        # sync_buffer's arguments: the counters live on the plan's device
+        self.sync_at = (torch.device("cpu") if device_index < 0 else torch.device("cuda", device_index), device_index)
         even_k = K % cfg.BLOCK_K == 0
         # PDL (runtime/launch.py): the split-K GEMM lets the reduce launch at once, the reduce waits
-        chained = cfg.SPLIT_K > 1 and pdl(device_index)
+        chained = cfg.SPLIT_K > 1 and pdl(device_index) and not self.fixup
         meta = dict(GROUP_SIZE=gs, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, EVEN_K=even_k, SPLIT_K=cfg.SPLIT_K,
                     EMU_BF16=emu, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, PDL_EARLY=chained,
                     **cfg.launch())
@@ -563,12 +579,12 @@ class _GemmPlan(Plan):
             text, constraints = (gemv_asm(bf16, has_zeros, even_k, gemv_pairs(cfg.BLOCK_N), sa) if mma_asm
                                  else ("", ""))
             meta.update(USE_ASM=mma_asm, ASM=text, ASM_CONSTRAINTS=constraints, **gemv_stages(cfg.num_stages),
-                        SCALE_ACC=sa,
+                        SCALE_ACC=sa, FIXUP=self.fixup,
                         num_warps=gemv_warps(cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_warps))
             self.gemm = Launch(_w4a16_gemv_mma_kernel, meta, device_index)
         elif cfg.kernel == "gemv":  # CUDA-core GEMV (takes no GROUP_M / PREFETCH_S / PAIRED_S)
             self.kind = "gemv"
-            meta.update(HAS_GIDX=has_gidx, USE_ASM=asm)
+            meta.update(HAS_GIDX=has_gidx, USE_ASM=asm, FIXUP=self.fixup)
             self.gemm = Launch(_w4a16_gemv_kernel, meta, device_index)
         else:
             self.kind = "mma"
@@ -578,7 +594,7 @@ class _GemmPlan(Plan):
                         SCALE_ACC=scale_acc(cfg, group_size, has_gidx), ACC_FENCE=device_index >= 0 and acc_fence())
             self.gemm = Launch(_w4a16_kernel, meta, device_index)
         self.reduce = None
-        if cfg.SPLIT_K > 1:
+        if cfg.SPLIT_K > 1 and not self.fixup:
             self.reduce = Launch(_splitk_reduce_kernel, dict(SPLIT_K=cfg.SPLIT_K, HAS_BIAS=has_bias, EMU_BF16=emu,
                                                              BLOCK=_REDUCE_BLOCK, num_warps=4, PDL=chained,
                                                              **({"launch_pdl": True} if chained else {})),
@@ -599,10 +615,17 @@ class _GemmPlan(Plan):
         tiles_n = -(-N // cfg.BLOCK_N)
         kind = self.kind
         sym = out.stride(0)
+        sync = None  # (the GEMVs' tile counters: FIXUP)
+        if self.fixup:  # the current stream's (a tensor for the JIT's first call)
+            sync = sync_buffer(*self.sync_at)
+            sync = sync if self.gemm.run is None else sync.data_ptr()
         if kind == "gemv_mma":
-            self.gemm((tiles_n, split), x, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym, sqn, ssn)
+            self.gemm((tiles_n, split), x, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym, sqn, ssn, sync)
+        elif kind == "gemv":
+            self.gemm((tiles_n, split), x, qweight, scales, z_arg, sorted_g_idx, bias, y, ws, M, N, K, K, sym, sqn,
+                      ssn, sync)
         else:
-            grid = (tiles_n, split) if kind == "gemv" else (-(-M // cfg.BLOCK_M) * tiles_n, split)
+            grid = (-(-M // cfg.BLOCK_M) * tiles_n, split)
             if kind == "gluon":  # (no g_idx pointer)
                 self.gemm(grid, x, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym, sqn, ssn)
             elif kind == "gluon_pipe":  # x also as its TMA descriptor
@@ -610,7 +633,7 @@ class _GemmPlan(Plan):
                 self.gemm(grid, x, desc, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym, sqn, ssn)
             else:
                 self.gemm(grid, x, qweight, scales, z_arg, sorted_g_idx, bias, y, ws, M, N, K, K, sym, sqn, ssn)
-        if split > 1:
+        if self.reduce is not None:
             self.reduce((-(-(M * N) // _REDUCE_BLOCK), 1), ws, bias, y, M, N, sym)
 
 
@@ -725,6 +748,7 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                               mma_asm=use_asm and has_mma_asm(x),
                               tensor_core_gemv=gemv_on_tensor_cores(cfg, x, gs, sorted_g_idx is not None),
                               paired=pairable, bf16=x.dtype == torch.bfloat16, K=K, group_size=group_size,
+                              fixup=gemv_fixup(cfg, M, N),
                               gluon=cfg.kernel in GLUON_KERNELS and gluon_applies(x, qweight, group_size,
                                                                                 sorted_g_idx is not None, use_asm)),
             lambda plan: plan(out, out, x, qweight, scales, z_arg, sorted_g_idx, bias, M, N, K, sqn, ssn),

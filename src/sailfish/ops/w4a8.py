@@ -40,11 +40,11 @@ from ..formats.qqq import (GROUP_SIZES_W4A8, PackedQQQ, check_act_dtype, fp8_wei
 from ..runtime.device import capability, check_devices, device_of, sms_for, use_triton
 from ..runtime.dispatch import define_op
 from ..runtime.flags import FLAGS, batch_invariant
-from ..runtime.launch import Launch, stream_getter
+from ..runtime.launch import Launch
 from ..runtime.plan import Plan, keep, run_built, run_steady
 from ..tuning import (KERNELS, Config, Tuner, check_config, gemv_candidates, m_bucket, mma_candidates,
                       mma_heuristic, next_pow2, problem_key, scratch_runner, split_k_for)
-from .common import GLUON_STEP, gluon_device, gluon_split_ok, invariant_config
+from .common import GLUON_STEP, fixup_fits, gluon_device, gluon_split_ok, invariant_config, sync_buffer
 
 ACT_DTYPES = HALF_DTYPES + (torch.float32,)
 # Rows up to this many channels are quantized from registers in one pass (at most 64 fp32
@@ -421,34 +421,10 @@ def w4a8_reference(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_s
 # measured faster: H200, whole layer call, same configs, 4 shapes x per channel / g128 x M = 1-64
 # (docs/perf_log.md v23): BLOCK_N 64 with BLOCK_M <= 32, and the GEMV, 1.00-1.15x (one launch
 # less); BLOCK_N >= 128 or BLOCK_M 64 0.81-1.09x, mostly slower (their last slice reads more).
-SYNC_CAP = 1 << 14  # output tiles of one launch the counters serve (more: the reduce kernel)
-_SYNC = {}
-_CURRENT_STREAM = None  # Triton's current-stream function, on first use
-
-
 def fixup_tile(cfg: Config) -> bool:
     """Whether split-K config cfg adds its slices inside the GEMM (above; SAILFISH_SPLIT_FIXUP=0:
     never)."""
     return FLAGS.split_fixup and cfg.SPLIT_K > 1 and (cfg.kernel == "gemv" or (cfg.BLOCK_M <= 32 and cfg.BLOCK_N <= 64))
-
-
-def sync_buffer(device: torch.device, device_index: int) -> torch.Tensor:
-    """The split-K tile counters (int32, zero between launches) of the current stream of
-    `device`: one buffer per stream, since two launches running at once must not share them.
-    Kept for the life of the process, so a captured CUDA graph's pointer stays valid. A graph
-    keeps the buffer of the stream it was captured on: two graphs captured on one stream must not
-    be replayed at the same time on two streams (a split-K W4A8 launch in each would share it)."""
-    global _CURRENT_STREAM
-    if device_index < 0:
-        key = (device_index, 0)
-    else:
-        if _CURRENT_STREAM is None:
-            _CURRENT_STREAM = stream_getter()
-        key = (device_index, _CURRENT_STREAM(device_index))
-    buf = _SYNC.get(key)
-    if buf is None:
-        buf = _SYNC[key] = torch.zeros(_kernels().SYNC_TILES.value + SYNC_CAP, dtype=torch.int32, device=device)
-    return buf
 
 
 class _W4A8Plan(Plan):
@@ -561,7 +537,7 @@ def _launch(cfg: Config, out: torch.Tensor, x_q, x_scales, qweight, s_ch, s_g, b
     def build() -> _W4A8Plan:
         return _W4A8Plan(cfg, dev, gs=gs, has_bias=bias is not None, raw=raw, emu=emu, asm=asm,
                          fp8=x_q.dtype is torch.float8_e4m3fn, K=K, clamp=clamp,
-                         fixup=fixup_tile(cfg) and tiles <= SYNC_CAP and 2 * M * N < 2**31,
+                         fixup=fixup_tile(cfg) and fixup_fits(tiles, 2 * M, N),
                          gluon=cfg.kernel == "gluon_pipe" and w4a8_gluon_applies(x_q, qweight))
 
     sxm = K if M == 1 else x_q.stride(0)

@@ -69,8 +69,9 @@ class Flags:
         self.scale_prefetch = _read("SAILFISH_SCALE_PREFETCH", "auto", auto=True)
         # the W4A16 mma kernel's accumulator fence: 'auto' (Triton < 3.9), '0', '1'
         self.acc_fence = _read("SAILFISH_ACC_FENCE", "auto", auto=True)
-        # W4A8 split-K slices added inside the GEMM on the tiles where that measured faster
-        # (ops/w4a8.fixup_tile, v23); 0: always the reduce kernel
+        # split-K slices added inside the GEMM: W4A8 on the tiles where that measured faster
+        # (ops/w4a8.fixup_tile, v23), W4A16 in its GEMVs (ops/w4a16.gemv_fixup); 0: always the
+        # reduce kernel
         self.split_fixup = env_flag("SAILFISH_SPLIT_FIXUP", True)
 
 

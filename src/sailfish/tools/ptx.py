@@ -129,11 +129,12 @@ def compile_w4a8(block_m: int, block_n: int, block_k: int, split_k: int, num_war
 
 def compile_gemv(block_m: int, block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int = 1,
                  *, dtype: str = "fp16", group_size: int = 128, has_zeros: bool = False, use_asm: bool = True,
-                 capability: int = 90, even_k: bool = True, scale_acc: bool = False):
+                 capability: int = 90, even_k: bool = True, scale_acc: bool = False, fixup: bool = False):
     """triton.compile of kernels/w4a16._w4a16_gemv_mma_kernel (the M <= 8 tensor-core GEMV)
     for cuda:<capability>, specialised as the launcher is on a GPU (num_stages 2: the words
     are prefetched one K tile ahead in registers, >= 3 through a cp.async ring:
-    ops/w4a16.gemv_stages; scale_acc: Config.scale_acc)."""
+    ops/w4a16.gemv_stages; scale_acc: Config.scale_acc; fixup: split-K slices added inside the
+    kernel, ops/w4a16.gemv_fixup)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -147,7 +148,11 @@ def compile_gemv(block_m: int, block_n: int, block_k: int, split_k: int, num_war
     consts = dict(GROUP_SIZE=0 if group_size == -1 else group_size, HAS_ZEROS=has_zeros, HAS_BIAS=False,
                   EVEN_K=even_k, SPLIT_K=split_k, EMU_BF16=False, USE_ASM=use_asm,
                   ASM=asm[0], ASM_CONSTRAINTS=asm[1], **gemv_stages(num_stages), BLOCK_M=block_m,
-                  BLOCK_N=block_n, BLOCK_K=block_k, SCALE_ACC=scale_acc)
+                  BLOCK_N=block_n, BLOCK_K=block_k, SCALE_ACC=scale_acc, FIXUP=fixup)
+    if fixup:
+        sig["sync_ptr"] = "*i32"
+    else:
+        consts["sync_ptr"] = None
     names = list(sig)
     aligned = tuple(n for n in _PTRS if n != "gidx_ptr") + ("N", "K", "stride_xm", "stride_ym", "stride_qn")
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
