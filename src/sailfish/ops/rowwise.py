@@ -1,0 +1,284 @@
+"""Row-wise ops around the GEMMs (issue 39): transformers' RMSNorm and SiLU-and-multiply in one
+launch each, and the same with W4A8's per-token int8 quantization of the result fused in, so
+that a W4A8 GEMM takes the norm's (or the MLP activation's) output without a quantize launch.
+
+    sailfish::rms_norm(x, weight, eps) -> y                      x (..., K) -> y (..., K)
+    sailfish::rms_norm_quant(x, weight, eps) -> (x_q, scales)    int8 (M, K), float32 (M,)
+    sailfish::silu_mul(gu) -> h                                  gu (..., 2I) -> h (..., I)
+    sailfish::silu_mul_quant(gu) -> (h_q, scales)                int8 (M, I), float32 (M,)
+
+M is the product of the leading dims. The references below are the contract (plain torch:
+LlamaRMSNorm's and eager `F.silu(gate) * up`'s roundings; the `_quant` forms are exactly
+formats.qqq.quantize_activations, i.e. sailfish::quantize_per_token, of those outputs). The
+kernels (kernels/rowwise.py) give the references' bits except for the order of the sum of
+squares and the backend's rsqrt / exp (tests/test_rowwise.py bounds the difference: one
+rounding of the output dtype on the normalized value, then torch's own products), and their
+`_quant` forms give quantize_per_token of the kernel's own output bit for bit.
+
+Under torch.compile a model may call `rms_norm_torch`, `silu_mul_torch` and
+`quantize_per_token_torch` instead, so that inductor fuses them itself: they are the references
+(plain torch, no Python loops or data-dependent branches).
+
+Where they run: CUDA tensors and, with TRITON_INTERPRET=1, CPU tensors run the kernels; other
+CPU tensors the references (runtime/device.py). Launches: one Triton launch per call; on CUDA
+the bound kernel is kept per (op, device, dtype, width, row stride) and a steady call is that
+dict lookup, the output allocation and the direct launch (runtime/launch.py Launch,
+runtime/plan.py run_steady / keep). No Tuner: a row op's tile follows from its width alone
+(_tile), so there is no config to choose or forget, and the plans live in _ROW_PLANS.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ..formats.int4 import HALF_DTYPES
+from ..formats.qqq import quantize_activations
+from ..runtime.device import check_devices, device_of, use_triton
+from ..runtime.dispatch import define_op
+from ..runtime.launch import Launch
+from ..runtime.plan import keep, run_steady
+from ..tuning import next_pow2
+
+# Rows up to this many channels are kept in registers (16 warps: 32 fp32 values per thread and
+# operand); wider rows loop over chunks of ROW_CHUNK (a second pass, a third for the _quant
+# forms). Llama-3-8B's widths (4096, and 14336 for silu_mul) take one pass.
+ROW_ONE_PASS_MAX = 16384
+ROW_CHUNK = 4096
+
+@lru_cache(maxsize=None)
+def _kernel():
+    """kernels.rowwise's kernel, imported on first use (after TRITON_INTERPRET is settled)."""
+    from ..kernels.rowwise import rowwise_kernel
+    return rowwise_kernel
+
+
+class _RowPlans:
+    """What run_steady reads of a Tuner: `plans`, the bound launches by key. They never go
+    stale (no config, no SAILFISH_* switch decides them), so tuning.clear_caches leaves them."""
+    plans: dict = {}
+
+
+# ----------------------------------------------------------------------------------
+# References (the contract) and the plain-torch forms for torch.compile
+# ----------------------------------------------------------------------------------
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm.forward, rounding for rounding: h = x * rsqrt(mean(x^2) + eps)
+    in fp32, rounded to x's dtype, then weight * h in that dtype."""
+    xf = x.float()
+    h = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * h
+
+
+def silu_mul_reference(gu: torch.Tensor) -> torch.Tensor:
+    """transformers' `act_fn(gate) * up` with gate, up = the halves of gu's last dim: silu in
+    fp32 rounded to gu's dtype, then the product rounded."""
+    i = gu.shape[-1] // 2
+    return F.silu(gu[..., :i]) * gu[..., i:]
+
+
+def rms_norm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """quantize_per_token's reference of rms_norm_reference's output, as (M, K)."""
+    return quantize_activations(rms_norm_reference(x, weight, eps).reshape(-1, x.shape[-1]))
+
+
+def silu_mul_quant_reference(gu: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """quantize_per_token's reference of silu_mul_reference's output, as (M, I)."""
+    return quantize_activations(silu_mul_reference(gu).reshape(-1, gu.shape[-1] // 2))
+
+
+# For torch.compile (inductor fuses these with their neighbours). Note that inductor keeps
+# intermediate fp16/bf16 roundings only with torch._inductor.config.emulate_precision_casts.
+rms_norm_torch = rms_norm_reference
+silu_mul_torch = silu_mul_reference
+quantize_per_token_torch = quantize_activations  # (x (M, K)) -> (int8 (M, K), float32 (M,))
+
+
+# ----------------------------------------------------------------------------------
+# Checks (shared by the ops and their fake implementations)
+# ----------------------------------------------------------------------------------
+def _check_rows(name: str, x: torch.Tensor) -> int:
+    """x (..., n) fp16/bf16 with a unit-stride last dim; returns n."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in HALF_DTYPES:
+        raise TypeError(f"{name} dtype {x.dtype} is not supported; allowed: float16, bfloat16")
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"{name} must have shape (..., n) with n > 0, got {tuple(x.shape)}")
+    n = x.shape[-1]
+    if n > 1 and x.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides "
+                         f"{tuple(x.stride())}; call .contiguous() first")
+    return n
+
+
+def _check_rms(x, weight, eps, fake: bool = False) -> int:
+    k = _check_rows("x", x)
+    if not isinstance(weight, torch.Tensor) or weight.dtype != x.dtype:
+        got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise TypeError(f"weight must be a tensor of x's dtype {x.dtype}, got {got}")
+    if weight.dim() != 1 or weight.shape[0] != k:
+        raise ValueError(f"weight must have shape ({k},) (x's last dim), got {tuple(weight.shape)}")
+    if not isinstance(eps, (float, int)) or not (0.0 <= eps < math.inf):
+        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
+    if fake:
+        check_devices(True, x=x, weight=weight)
+    elif x.get_device() != weight.get_device() or x.get_device() < 0:  # (-1: the CPU and meta alike)
+        check_devices(x=x, weight=weight)
+    return k
+
+
+def _check_gu(gu, fake: bool = False) -> int:
+    n = _check_rows("gu", gu)
+    if n % 2:
+        raise ValueError(f"gu's last dim must be even (gate and up halves, 2 * intermediate_size), got {n}")
+    if fake:
+        check_devices(True, gu=gu)
+    elif not (gu.is_cuda or gu.device.type == "cpu"):
+        check_devices(gu=gu)
+    return n // 2
+
+
+# ----------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------
+@lru_cache(maxsize=None)
+def _tile(n: int, block_k: Optional[int]) -> dict:
+    """The kernels' constexprs for rows of n channels: BLOCK_K (default the whole row up to
+    ROW_ONE_PASS_MAX, else ROW_CHUNK; a power of two >= 16), ROWS per program (several rows of
+    short widths, up to 2048 values a program), ONE_PASS, num_warps (by values per program)."""
+    bk = block_k if block_k is not None else max(16, next_pow2(n)) if n <= ROW_ONE_PASS_MAX else ROW_CHUNK
+    if bk < 16 or bk & (bk - 1):
+        raise ValueError(f"block_k={bk} must be a power of two >= 16")
+    rows = max(1, min(16, 2048 // bk)) if n <= bk else 1  # (the chunked loops take one row)
+    size = rows * bk
+    return dict(BLOCK_K=bk, ROWS=rows, ONE_PASS=n <= bk,
+                num_warps=4 if size <= 2048 else 8 if size <= 8192 else 16)
+
+
+def _launch_rows(rms: bool, x2: torch.Tensor, operands: tuple, n: int, eps: float, quant: bool,
+                 block_k: Optional[int]) -> None:
+    """rowwise_kernel over x2's M rows (M > 0) of n outputs: operands (a, w, out, scales), then
+    M, n, x2's row stride, eps; through the kept plan when there is one (CUDA)."""
+    M = x2.shape[0]
+    meta = _tile(n, block_k)
+    grid = (-(-M // meta["ROWS"]), 1)
+    # one row: the kernel never steps over the row stride, so any value does; the width keeps the key fixed
+    sxm = x2.shape[1] if M == 1 else x2.stride(0)
+    key = None
+    if x2.is_cuda:
+        dev = x2.get_device()
+        key = (rms, quant, dev, x2.dtype, n, sxm, block_k)
+        if run_steady(_RowPlans, key, dev, x2, grid, operands, (M, n, sxm, eps)):
+            return
+    launch = Launch(_kernel(), dict(meta, RMS=rms, QUANT=quant, EMU_BF16=x2.dtype is torch.bfloat16 and not x2.is_cuda),
+                    x2.get_device())
+    with device_of(x2):
+        launch(grid, *operands, M, n, sxm, eps)
+    keep(None if key is None else _RowPlans.plans, key, launch, *operands)
+
+
+def _outputs(x2: torch.Tensor, n: int, shape, quant: bool):
+    """(out, scales) for x2's M rows of n outputs: int8 (M, n) and float32 (M,) for the _quant
+    forms, else x2's dtype in `shape` and out itself as the (unused) scales operand."""
+    if quant:
+        return (x2.new_empty((x2.shape[0], n), dtype=torch.int8),
+                x2.new_empty((x2.shape[0],), dtype=torch.float32))
+    out = x2.new_empty(shape)
+    return out, out
+
+
+def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, quant: bool = False,
+                    block_k: Optional[int] = None):
+    """The RMSNorm kernel on checked operands: y (x's shape), or with quant (x_q int8 (M, K),
+    scales float32 (M,)). block_k: the chunk width (default: _tile's), for tests."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)  # a view where the leading dims allow one, else a contiguous copy
+    out, scales = _outputs(x2, k, x.shape, quant)
+    if x2.shape[0]:
+        if k > 1 and weight.stride(0) != 1:
+            weight = weight.contiguous()
+        _launch_rows(True, x2, (x2, weight, out, scales), k, float(eps), quant, block_k)
+    return (out, scales) if quant else out
+
+
+def silu_mul_launch(gu: torch.Tensor, quant: bool = False, block_k: Optional[int] = None):
+    """The SiLU-and-multiply kernel on a checked gu: h (..., I), or with quant (h_q int8 (M, I),
+    scales float32 (M,)). block_k: as rms_norm_launch's."""
+    i = gu.shape[-1] // 2
+    g2 = gu.reshape(-1, 2 * i)
+    out, scales = _outputs(g2, i, (*gu.shape[:-1], i), quant)
+    if g2.shape[0]:
+        _launch_rows(False, g2, (g2, g2, out, scales), i, 0.0, quant, block_k)  # (w, eps: unused)
+    return (out, scales) if quant else out
+
+
+# ----------------------------------------------------------------------------------
+# torch.library ops (no derivative registered: inference ops)
+# ----------------------------------------------------------------------------------
+def rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm: x (..., K) float16/bfloat16, weight (K,) of x's dtype, eps >= 0 -> y like x
+    (contiguous), rms_norm_reference's numbers."""
+    _check_rms(x, weight, eps)
+    if use_triton(x):
+        return rms_norm_launch(x, weight, eps)
+    return rms_norm_reference(x, weight, eps).contiguous()
+
+
+def rms_norm_quant_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """quantize_per_token(rms_norm(x, weight, eps)) in one launch: (x_q int8 (M, K), scales
+    float32 (M,)), M the product of x's leading dims."""
+    _check_rms(x, weight, eps)
+    if use_triton(x):
+        return rms_norm_launch(x, weight, eps, quant=True)
+    return rms_norm_quant_reference(x, weight, eps)
+
+
+def silu_mul_impl(gu: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up for gu (..., 2I) float16/bfloat16 = [gate | up] -> h (..., I) (contiguous),
+    silu_mul_reference's numbers."""
+    _check_gu(gu)
+    if use_triton(gu):
+        return silu_mul_launch(gu)
+    return silu_mul_reference(gu).contiguous()
+
+
+def silu_mul_quant_impl(gu: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """quantize_per_token(silu_mul(gu)) in one launch: (h_q int8 (M, I), scales float32 (M,))."""
+    _check_gu(gu)
+    if use_triton(gu):
+        return silu_mul_launch(gu, quant=True)
+    return silu_mul_quant_reference(gu)
+
+
+def _quant_fake(x: torch.Tensor, n: int):
+    m = x.numel() // x.shape[-1]
+    return x.new_empty((m, n), dtype=torch.int8), x.new_empty((m,), dtype=torch.float32)
+
+
+def _rms_norm_fake(x, weight, eps):
+    _check_rms(x, weight, eps, fake=True)
+    return x.new_empty(x.shape)
+
+
+def _rms_norm_quant_fake(x, weight, eps):
+    return _quant_fake(x, _check_rms(x, weight, eps, fake=True))
+
+
+def _silu_mul_fake(gu):
+    return gu.new_empty((*gu.shape[:-1], _check_gu(gu, fake=True)))
+
+
+def _silu_mul_quant_fake(gu):
+    return _quant_fake(gu, _check_gu(gu, fake=True))
+
+
+rms_norm = define_op("rms_norm", "(Tensor x, Tensor weight, float eps) -> Tensor", rms_norm_impl, _rms_norm_fake)
+rms_norm_quant = define_op("rms_norm_quant", "(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)",
+                           rms_norm_quant_impl, _rms_norm_quant_fake)
+silu_mul = define_op("silu_mul", "(Tensor gu) -> Tensor", silu_mul_impl, _silu_mul_fake)
+silu_mul_quant = define_op("silu_mul_quant", "(Tensor gu) -> (Tensor, Tensor)", silu_mul_quant_impl,
+                           _silu_mul_quant_fake)

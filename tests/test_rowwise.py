@@ -1,0 +1,312 @@
+"""The row-wise ops (ops/rowwise.py, kernels/rowwise.py): rms_norm and silu_mul against their
+references (transformers' roundings), their _quant forms against sailfish's per-token quantizer
+applied to the kernel's own output (bit for bit) and to the reference, NaN / Inf rows, leading
+dims, the chunked path, bad input, and registration (opcheck, torch.compile fullgraph)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sailfish.formats.qqq import quantize_activations
+from sailfish.ops import rowwise as R
+from sailfish.ops.rowwise import (rms_norm, rms_norm_quant, rms_norm_quant_reference, rms_norm_reference, silu_mul,
+                                  silu_mul_quant, silu_mul_quant_reference, silu_mul_reference)
+from sailfish.ops.w4a8 import quantize_per_token_impl
+
+DTYPES = [torch.float16, torch.bfloat16]
+EPS = 1e-6
+
+
+def _wide_range(shape, dtype, device, spread=6):
+    """Random values spanning ~2**(2 * spread) per row, times a per-row scale of 2**[-spread,
+    spread] (fp16 stays below its overflow: at most ~4 * 2**(2 * spread))."""
+    e = torch.randint(-spread, spread + 1, shape, device=device).float()
+    row = torch.randint(-spread, spread + 1, (*shape[:-1], 1), device=device).float()
+    return (torch.randn(shape, device=device) * torch.exp2(e + row)).to(dtype)
+
+
+def _neighbours(h):
+    """h and its two neighbours in its dtype."""
+    inf = torch.full_like(h, float("inf"))
+    return h, torch.nextafter(h, inf), torch.nextafter(h, -inf)
+
+
+def assert_one_rounding_off(y, h_ref, other, min_equal=0.99):
+    """The kernels may differ from the reference only in the fp32 value that is rounded to h
+    (RMSNorm's normalized x: the order of the sum of squares and rsqrt; silu: exp), by a few fp32
+    ulps: so h is h_ref or one of its neighbours in the dtype, and y = other * h rounded once,
+    as torch multiplies (other: the weight, or up). NaN exactly where the reference's is; at
+    least min_equal of the elements equal the reference's y."""
+    ref = other * h_ref
+    assert y.dtype == ref.dtype and y.shape == ref.shape
+    assert torch.equal(y.isnan(), ref.isnan())
+    ok = torch.zeros_like(y, dtype=torch.bool)
+    for h in _neighbours(h_ref):
+        ok |= (y == other * h)
+    ok |= y.isnan()
+    assert ok.all(), (y[~ok][:8], ref[~ok][:8])
+    same = (y == ref) | y.isnan()
+    assert same.float().mean() >= min_equal, same.float().mean()
+
+
+def _rms_h(x, eps=EPS):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def assert_quant_of(q, s, y):
+    """(q, s) is exactly quantize_per_token of y (the kernel computed on the same rows)."""
+    q_ref, s_ref = quantize_per_token_impl(y.reshape(-1, y.shape[-1]))
+    assert torch.equal(q, q_ref)
+    assert torch.allclose(s, s_ref, rtol=0, atol=0, equal_nan=True)
+
+
+def assert_quant_near_reference(q, s, y, y_ref, q_ref, s_ref):
+    """Against the reference's quantization: rows where y is the reference's bit for bit give the
+    reference's codes and scales; elsewhere the dequantized codes are within the quantization step's
+    half (s / 2, the fp32 scale computations adding ~1e-6 of it) plus |y - y_ref| of y_ref."""
+    y, y_ref = y.reshape(q.shape).float(), y_ref.reshape(q.shape).float()
+    same = ((y == y_ref) | (y.isnan() & y_ref.isnan())).all(dim=1)
+    assert torch.equal(q[same], q_ref[same]) and torch.allclose(s[same], s_ref[same], rtol=0, atol=0, equal_nan=True)
+    ok = ~s.isnan()
+    err = (q[ok].float() * s[ok, None] - y_ref[ok]).abs()
+    assert (err <= s[ok, None] * 0.5 * (1 + 1e-5) + (y[ok] - y_ref[ok]).abs()).all()
+
+
+# ----------------------------------------------------------------------------------
+# rms_norm, rms_norm_quant
+# ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 96), (2, 3, 200), (1, 1024), (19, 128)])
+def test_rms_norm_matches_reference(shape, dtype, device):
+    """(5, 96) and (19, 128): several rows a program (masked rows and columns); (1, 1024): one."""
+    x = _wide_range(shape, dtype, device)
+    w = (torch.randn(shape[-1], device=device) * 2).to(dtype)
+    y = rms_norm(x, w, EPS)
+    assert_one_rounding_off(y, _rms_h(x), w)
+    assert torch.equal(rms_norm_reference(x, w, EPS), w * _rms_h(x))  # (the helper is the reference)
+
+    q, s = rms_norm_quant(x, w, EPS)
+    assert q.shape == (x.numel() // shape[-1], shape[-1]) and q.dtype == torch.int8 and s.dtype == torch.float32
+    assert_quant_of(q, s, y)
+    assert_quant_near_reference(q, s, y, rms_norm_reference(x, w, EPS), *rms_norm_quant_reference(x, w, EPS))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_chunked_rows(dtype, device):
+    """Rows wider than the tile (the launcher's block_k; by default past ROW_ONE_PASS_MAX):
+    the sum pass, then the output pass (and the max pass for the _quant form)."""
+    x = _wide_range((3, 100), dtype, device)
+    w = torch.randn(100, device=device).to(dtype)
+    y = R.rms_norm_launch(x, w, EPS, block_k=32)
+    assert_one_rounding_off(y, _rms_h(x), w)
+    q, s = R.rms_norm_launch(x, w, EPS, quant=True, block_k=32)
+    assert_quant_of(q, s, y)
+    assert R._tile(20000, None)["BLOCK_K"] == R.ROW_CHUNK and R._tile(R.ROW_ONE_PASS_MAX, None)["ONE_PASS"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_nonfinite_and_zero_rows(dtype, device):
+    """A row holding Inf: its Inf entries become NaN and the rest 0 (x * rsqrt(inf) as torch);
+    NaN rows are NaN; the quantized forms give those rows scale NaN and codes 0, as the per-token
+    quantizer does; an all-zero row gives 0 (eps > 0), scale 0 and codes 0; with eps = 0 it is NaN."""
+    x = _wide_range((6, 64), dtype, device)
+    x[1, 3] = float("nan")
+    x[2, 10] = float("inf")
+    x[3, 0], x[3, 7] = float("-inf"), float("nan")
+    x[4] = 0
+    w = torch.randn(64, device=device).to(dtype)
+    y = rms_norm(x, w, EPS)
+    assert_one_rounding_off(y, _rms_h(x), w, min_equal=0.9)
+    assert y[1].isnan().all() and y[2, 10].isnan() and (y[2, :10] == 0).all() and (y[4] == 0).all()
+    q, s = rms_norm_quant(x, w, EPS)
+    assert_quant_of(q, s, y)
+    assert s[1:4].isnan().all() and (q[1:4] == 0).all() and s[4] == 0 and (q[4] == 0).all()
+    assert not s[[0, 5]].isnan().any() and (s[[0, 5]] > 0).all()
+    y0 = rms_norm(x[4:5], w, 0.0)
+    assert y0.isnan().all() and torch.equal(y0.isnan(), rms_norm_reference(x[4:5], w, 0.0).isnan())
+
+
+def test_rms_norm_leading_dims(device):
+    """Leading dims of any layout: a row stride (a slice of a wider tensor: the kernel steps over
+    it) or leading dims that do not merge (copied); the bits of the contiguous input's result
+    (the same (M, K) problem computed twice)."""
+    base = _wide_range((4, 3, 160), torch.float16, device)
+    w = torch.randn(80, device=device).half()
+    for x in (base[..., :80], base[..., :80].transpose(0, 1), base[:1, :1, :80]):
+        assert not x.is_contiguous() or x.shape[0] == 1
+        ref = rms_norm(x.contiguous(), w, EPS)
+        y = rms_norm(x, w, EPS)
+        assert y.shape == x.shape and y.is_contiguous() and torch.equal(y, ref)
+        q, s = rms_norm_quant(x, w, EPS)
+        q_ref, s_ref = rms_norm_quant(x.contiguous(), w, EPS)
+        assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+
+
+def test_rows_do_not_depend_on_the_batch(device):
+    """A row's result is the same whatever the number of rows around it (one tile per row
+    group, M not specialized: on CUDA the second and third calls reuse the first one's kept
+    kernel with other M)."""
+    x = _wide_range((17, 128), torch.float16, device)
+    w = torch.randn(128, device=device).half()
+    gu = _wide_range((17, 96), torch.float16, device, spread=2)
+    y, (q, s), h, (hq, hs) = rms_norm(x, w, EPS), rms_norm_quant(x, w, EPS), silu_mul(gu), silu_mul_quant(gu)
+    for m in (1, 5, 16):
+        assert torch.equal(rms_norm(x[:m], w, EPS), y[:m])
+        qm, sm = rms_norm_quant(x[:m], w, EPS)
+        assert torch.equal(qm, q[:m]) and torch.equal(sm, s[:m])
+        assert torch.equal(silu_mul(gu[:m]), h[:m])
+        qm, sm = silu_mul_quant(gu[:m])
+        assert torch.equal(qm, hq[:m]) and torch.equal(sm, hs[:m])
+
+
+# ----------------------------------------------------------------------------------
+# silu_mul, silu_mul_quant
+# ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 2 * 48), (2, 3, 2 * 100), (1, 2 * 1024)])
+def test_silu_mul_matches_reference(shape, dtype, device):
+    gu = _wide_range(shape, dtype, device, spread=3)
+    i = shape[-1] // 2
+    h = silu_mul(gu)
+    assert h.shape == (*shape[:-1], i)
+    assert_one_rounding_off(h, F.silu(gu[..., :i]), gu[..., i:])
+    assert torch.equal(silu_mul_reference(gu), F.silu(gu[..., :i]) * gu[..., i:])
+    q, s = silu_mul_quant(gu)
+    assert q.shape == (h.numel() // i, i)
+    assert_quant_of(q, s, h)
+    assert_quant_near_reference(q, s, h, silu_mul_reference(gu), *silu_mul_quant_reference(gu))
+    # the chunked path: elementwise, so the same bits
+    assert torch.equal(R.silu_mul_launch(gu, block_k=16), h)
+    qc, sc = R.silu_mul_launch(gu, quant=True, block_k=16)
+    assert torch.equal(qc, q) and torch.equal(sc, s)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_nonfinite_rows(dtype, device):
+    """silu(+inf) = inf, silu(-inf) = NaN (-inf / inf, as torch), inf * 0 = NaN: the products
+    follow torch; a row with any NaN / Inf in h quantizes to scale NaN, codes 0."""
+    gu = _wide_range((5, 64), dtype, device, spread=2)
+    gu[1, 3] = float("inf")        # gate +inf
+    gu[2, 5] = float("-inf")       # gate -inf -> NaN
+    gu[3, 32 + 4] = float("nan")   # up NaN
+    gu[4] = 0
+    h = silu_mul(gu)
+    assert_one_rounding_off(h, F.silu(gu[:, :32]), gu[:, 32:], min_equal=0.9)
+    assert h[2, 5].isnan() and h[3, 4].isnan() and (h[4] == 0).all()
+    q, s = silu_mul_quant(gu)
+    assert_quant_of(q, s, h)
+    bad = ~h.isfinite().all(dim=1)
+    assert s[bad].isnan().all() and (q[bad] == 0).all() and s[4] == 0 and not s[0].isnan()
+
+
+# ----------------------------------------------------------------------------------
+# Empty input, bad input
+# ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("lead", [(0,), (2, 0)])
+def test_empty_rows(lead, device):
+    x = torch.empty((*lead, 64), device=device, dtype=torch.float16)
+    w = torch.ones(64, device=device, dtype=torch.float16)
+    assert rms_norm(x, w, EPS).shape == x.shape
+    q, s = rms_norm_quant(x, w, EPS)
+    assert q.shape == (0, 64) and q.dtype == torch.int8 and s.shape == (0,) and s.dtype == torch.float32
+    assert silu_mul(x).shape == (*lead, 32)
+    q, s = silu_mul_quant(x)
+    assert q.shape == (0, 32) and s.shape == (0,)
+
+
+def _bad_cases(device):
+    h = torch.float16
+    x = torch.randn(4, 64, device=device, dtype=h)
+    w = torch.ones(64, device=device, dtype=h)
+    return [
+        ("rms", (x.float(), w.float(), EPS), TypeError, "x dtype torch.float32 is not supported; allowed: float16"),
+        ("rms", (x, w.bfloat16(), EPS), TypeError,
+         "weight must be a tensor of x's dtype torch.float16, got torch.bfloat16"),
+        ("rms", (x, torch.ones(65, device=device, dtype=h), EPS), ValueError,
+         r"weight must have shape \(64,\).*\(65,\)"),
+        ("rms", (x, torch.ones(1, 64, device=device, dtype=h), EPS), ValueError, r"weight must have shape \(64,\)"),
+        ("rms", (x.t().contiguous().t(), w, EPS), ValueError,
+         r"contiguous last dimension \(stride 1\), got strides \(1, 4\)"),
+        ("rms", (x[:, :0], w[:0], EPS), ValueError, r"x must have shape \(\.\.\., n\) with n > 0, got \(4, 0\)"),
+        ("rms", (x, w, -1.0), ValueError, "eps must be a finite float >= 0, got -1.0"),
+        ("rms", (x, w, float("inf")), ValueError, "eps must be a finite float >= 0, got inf"),
+        ("rms", (x, w.to("meta"), EPS), ValueError, "weight on meta"),
+        ("silu", (x[:, :63],), ValueError, "gu's last dim must be even .* got 63"),
+        ("silu", (x.int(),), TypeError, "gu dtype torch.int32 is not supported; allowed: float16, bfloat16"),
+        ("silu", (x.t().contiguous().t(),), ValueError, r"gu must have a contiguous last dimension"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_bad_input_is_refused(case, device):
+    """Each op of the pair (the plain and the _quant form) refuses the input with a message
+    naming the argument, the value and what is allowed."""
+    kind, args, err, match = _bad_cases(device)[case]
+    for op in ((rms_norm, rms_norm_quant) if kind == "rms" else (silu_mul, silu_mul_quant)):
+        with pytest.raises(err, match=match):
+            op(*args)
+
+
+# ----------------------------------------------------------------------------------
+# Registration: opcheck, torch.compile
+# ----------------------------------------------------------------------------------
+def _op_args(device):
+    x = _wide_range((2, 3, 64), torch.bfloat16, device)
+    w = torch.randn(64, device=device).bfloat16()
+    return {"rms_norm": (x, w, EPS), "rms_norm_quant": (x, w, EPS), "silu_mul": (x,), "silu_mul_quant": (x,)}
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "rms_norm_quant", "silu_mul", "silu_mul_quant"])
+def test_ops_pass_opcheck(name, device):
+    result = torch.library.opcheck(getattr(torch.ops.sailfish, name).default, _op_args(device)[name])
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
+def test_torch_compile_fullgraph(device):
+    """The ops trace through their fake implementations (fullgraph: no break) and compute what
+    eager does; the plain-torch forms for compiled models are the references."""
+    args = _op_args(device)
+    x, w, _ = args["rms_norm"]
+
+    def block(x, w):
+        y = rms_norm(x, w, EPS)
+        q, s = rms_norm_quant(x, w, EPS)
+        hq, hs = silu_mul_quant(y)
+        return silu_mul(y), q, s, hq, hs
+
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    got = torch.compile(block, fullgraph=True, backend=backend)(x, w)
+    for a, b in zip(got, block(x, w)):
+        assert torch.equal(a, b)
+    assert R.rms_norm_torch is rms_norm_reference and R.silu_mul_torch is silu_mul_reference
+    assert R.quantize_per_token_torch is quantize_activations
+
+
+_SM90_CHILD = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from sailfish.kernels.rowwise import rowwise_kernel
+from sailfish.tools.ptx import ast_source
+
+sig = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "s_ptr": "*fp32", "M": "i32", "n": "i32",
+       "stride_am": "i32", "eps": "fp32"}
+for rms, quant, bk, rows, dt in [(True, False, 128, 16, "*fp16"), (True, True, 4096, 1, "*bf16"),
+                                 (False, True, 16384, 1, "*bf16"), (False, False, 1024, 2, "*fp16")]:
+    s = dict(sig, a_ptr=dt, w_ptr=dt, out_ptr="*i8" if quant else dt)
+    consts = dict(RMS=rms, BLOCK_K=bk, ROWS=rows, ONE_PASS=bk != 4096, QUANT=quant, EMU_BF16=False)
+    ptx = triton.compile(ast_source(rowwise_kernel, s, consts), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 4 if bk * rows <= 2048 else 16}).asm["ptx"]
+    # IEEE divisions (the mean, silu, the quantizer's scale); silu * up and the quantization
+    # round each product once (no fma; RMSNorm's come from its sum of squares)
+    assert "div.rn.f32" in ptx and "div.full" not in ptx, consts
+    assert rms or "fma" not in ptx, consts
+print("checked")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the kernel itself")
+def test_kernel_compiles_for_sm90(tmp_path):
+    """The interpreter does not run Triton's compiler: compile the kernel's variants for sm_90."""
+    from helpers import run_compile_child
+    run_compile_child(_SM90_CHILD, tmp_path)
