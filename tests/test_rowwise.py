@@ -8,9 +8,10 @@ import torch.nn.functional as F
 
 from sailfish.formats.qqq import quantize_activations
 from sailfish.ops import rowwise as R
-from sailfish.ops.rowwise import (rms_norm, rms_norm_quant, rms_norm_quant_reference, rms_norm_reference, silu_mul,
-                                  silu_mul_quant, silu_mul_quant_reference, silu_mul_reference)
-from sailfish.ops.w4a8 import quantize_per_token_impl
+from sailfish.ops.rowwise import (rms_norm, rms_norm_quant, rms_norm_quant_fp8, rms_norm_quant_reference,
+                                  rms_norm_reference, silu_mul, silu_mul_quant, silu_mul_quant_fp8,
+                                  silu_mul_quant_reference, silu_mul_reference)
+from sailfish.ops.w4a8 import quantize_per_token_fp8_impl, quantize_per_token_impl
 
 DTYPES = [torch.float16, torch.bfloat16]
 EPS = 1e-6
@@ -53,23 +54,38 @@ def _rms_h(x, eps=EPS):
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def assert_quant_of(q, s, y):
-    """(q, s) is exactly quantize_per_token of y (the kernel computed on the same rows)."""
-    q_ref, s_ref = quantize_per_token_impl(y.reshape(-1, y.shape[-1]))
-    assert torch.equal(q, q_ref)
-    assert torch.allclose(s, s_ref, rtol=0, atol=0, equal_nan=True)
+def _same_bits(a, b):
+    """Equal codes (int8, or float8 compared as bytes) or equal scales, NaN where the other's is."""
+    if a.dtype == torch.float8_e4m3fn:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_floating_point():
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+    return torch.equal(a, b)
+
+
+def assert_quant_of(q, s, y, act_dtype="int8"):
+    """(q, s) is exactly quantize_per_token (fp8: quantize_per_token_fp8) of y, the kernel's
+    own output for the same rows."""
+    quantize = quantize_per_token_fp8_impl if act_dtype == "fp8" else quantize_per_token_impl
+    q_ref, s_ref = quantize(y.reshape(-1, y.shape[-1]))
+    assert _same_bits(q, q_ref) and _same_bits(s, s_ref)
 
 
 def assert_quant_near_reference(q, s, y, y_ref, q_ref, s_ref):
     """Against the reference's quantization: rows where y is the reference's bit for bit give the
-    reference's codes and scales; elsewhere the dequantized codes are within the quantization step's
-    half (s / 2, the fp32 scale computations adding ~1e-6 of it) plus |y - y_ref| of y_ref."""
+    reference's codes and scales; elsewhere the dequantized codes are within half a quantization
+    step of y (int8: s / 2; float8 e4m3: 2**-4 of the value, at least 2**-10 * s; the fp32 scale
+    computations adding ~1e-6 of it) plus |y - y_ref| of y_ref."""
     y, y_ref = y.reshape(q.shape).float(), y_ref.reshape(q.shape).float()
     same = ((y == y_ref) | (y.isnan() & y_ref.isnan())).all(dim=1)
-    assert torch.equal(q[same], q_ref[same]) and torch.allclose(s[same], s_ref[same], rtol=0, atol=0, equal_nan=True)
+    assert _same_bits(q[same], q_ref[same]) and _same_bits(s[same], s_ref[same])
     ok = ~s.isnan()
-    err = (q[ok].float() * s[ok, None] - y_ref[ok]).abs()
-    assert (err <= s[ok, None] * 0.5 * (1 + 1e-5) + (y[ok] - y_ref[ok]).abs()).all()
+    s_ok, y_ok = s[ok, None], y[ok]
+    half_step = s_ok * 0.5 if q.dtype == torch.int8 else torch.maximum(y_ok.abs() * 2**-4, s_ok * 2**-10)
+    err = (q[ok].float() * s_ok - y_ref[ok]).abs()
+    assert (err <= half_step * (1 + 1e-5) + (y_ok - y_ref[ok]).abs()).all()
 
 
 # ----------------------------------------------------------------------------------
@@ -99,7 +115,7 @@ def test_rms_norm_chunked_rows(dtype, device):
     w = torch.randn(100, device=device).to(dtype)
     y = R.rms_norm_launch(x, w, EPS, block_k=32)
     assert_one_rounding_off(y, _rms_h(x), w)
-    q, s = R.rms_norm_launch(x, w, EPS, quant=True, block_k=32)
+    q, s = R.rms_norm_launch(x, w, EPS, quant="int8", block_k=32)
     assert_quant_of(q, s, y)
     assert R._tile(20000, None)["BLOCK_K"] == R.ROW_CHUNK and R._tile(R.ROW_ONE_PASS_MAX, None)["ONE_PASS"]
 
@@ -177,7 +193,7 @@ def test_silu_mul_matches_reference(shape, dtype, device):
     assert_quant_near_reference(q, s, h, silu_mul_reference(gu), *silu_mul_quant_reference(gu))
     # the chunked path: elementwise, so the same bits
     assert torch.equal(R.silu_mul_launch(gu, block_k=16), h)
-    qc, sc = R.silu_mul_launch(gu, quant=True, block_k=16)
+    qc, sc = R.silu_mul_launch(gu, quant="int8", block_k=16)
     assert torch.equal(qc, q) and torch.equal(sc, s)
 
 
@@ -197,6 +213,30 @@ def test_silu_mul_nonfinite_rows(dtype, device):
     assert_quant_of(q, s, h)
     bad = ~h.isfinite().all(dim=1)
     assert s[bad].isnan().all() and (q[bad] == 0).all() and s[4] == 0 and not s[0].isnan()
+
+
+# ----------------------------------------------------------------------------------
+# float8 (e4m3) codes
+# ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("block_k", [None, 32])
+def test_fp8_forms(block_k, device):
+    """rms_norm_quant_fp8 / silu_mul_quant_fp8: quantize_per_token_fp8 of the kernel's own
+    output, bit for bit (one pass and chunked), NaN / Inf rows included, and near the reference's."""
+    if device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 e4m3 needs sm_89+")
+    x = _wide_range((4, 80), torch.bfloat16, device)
+    x[2, 5] = float("inf")
+    w = torch.randn(80, device=device).bfloat16()
+    y = rms_norm(x, w, EPS)
+    q, s = rms_norm_quant_fp8(x, w, EPS) if block_k is None else R.rms_norm_launch(x, w, EPS, "fp8", block_k)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (4, 80) and s[2].isnan()
+    assert_quant_of(q, s, y, "fp8")
+    assert_quant_near_reference(q, s, y, rms_norm_reference(x, w, EPS), *rms_norm_quant_reference(x, w, EPS, "fp8"))
+    h = silu_mul(x)
+    q, s = silu_mul_quant_fp8(x) if block_k is None else R.silu_mul_launch(x, "fp8", block_k)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (4, 40)
+    assert_quant_of(q, s, h, "fp8")
+    assert_quant_near_reference(q, s, h, silu_mul_reference(x), *silu_mul_quant_reference(x, "fp8"))
 
 
 # ----------------------------------------------------------------------------------
@@ -253,10 +293,12 @@ def test_bad_input_is_refused(case, device):
 def _op_args(device):
     x = _wide_range((2, 3, 64), torch.bfloat16, device)
     w = torch.randn(64, device=device).bfloat16()
-    return {"rms_norm": (x, w, EPS), "rms_norm_quant": (x, w, EPS), "silu_mul": (x,), "silu_mul_quant": (x,)}
+    return {"rms_norm": (x, w, EPS), "rms_norm_quant": (x, w, EPS), "rms_norm_quant_fp8": (x, w, EPS),
+            "silu_mul": (x,), "silu_mul_quant": (x,), "silu_mul_quant_fp8": (x,)}
 
 
-@pytest.mark.parametrize("name", ["rms_norm", "rms_norm_quant", "silu_mul", "silu_mul_quant"])
+@pytest.mark.parametrize("name", ["rms_norm", "rms_norm_quant", "rms_norm_quant_fp8", "silu_mul", "silu_mul_quant",
+                                  "silu_mul_quant_fp8"])
 def test_ops_pass_opcheck(name, device):
     result = torch.library.opcheck(getattr(torch.ops.sailfish, name).default, _op_args(device)[name])
     assert all(v == "SUCCESS" for v in result.values()), result
@@ -282,6 +324,34 @@ def test_torch_compile_fullgraph(device):
     assert R.quantize_per_token_torch is quantize_activations
 
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kept_plans_and_cuda_graphs():
+    """CUDA: the first call keeps its bound kernel (ops/rowwise.py _RowPlans), later calls
+    launch it directly (other M too: M is not specialized) and compute the same; a CUDA graph
+    captures the direct launches and replays them on new data."""
+    x = _wide_range((4, 256), torch.bfloat16, "cuda")
+    w = torch.randn(256, device="cuda").bfloat16()
+    ops = [lambda t: (rms_norm(t, w, EPS),), lambda t: rms_norm_quant(t, w, EPS), lambda t: (silu_mul(t),),
+           silu_mul_quant]
+    R._RowPlans.plans.clear()
+    first = [f(x) for f in ops]
+    assert len(R._RowPlans.plans) == 4
+    for f, want in zip(ops, first):
+        for got, ref, row in zip(f(x), want, f(x[1:2])):
+            assert torch.equal(got, ref) and torch.equal(row, ref[1:2])
+    assert len(R._RowPlans.plans) == 4  # (M = 1 took the same plans)
+    static = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [f(static) for f in ops]
+    new = _wide_range((4, 256), torch.bfloat16, "cuda")
+    static.copy_(new)
+    graph.replay()
+    for f, got in zip(ops, outs):
+        for g, e in zip(got, f(new)):
+            assert torch.equal(g, e)
+
 _SM90_CHILD = r"""
 import triton
 from triton.backends.compiler import GPUTarget
@@ -290,10 +360,12 @@ from sailfish.tools.ptx import ast_source
 
 sig = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "s_ptr": "*fp32", "M": "i32", "n": "i32",
        "stride_am": "i32", "eps": "fp32"}
-for rms, quant, bk, rows, dt in [(True, False, 128, 16, "*fp16"), (True, True, 4096, 1, "*bf16"),
-                                 (False, True, 16384, 1, "*bf16"), (False, False, 1024, 2, "*fp16")]:
-    s = dict(sig, a_ptr=dt, w_ptr=dt, out_ptr="*i8" if quant else dt)
-    consts = dict(RMS=rms, BLOCK_K=bk, ROWS=rows, ONE_PASS=bk != 4096, QUANT=quant, EMU_BF16=False)
+for rms, quant, bk, rows, dt in [(True, None, 128, 16, "*fp16"), (True, "*i8", 4096, 1, "*bf16"),
+                                 (False, "*i8", 16384, 1, "*bf16"), (False, None, 1024, 2, "*fp16"),
+                                 (True, "*fp8e4nv", 4096, 1, "*bf16")]:
+    s = dict(sig, a_ptr=dt, w_ptr=dt, out_ptr=quant or dt)
+    consts = dict(RMS=rms, BLOCK_K=bk, ROWS=rows, ONE_PASS=bk != 4096, QUANT=quant is not None,
+                  FP8=quant == "*fp8e4nv", EMU_BF16=False)
     ptx = triton.compile(ast_source(rowwise_kernel, s, consts), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 4 if bk * rows <= 2048 else 16}).asm["ptx"]
     # IEEE divisions (the mean, silu, the quantizer's scale); silu * up and the quantization

@@ -16,8 +16,8 @@ Design (why):
   is). The mean's division is IEEE (div_rn), as torch's CPU `sum / K`.
 - The fused quantizations quantize the kernel's own rounded output with the per-token
   quantizer's code (kernels/w4a8.py token_scale / quantize_scaled), so they give exactly
-  quantize_per_token(rms_norm(x)) and quantize_per_token(silu_mul(gu)), NaN / Inf rows
-  included (scale NaN, codes 0).
+  quantize_per_token(rms_norm(x)) and quantize_per_token(silu_mul(gu)) (int8, or FP8: the
+  float8 e4m3 quantize_per_token_fp8), NaN / Inf rows included (scale NaN, codes 0).
 - One kernel for both (RMS constexpr). One program per ROWS rows (ROWS > 1 only for short rows,
   e.g. Qwen3's 128-wide q/k norms over many heads), the row in registers up to ops/rowwise.py
   ROW_ONE_PASS_MAX channels, chunks of BLOCK_K beyond (the sum / max pass, then the output pass, which recomputes each
@@ -69,9 +69,9 @@ def _silu_mul_out(g, u, DTYPE: tl.constexpr, EMU_BF16: tl.constexpr):
 
 
 @triton.jit
-def _store_scales(amax, s_ptr, rows, row_ok):
+def _store_scales(amax, s_ptr, rows, row_ok, QMAX: tl.constexpr):
     """Per-row max |y| (abs_or_inf's) -> store the scales, return (bad, c, inv) per element."""
-    bad, c, inv, scale = token_scale(amax, 127.0)
+    bad, c, inv, scale = token_scale(amax, QMAX)
     tl.store(s_ptr + rows, scale, mask=row_ok)
     return bad[:, None], c[:, None], inv[:, None]
 
@@ -99,12 +99,13 @@ def _chunk(a_rows, w_ptr, cols, k0, n, row_ok, r, RMS: tl.constexpr, DTYPE: tl.c
 @triton.jit(do_not_specialize=["M"])
 def rowwise_kernel(a_ptr, w_ptr, out_ptr, s_ptr, M, n, stride_am, eps,
                    RMS: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, ONE_PASS: tl.constexpr,
-                   QUANT: tl.constexpr, EMU_BF16: tl.constexpr):
+                   QUANT: tl.constexpr, FP8: tl.constexpr, EMU_BF16: tl.constexpr):
     """a (M, *) rows stride_am apart -> out (M, n) contiguous in a's dtype: RMS, the RMSNorm of
     a (M, n) with weight w (n,) and eps; else silu(gate) * up with a = [gate | up] (M, 2n) (w and
-    eps unused). QUANT: out the int8 codes and s_ptr the float32 (M,) scales of
-    quantize_per_token(out) instead."""
+    eps unused). QUANT: out the int8 codes (FP8: float8 e4m3) and s_ptr the float32 (M,) scales of
+    quantize_per_token(out) (FP8: quantize_per_token_fp8) instead."""
     DTYPE: tl.constexpr = a_ptr.dtype.element_ty
+    QMAX: tl.constexpr = 448.0 if FP8 else 127.0
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < M
     rows = rows.to(tl.int64)
@@ -119,8 +120,8 @@ def rowwise_kernel(a_ptr, w_ptr, out_ptr, s_ptr, M, n, stride_am, eps,
         else:
             y, mask = _chunk(a_rows, w_ptr, cols, 0, n, row_ok, eps, RMS, DTYPE, EMU_BF16)
         if QUANT:
-            bad, c, inv = _store_scales(tl.max(abs_or_inf(y), axis=1), s_ptr, rows, row_ok)
-            tl.store(out_rows + cols, quantize_scaled(y, bad, c, inv, False), mask=mask)
+            bad, c, inv = _store_scales(tl.max(abs_or_inf(y), axis=1), s_ptr, rows, row_ok, QMAX)
+            tl.store(out_rows + cols, quantize_scaled(y, bad, c, inv, FP8), mask=mask)
         else:
             tl.store(out_rows + cols, cast_out(y, DTYPE, EMU_BF16), mask=mask)
     else:  # (ROWS = 1) chunks: the sum of squares, the max for QUANT, then the output
@@ -136,10 +137,10 @@ def rowwise_kernel(a_ptr, w_ptr, out_ptr, s_ptr, M, n, stride_am, eps,
             for k0 in range(0, n, BLOCK_K):
                 yk, _ = _chunk(a_rows, w_ptr, cols, k0, n, row_ok, r, RMS, DTYPE, EMU_BF16)
                 amax = tl.maximum(amax, abs_or_inf(yk))
-            bad, c, inv = _store_scales(tl.max(amax, axis=1), s_ptr, rows, row_ok)
+            bad, c, inv = _store_scales(tl.max(amax, axis=1), s_ptr, rows, row_ok, QMAX)
         for k0 in range(0, n, BLOCK_K):
             yk, mask = _chunk(a_rows, w_ptr, cols, k0, n, row_ok, r, RMS, DTYPE, EMU_BF16)
             if QUANT:
-                tl.store(out_rows + k0 + cols, quantize_scaled(yk, bad, c, inv, False), mask=mask)
+                tl.store(out_rows + k0 + cols, quantize_scaled(yk, bad, c, inv, FP8), mask=mask)
             else:
                 tl.store(out_rows + k0 + cols, cast_out(yk, DTYPE, EMU_BF16), mask=mask)

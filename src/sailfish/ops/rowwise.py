@@ -6,6 +6,8 @@ that a W4A8 GEMM takes the norm's (or the MLP activation's) output without a qua
     sailfish::rms_norm_quant(x, weight, eps) -> (x_q, scales)    int8 (M, K), float32 (M,)
     sailfish::silu_mul(gu) -> h                                  gu (..., 2I) -> h (..., I)
     sailfish::silu_mul_quant(gu) -> (h_q, scales)                int8 (M, I), float32 (M,)
+    sailfish::rms_norm_quant_fp8, sailfish::silu_mul_quant_fp8   the same with float8_e4m3fn codes
+                                                                 (quantize_per_token_fp8's; sm_89+)
 
 M is the product of the leading dims. The references below are the contract (plain torch:
 LlamaRMSNorm's and eager `F.silu(gate) * up`'s roundings; the `_quant` forms are exactly
@@ -24,7 +26,7 @@ CPU tensors the references (runtime/device.py). Launches: one Triton launch per 
 the bound kernel is kept per (op, device, dtype, width, row stride) and a steady call is that
 dict lookup, the output allocation and the direct launch (runtime/launch.py Launch,
 runtime/plan.py run_steady / keep). No Tuner: a row op's tile follows from its width alone
-(_tile), so there is no config to choose or forget, and the plans live in _ROW_PLANS.
+(_tile), so there is no config to choose or forget, and the plans live in _RowPlans.
 """
 from __future__ import annotations
 
@@ -36,18 +38,20 @@ import torch
 import torch.nn.functional as F
 
 from ..formats.int4 import HALF_DTYPES
-from ..formats.qqq import quantize_activations
+from ..formats.qqq import check_act_dtype, quantize_activations
 from ..runtime.device import check_devices, device_of, use_triton
 from ..runtime.dispatch import define_op
 from ..runtime.launch import Launch
 from ..runtime.plan import keep, run_steady
 from ..tuning import next_pow2
+from .w4a8 import check_fp8_device
 
 # Rows up to this many channels are kept in registers (16 warps: 32 fp32 values per thread and
 # operand); wider rows loop over chunks of ROW_CHUNK (a second pass, a third for the _quant
 # forms). Llama-3-8B's widths (4096, and 14336 for silu_mul) take one pass.
 ROW_ONE_PASS_MAX = 16384
 ROW_CHUNK = 4096
+CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}  # the _quant forms' codes by act_dtype
 
 @lru_cache(maxsize=None)
 def _kernel():
@@ -80,21 +84,24 @@ def silu_mul_reference(gu: torch.Tensor) -> torch.Tensor:
     return F.silu(gu[..., :i]) * gu[..., i:]
 
 
-def rms_norm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """quantize_per_token's reference of rms_norm_reference's output, as (M, K)."""
-    return quantize_activations(rms_norm_reference(x, weight, eps).reshape(-1, x.shape[-1]))
+def rms_norm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                             act_dtype: str = "int8") -> Tuple[torch.Tensor, torch.Tensor]:
+    """quantize_per_token's reference (act_dtype "fp8": quantize_per_token_fp8's) of
+    rms_norm_reference's output, as (M, K)."""
+    return quantize_activations(rms_norm_reference(x, weight, eps).reshape(-1, x.shape[-1]), act_dtype)
 
 
-def silu_mul_quant_reference(gu: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """quantize_per_token's reference of silu_mul_reference's output, as (M, I)."""
-    return quantize_activations(silu_mul_reference(gu).reshape(-1, gu.shape[-1] // 2))
+def silu_mul_quant_reference(gu: torch.Tensor, act_dtype: str = "int8") -> Tuple[torch.Tensor, torch.Tensor]:
+    """quantize_per_token's reference (act_dtype "fp8": quantize_per_token_fp8's) of
+    silu_mul_reference's output, as (M, I)."""
+    return quantize_activations(silu_mul_reference(gu).reshape(-1, gu.shape[-1] // 2), act_dtype)
 
 
 # For torch.compile (inductor fuses these with their neighbours). Note that inductor keeps
 # intermediate fp16/bf16 roundings only with torch._inductor.config.emulate_precision_casts.
 rms_norm_torch = rms_norm_reference
 silu_mul_torch = silu_mul_reference
-quantize_per_token_torch = quantize_activations  # (x (M, K)) -> (int8 (M, K), float32 (M,))
+quantize_per_token_torch = quantize_activations  # (x (M, K), act_dtype="int8") -> (x_q (M, K), float32 (M,))
 
 
 # ----------------------------------------------------------------------------------
@@ -159,7 +166,7 @@ def _tile(n: int, block_k: Optional[int]) -> dict:
                 num_warps=4 if size <= 2048 else 8 if size <= 8192 else 16)
 
 
-def _launch_rows(rms: bool, x2: torch.Tensor, operands: tuple, n: int, eps: float, quant: bool,
+def _launch_rows(rms: bool, x2: torch.Tensor, operands: tuple, n: int, eps: float, quant: Optional[str],
                  block_k: Optional[int]) -> None:
     """rowwise_kernel over x2's M rows (M > 0) of n outputs: operands (a, w, out, scales), then
     M, n, x2's row stride, eps; through the kept plan when there is one (CUDA)."""
@@ -174,27 +181,30 @@ def _launch_rows(rms: bool, x2: torch.Tensor, operands: tuple, n: int, eps: floa
         key = (rms, quant, dev, x2.dtype, n, sxm, block_k)
         if run_steady(_RowPlans, key, dev, x2, grid, operands, (M, n, sxm, eps)):
             return
-    launch = Launch(_kernel(), dict(meta, RMS=rms, QUANT=quant, EMU_BF16=x2.dtype is torch.bfloat16 and not x2.is_cuda),
-                    x2.get_device())
+    launch = Launch(_kernel(), dict(meta, RMS=rms, QUANT=quant is not None, FP8=quant == "fp8",
+                                    EMU_BF16=x2.dtype is torch.bfloat16 and not x2.is_cuda), x2.get_device())
     with device_of(x2):
         launch(grid, *operands, M, n, sxm, eps)
     keep(None if key is None else _RowPlans.plans, key, launch, *operands)
 
 
-def _outputs(x2: torch.Tensor, n: int, shape, quant: bool):
-    """(out, scales) for x2's M rows of n outputs: int8 (M, n) and float32 (M,) for the _quant
+def _outputs(x2: torch.Tensor, n: int, shape, quant: Optional[str]):
+    """(out, scales) for x2's M rows of n outputs: codes (M, n) and float32 (M,) for the _quant
     forms, else x2's dtype in `shape` and out itself as the (unused) scales operand."""
-    if quant:
-        return (x2.new_empty((x2.shape[0], n), dtype=torch.int8),
+    if quant is not None:
+        if quant == "fp8":
+            check_fp8_device(x2)
+        return (x2.new_empty((x2.shape[0], n), dtype=CODE_DTYPES[quant]),
                 x2.new_empty((x2.shape[0],), dtype=torch.float32))
     out = x2.new_empty(shape)
     return out, out
 
 
-def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, quant: bool = False,
+def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, quant: Optional[str] = None,
                     block_k: Optional[int] = None):
-    """The RMSNorm kernel on checked operands: y (x's shape), or with quant (x_q int8 (M, K),
-    scales float32 (M,)). block_k: the chunk width (default: _tile's), for tests."""
+    """The RMSNorm kernel on checked operands: y (x's shape), or with quant "int8" / "fp8"
+    (x_q (M, K) int8 / float8_e4m3fn, scales float32 (M,)). block_k: the chunk width (default:
+    _tile's), for tests."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)  # a view where the leading dims allow one, else a contiguous copy
     out, scales = _outputs(x2, k, x.shape, quant)
@@ -202,18 +212,18 @@ def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, quant: bo
         if k > 1 and weight.stride(0) != 1:
             weight = weight.contiguous()
         _launch_rows(True, x2, (x2, weight, out, scales), k, float(eps), quant, block_k)
-    return (out, scales) if quant else out
+    return out if quant is None else (out, scales)
 
 
-def silu_mul_launch(gu: torch.Tensor, quant: bool = False, block_k: Optional[int] = None):
-    """The SiLU-and-multiply kernel on a checked gu: h (..., I), or with quant (h_q int8 (M, I),
-    scales float32 (M,)). block_k: as rms_norm_launch's."""
+def silu_mul_launch(gu: torch.Tensor, quant: Optional[str] = None, block_k: Optional[int] = None):
+    """The SiLU-and-multiply kernel on a checked gu: h (..., I), or with quant as
+    rms_norm_launch's (h_q (M, I), scales float32 (M,)). block_k: as rms_norm_launch's."""
     i = gu.shape[-1] // 2
     g2 = gu.reshape(-1, 2 * i)
     out, scales = _outputs(g2, i, (*gu.shape[:-1], i), quant)
     if g2.shape[0]:
         _launch_rows(False, g2, (g2, g2, out, scales), i, 0.0, quant, block_k)  # (w, eps: unused)
-    return (out, scales) if quant else out
+    return out if quant is None else (out, scales)
 
 
 # ----------------------------------------------------------------------------------
@@ -228,13 +238,20 @@ def rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return rms_norm_reference(x, weight, eps).contiguous()
 
 
-def rms_norm_quant_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_quant_impl(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                        act_dtype: str = "int8") -> Tuple[torch.Tensor, torch.Tensor]:
     """quantize_per_token(rms_norm(x, weight, eps)) in one launch: (x_q int8 (M, K), scales
-    float32 (M,)), M the product of x's leading dims."""
+    float32 (M,)), M the product of x's leading dims; act_dtype "fp8": quantize_per_token_fp8's
+    float8_e4m3fn codes (sm_89+ on CUDA)."""
     _check_rms(x, weight, eps)
+    check_act_dtype(act_dtype)
     if use_triton(x):
-        return rms_norm_launch(x, weight, eps, quant=True)
-    return rms_norm_quant_reference(x, weight, eps)
+        return rms_norm_launch(x, weight, eps, quant=act_dtype)
+    return rms_norm_quant_reference(x, weight, eps, act_dtype)
+
+
+def rms_norm_quant_fp8_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm_quant_impl(x, weight, eps, "fp8")
 
 
 def silu_mul_impl(gu: torch.Tensor) -> torch.Tensor:
@@ -246,17 +263,23 @@ def silu_mul_impl(gu: torch.Tensor) -> torch.Tensor:
     return silu_mul_reference(gu).contiguous()
 
 
-def silu_mul_quant_impl(gu: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """quantize_per_token(silu_mul(gu)) in one launch: (h_q int8 (M, I), scales float32 (M,))."""
+def silu_mul_quant_impl(gu: torch.Tensor, act_dtype: str = "int8") -> Tuple[torch.Tensor, torch.Tensor]:
+    """quantize_per_token(silu_mul(gu)) in one launch: (h_q int8 (M, I), scales float32 (M,));
+    act_dtype "fp8": as rms_norm_quant_impl's."""
     _check_gu(gu)
+    check_act_dtype(act_dtype)
     if use_triton(gu):
-        return silu_mul_launch(gu, quant=True)
-    return silu_mul_quant_reference(gu)
+        return silu_mul_launch(gu, quant=act_dtype)
+    return silu_mul_quant_reference(gu, act_dtype)
 
 
-def _quant_fake(x: torch.Tensor, n: int):
+def silu_mul_quant_fp8_impl(gu: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return silu_mul_quant_impl(gu, "fp8")
+
+
+def _quant_fake(x: torch.Tensor, n: int, act_dtype: str = "int8"):
     m = x.numel() // x.shape[-1]
-    return x.new_empty((m, n), dtype=torch.int8), x.new_empty((m,), dtype=torch.float32)
+    return x.new_empty((m, n), dtype=CODE_DTYPES[act_dtype]), x.new_empty((m,), dtype=torch.float32)
 
 
 def _rms_norm_fake(x, weight, eps):
@@ -264,21 +287,26 @@ def _rms_norm_fake(x, weight, eps):
     return x.new_empty(x.shape)
 
 
-def _rms_norm_quant_fake(x, weight, eps):
-    return _quant_fake(x, _check_rms(x, weight, eps, fake=True))
+def _rms_norm_quant_fake(x, weight, eps, act_dtype="int8"):
+    return _quant_fake(x, _check_rms(x, weight, eps, fake=True), act_dtype)
 
 
 def _silu_mul_fake(gu):
     return gu.new_empty((*gu.shape[:-1], _check_gu(gu, fake=True)))
 
 
-def _silu_mul_quant_fake(gu):
-    return _quant_fake(gu, _check_gu(gu, fake=True))
+def _silu_mul_quant_fake(gu, act_dtype="int8"):
+    return _quant_fake(gu, _check_gu(gu, fake=True), act_dtype)
 
 
-rms_norm = define_op("rms_norm", "(Tensor x, Tensor weight, float eps) -> Tensor", rms_norm_impl, _rms_norm_fake)
-rms_norm_quant = define_op("rms_norm_quant", "(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)",
-                           rms_norm_quant_impl, _rms_norm_quant_fake)
+_RMS = "(Tensor x, Tensor weight, float eps)"
+rms_norm = define_op("rms_norm", _RMS + " -> Tensor", rms_norm_impl, _rms_norm_fake)
+rms_norm_quant = define_op("rms_norm_quant", _RMS + " -> (Tensor, Tensor)", rms_norm_quant_impl,
+                           _rms_norm_quant_fake)
+rms_norm_quant_fp8 = define_op("rms_norm_quant_fp8", _RMS + " -> (Tensor, Tensor)", rms_norm_quant_fp8_impl,
+                               lambda x, weight, eps: _rms_norm_quant_fake(x, weight, eps, "fp8"))
 silu_mul = define_op("silu_mul", "(Tensor gu) -> Tensor", silu_mul_impl, _silu_mul_fake)
 silu_mul_quant = define_op("silu_mul_quant", "(Tensor gu) -> (Tensor, Tensor)", silu_mul_quant_impl,
                            _silu_mul_quant_fake)
+silu_mul_quant_fp8 = define_op("silu_mul_quant_fp8", "(Tensor gu) -> (Tensor, Tensor)", silu_mul_quant_fp8_impl,
+                               lambda gu: _silu_mul_quant_fake(gu, "fp8"))
