@@ -144,8 +144,8 @@ def test_rms_norm_nonfinite_and_zero_rows(dtype, device):
 
 def test_rms_norm_leading_dims(device):
     """Leading dims of any layout: a row stride (a slice of a wider tensor: the kernel steps over
-    it) or leading dims that do not merge (copied); the bits of the contiguous input's result
-    (the same (M, K) problem computed twice)."""
+    it) or leading dims that do not merge (copied), and a strided weight; the bits of the
+    contiguous operands' result (the same (M, K) problem computed twice)."""
     base = _wide_range((4, 3, 160), torch.float16, device)
     w = torch.randn(80, device=device).half()
     for x in (base[..., :80], base[..., :80].transpose(0, 1), base[:1, :1, :80]):
@@ -156,6 +156,8 @@ def test_rms_norm_leading_dims(device):
         q, s = rms_norm_quant(x, w, EPS)
         q_ref, s_ref = rms_norm_quant(x.contiguous(), w, EPS)
         assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    x = base[:, 0, :80]
+    assert torch.equal(rms_norm(x, torch.stack([w, w], 1)[:, 0], EPS), rms_norm(x, w, EPS))  # (a strided weight)
 
 
 def test_rows_do_not_depend_on_the_batch(device):

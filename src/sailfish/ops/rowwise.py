@@ -53,6 +53,7 @@ ROW_ONE_PASS_MAX = 16384
 ROW_CHUNK = 4096
 CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}  # the _quant forms' codes by act_dtype
 
+
 @lru_cache(maxsize=None)
 def _kernel():
     """kernels.rowwise's kernel, imported on first use (after TRITON_INTERPRET is settled)."""
@@ -97,8 +98,9 @@ def silu_mul_quant_reference(gu: torch.Tensor, act_dtype: str = "int8") -> Tuple
     return quantize_activations(silu_mul_reference(gu).reshape(-1, gu.shape[-1] // 2), act_dtype)
 
 
-# For torch.compile (inductor fuses these with their neighbours). Note that inductor keeps
-# intermediate fp16/bf16 roundings only with torch._inductor.config.emulate_precision_casts.
+# For torch.compile (inductor fuses these with their neighbours). Compiled, they are not these
+# bits: inductor may elide the intermediate fp16/bf16 roundings (unless
+# torch._inductor.config.emulate_precision_casts) and its Triton divisions are not IEEE.
 rms_norm_torch = rms_norm_reference
 silu_mul_torch = silu_mul_reference
 quantize_per_token_torch = quantize_activations  # (x (M, K), act_dtype="int8") -> (x_q (M, K), float32 (M,))
