@@ -142,22 +142,38 @@ def test_rms_norm_nonfinite_and_zero_rows(dtype, device):
     assert y0.isnan().all() and torch.equal(y0.isnan(), rms_norm_reference(x[4:5], w, 0.0).isnan())
 
 
-def test_rms_norm_leading_dims(device):
-    """Leading dims of any layout: a row stride (a slice of a wider tensor: the kernel steps over
-    it) or leading dims that do not merge (copied), and a strided weight; the bits of the
-    contiguous operands' result (the same (M, K) problem computed twice)."""
+def test_leading_dims(device):
+    """Leading dims of any layout, walked in place where one or two strides reach every row
+    (_row_layout), copied otherwise; the bits of the contiguous input's result (the same (M, K)
+    problem computed twice). Qwen3's q/k norms with fused q/k/v: (B, S, H, D) views of slices of
+    the (B, S, (H + 2G) D) projection output. Also a strided weight, and silu_mul on a slice."""
     base = _wide_range((4, 3, 160), torch.float16, device)
     w = torch.randn(80, device=device).half()
-    for x in (base[..., :80], base[..., :80].transpose(0, 1), base[:1, :1, :80]):
-        assert not x.is_contiguous() or x.shape[0] == 1
-        ref = rms_norm(x.contiguous(), w, EPS)
-        y = rms_norm(x, w, EPS)
-        assert y.shape == x.shape and y.is_contiguous() and torch.equal(y, ref)
-        q, s = rms_norm_quant(x, w, EPS)
-        q_ref, s_ref = rms_norm_quant(x.contiguous(), w, EPS)
-        assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    qkv = _wide_range((2, 3, (4 + 2 * 2) * 32), torch.float16, device)
+    q, k = qkv[..., :128].view(2, 3, 4, 32), qkv[..., 128:192].view(2, 3, 2, 32)
+    w32 = torch.randn(32, device=device).half()
+    odd = torch.randn(4, 4, 4, 160, device=device).half()[::2, ::2, ::2, :80]  # three levels: copied
+    cases = [(base[..., :80], w, (160, 1, 1)),                      # one row stride
+             (base[..., :80].transpose(0, 1), w, (160, 4, 480)),    # two levels
+             (q, w32, (8 * 32, 4, 32)), (k, w32, (8 * 32, 2, 32)),  # Qwen3's q_norm / k_norm views
+             (base[:1, :1, :80], w, (80, 1, 1)),                    # (one row: contiguous)
+             (base[:1, :, :80].expand(4, 3, 80), w, (0, 3, 160)),   # (stride 0: repeated rows)
+             (odd, w, None)]                                        # copied
+    for x, weight, layout in cases:
+        assert R._row_layout(x) == layout, (x.stride(), R._row_layout(x))
+        y = rms_norm(x, weight, EPS)
+        assert y.shape == x.shape and y.is_contiguous() and torch.equal(y, rms_norm(x.contiguous(), weight, EPS))
+        q8, s8 = rms_norm_quant(x, weight, EPS)
+        q_ref, s_ref = rms_norm_quant(x.contiguous(), weight, EPS)
+        assert torch.equal(q8, q_ref) and torch.equal(s8, s_ref)
     x = base[:, 0, :80]
     assert torch.equal(rms_norm(x, torch.stack([w, w], 1)[:, 0], EPS), rms_norm(x, w, EPS))  # (a strided weight)
+    gu = base[..., :96].transpose(0, 1)
+    assert torch.equal(silu_mul(gu).isnan(), silu_mul(gu.contiguous()).isnan())
+    assert torch.equal(silu_mul(gu).nan_to_num(), silu_mul(gu.contiguous()).nan_to_num())
+    hq, hs = silu_mul_quant(gu)
+    hq_ref, hs_ref = silu_mul_quant(gu.contiguous())
+    assert _same_bits(hq, hq_ref) and _same_bits(hs, hs_ref)  # (rows that overflow fp16: NaN scales)
 
 
 def test_rows_do_not_depend_on_the_batch(device):
@@ -361,7 +377,7 @@ from sailfish.kernels.rowwise import rowwise_kernel
 from sailfish.tools.ptx import ast_source
 
 sig = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "s_ptr": "*fp32", "M": "i32", "n": "i32",
-       "stride_am": "i32", "eps": "fp32"}
+       "stride_am": "i32", "inner": "i32", "stride_ai": "i32", "eps": "fp32"}
 for rms, quant, bk, rows, dt in [(True, None, 128, 16, "*fp16"), (True, "*i8", 4096, 1, "*bf16"),
                                  (False, "*i8", 16384, 1, "*bf16"), (False, None, 1024, 2, "*fp16"),
                                  (True, "*fp8e4nv", 4096, 1, "*bf16")]:

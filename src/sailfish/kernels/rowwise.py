@@ -1,5 +1,5 @@
 """Row-wise kernels around the GEMMs: RMSNorm and SiLU-and-multiply, each alone or with the
-W4A8 per-token int8 quantization of its output fused in (launchers, references and ops:
+W4A8 per-token int8 (or fp8) quantization of its output fused in (launchers, references and ops:
 ops/rowwise.py).
 
 Why: in a CUDA-graph decode step transformers' LlamaRMSNorm is ~8 tiny kernels and
@@ -20,10 +20,14 @@ Design (why):
   float8 e4m3 quantize_per_token_fp8), NaN / Inf rows included (scale NaN, codes 0).
 - One kernel for both (RMS constexpr). One program per ROWS rows (ROWS > 1 only for short rows,
   e.g. Qwen3's 128-wide q/k norms over many heads), the row in registers up to ops/rowwise.py
-  ROW_ONE_PASS_MAX channels, chunks of BLOCK_K beyond (the sum / max pass, then the output pass, which recomputes each
-  value with the same instructions, so the same bits).
+  ROW_ONE_PASS_MAX channels, chunks of BLOCK_K beyond (the sum / max pass, then the output
+  pass, which recomputes each value with the same instructions, so the same bits).
+- The launch goes through runtime/launch.py's Launch and runtime/plan.py's run_steady / keep
+  (a steady call: one dict lookup and the direct launch), without a Tuner: the tile follows
+  from the row width alone, so there is no config to choose.
 - M is not specialized (do_not_specialize): the launcher keeps one bound kernel per
-  (device, dtype, width, row stride) whatever the number of rows (runtime/launch.py).
+  (device, dtype, width, row layout) whatever the number of rows (runtime/launch.py); the
+  usual one-level layout passes inner = 1, which Triton specializes away.
 - bf16 under the interpreter: computed in fp32 and rounded with integer ops (EMU_BF16,
   kernels/common.py), loaded with w4a8.to_f32.
 """
@@ -97,10 +101,13 @@ def _chunk(a_rows, w_ptr, cols, k0, n, row_ok, r, RMS: tl.constexpr, DTYPE: tl.c
 
 
 @triton.jit(do_not_specialize=["M"])
-def rowwise_kernel(a_ptr, w_ptr, out_ptr, s_ptr, M, n, stride_am, eps,
+def rowwise_kernel(a_ptr, w_ptr, out_ptr, s_ptr, M, n, stride_am, inner, stride_ai, eps,
                    RMS: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, ONE_PASS: tl.constexpr,
                    QUANT: tl.constexpr, FP8: tl.constexpr, EMU_BF16: tl.constexpr):
-    """a (M, *) rows stride_am apart -> out (M, n) contiguous in a's dtype: RMS, the RMSNorm of
+    """a (M, *), row r at (r // inner) * stride_am + (r % inner) * stride_ai (inner = 1: rows
+    stride_am apart; two levels: e.g. a (B, S, H, D) view of a fused q/k/v output, B * S
+    outer rows stride_am apart, H inner ones stride_ai apart) -> out (M, n) contiguous in a's
+    dtype: RMS, the RMSNorm of
     a (M, n) with weight w (n,) and eps; else silu(gate) * up with a = [gate | up] (M, 2n) (w and
     eps unused). QUANT: out the int8 codes (FP8: float8 e4m3) and s_ptr the float32 (M,) scales of
     quantize_per_token(out) (FP8: quantize_per_token_fp8) instead."""
@@ -109,7 +116,7 @@ def rowwise_kernel(a_ptr, w_ptr, out_ptr, s_ptr, M, n, stride_am, eps,
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < M
     rows = rows.to(tl.int64)
-    a_rows = a_ptr + rows[:, None] * stride_am
+    a_rows = a_ptr + ((rows // inner) * stride_am + (rows % inner) * stride_ai)[:, None]
     out_rows = out_ptr + rows[:, None] * n
     cols = tl.arange(0, BLOCK_K)[None, :]
     if ONE_PASS:  # the row stays in registers

@@ -9,7 +9,9 @@ that a W4A8 GEMM takes the norm's (or the MLP activation's) output without a qua
     sailfish::rms_norm_quant_fp8, sailfish::silu_mul_quant_fp8   the same with float8_e4m3fn codes
                                                                  (quantize_per_token_fp8's; sm_89+)
 
-M is the product of the leading dims. The references below are the contract (plain torch:
+M is the product of the leading dims, which may have any layout (_row_layout: read in place where
+one or two strides reach every row, e.g. Qwen3's q/k norms on (B, S, H, D) views of a fused
+q/k/v output; copied otherwise); the outputs are contiguous. The references below are the contract (plain torch:
 LlamaRMSNorm's and eager `F.silu(gate) * up`'s roundings; the `_quant` forms are exactly
 formats.qqq.quantize_activations, i.e. sailfish::quantize_per_token, of those outputs). The
 kernels (kernels/rowwise.py) give the references' bits except for the order of the sum of
@@ -23,7 +25,7 @@ Under torch.compile a model may call `rms_norm_torch`, `silu_mul_torch` and
 
 Where they run: CUDA tensors and, with TRITON_INTERPRET=1, CPU tensors run the kernels; other
 CPU tensors the references (runtime/device.py). Launches: one Triton launch per call; on CUDA
-the bound kernel is kept per (op, device, dtype, width, row stride) and a steady call is that
+the bound kernel is kept per (op, device, dtype, width, row layout) and a steady call is that
 dict lookup, the output allocation and the direct launch (runtime/launch.py Launch,
 runtime/plan.py run_steady / keep). No Tuner: a row op's tile follows from its width alone
 (_tile), so there is no config to choose or forget, and the plans live in _RowPlans.
@@ -168,37 +170,65 @@ def _tile(n: int, block_k: Optional[int]) -> dict:
                 num_warps=4 if size <= 2048 else 8 if size <= 8192 else 16)
 
 
-def _launch_rows(rms: bool, x2: torch.Tensor, operands: tuple, n: int, eps: float, quant: Optional[str],
+def _row_layout(x: torch.Tensor) -> Optional[Tuple[int, int, int]]:
+    """How the kernel walks the rows of x (..., n) without a copy: (row stride, inner, inner
+    stride), row r at (r // inner) * row stride + (r % inner) * inner stride. Leading dims that
+    merge into one: inner = 1; else if all but the last merge (a (B, S, H, D) view of a slice of
+    a fused q/k/v output, as Qwen3's q/k norms see it): two levels; else None (copy)."""
+    n = x.shape[-1]
+    if x.is_contiguous():
+        return n, 1, 1
+    dims = [(size, st) for size, st in zip(x.shape[:-1], x.stride()[:-1]) if size != 1]
+
+    def merged(ds):  # the stride of ds merged into one dim, or None
+        ok = all(st0 == st1 * s1 for (_, st0), (s1, st1) in zip(ds, ds[1:]))
+        return (ds[-1][1] if ds else n) if ok else None
+
+    outer = merged(dims)
+    if outer is not None:
+        return outer, 1, 1
+    outer = merged(dims[:-1])
+    return None if outer is None else (outer, *dims[-1])
+
+
+def _launch_rows(rms: bool, x: torch.Tensor, M: int, operands: tuple, n: int, eps: float, quant: Optional[str],
                  block_k: Optional[int]) -> None:
-    """rowwise_kernel over x2's M rows (M > 0) of n outputs: operands (a, w, out, scales), then
-    M, n, x2's row stride, eps; through the kept plan when there is one (CUDA)."""
-    M = x2.shape[0]
+    """rowwise_kernel over the M > 0 rows of x (..., width) for n outputs each: operands (w, out,
+    scales) after x, then M, n, x's row layout (_row_layout; a contiguous copy where it has none),
+    eps; through the kept plan when there is one (CUDA)."""
+    layout = _row_layout(x)
+    if layout is None:
+        x = x.contiguous()
+        layout = (x.shape[-1], 1, 1)
+    sxm, inner, sxi = layout
+    if M == 1:  # one row: the kernel never steps over the strides, so any value does
+        sxm, sxi = x.shape[-1], 1
+    elif inner == 1:
+        sxi = 1  # (unused: the same key and specialization whatever it was)
     meta = _tile(n, block_k)
     grid = (-(-M // meta["ROWS"]), 1)
-    # one row: the kernel never steps over the row stride, so any value does; the width keeps the key fixed
-    sxm = x2.shape[1] if M == 1 else x2.stride(0)
+    operands = (x, *operands)
     key = None
-    if x2.is_cuda:
-        dev = x2.get_device()
-        key = (rms, quant, dev, x2.dtype, n, sxm, block_k)
-        if run_steady(_RowPlans, key, dev, x2, grid, operands, (M, n, sxm, eps)):
+    if x.is_cuda:
+        dev = x.get_device()
+        key = (rms, quant, dev, x.dtype, n, sxm, inner, sxi, block_k)
+        if run_steady(_RowPlans, key, dev, x, grid, operands, (M, n, sxm, inner, sxi, eps)):
             return
     launch = Launch(_kernel(), dict(meta, RMS=rms, QUANT=quant is not None, FP8=quant == "fp8",
-                                    EMU_BF16=x2.dtype is torch.bfloat16 and not x2.is_cuda), x2.get_device())
-    with device_of(x2):
-        launch(grid, *operands, M, n, sxm, eps)
+                                    EMU_BF16=x.dtype is torch.bfloat16 and not x.is_cuda), x.get_device())
+    with device_of(x):
+        launch(grid, *operands, M, n, sxm, inner, sxi, eps)
     keep(None if key is None else _RowPlans.plans, key, launch, *operands)
 
 
-def _outputs(x2: torch.Tensor, n: int, shape, quant: Optional[str]):
-    """(out, scales) for x2's M rows of n outputs: codes (M, n) and float32 (M,) for the _quant
-    forms, else x2's dtype in `shape` and out itself as the (unused) scales operand."""
+def _outputs(x: torch.Tensor, M: int, n: int, shape, quant: Optional[str]):
+    """(out, scales) for M rows of n outputs: codes (M, n) and float32 (M,) for the _quant
+    forms, else x's dtype in `shape` and out itself as the (unused) scales operand."""
     if quant is not None:
         if quant == "fp8":
-            check_fp8_device(x2)
-        return (x2.new_empty((x2.shape[0], n), dtype=CODE_DTYPES[quant]),
-                x2.new_empty((x2.shape[0],), dtype=torch.float32))
-    out = x2.new_empty(shape)
+            check_fp8_device(x)
+        return x.new_empty((M, n), dtype=CODE_DTYPES[quant]), x.new_empty((M,), dtype=torch.float32)
+    out = x.new_empty(shape)
     return out, out
 
 
@@ -208,12 +238,12 @@ def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, quant: Op
     (x_q (M, K) int8 / float8_e4m3fn, scales float32 (M,)). block_k: the chunk width (default:
     _tile's), for tests."""
     k = x.shape[-1]
-    x2 = x.reshape(-1, k)  # a view where the leading dims allow one, else a contiguous copy
-    out, scales = _outputs(x2, k, x.shape, quant)
-    if x2.shape[0]:
+    M = x.numel() // k
+    out, scales = _outputs(x, M, k, x.shape, quant)
+    if M:
         if k > 1 and weight.stride(0) != 1:
             weight = weight.contiguous()
-        _launch_rows(True, x2, (x2, weight, out, scales), k, float(eps), quant, block_k)
+        _launch_rows(True, x, M, (weight, out, scales), k, float(eps), quant, block_k)
     return out if quant is None else (out, scales)
 
 
@@ -221,10 +251,10 @@ def silu_mul_launch(gu: torch.Tensor, quant: Optional[str] = None, block_k: Opti
     """The SiLU-and-multiply kernel on a checked gu: h (..., I), or with quant as
     rms_norm_launch's (h_q (M, I), scales float32 (M,)). block_k: as rms_norm_launch's."""
     i = gu.shape[-1] // 2
-    g2 = gu.reshape(-1, 2 * i)
-    out, scales = _outputs(g2, i, (*gu.shape[:-1], i), quant)
-    if g2.shape[0]:
-        _launch_rows(False, g2, (g2, g2, out, scales), i, 0.0, quant, block_k)  # (w, eps: unused)
+    M = gu.numel() // (2 * i)
+    out, scales = _outputs(gu, M, i, (*gu.shape[:-1], i), quant)
+    if M:
+        _launch_rows(False, gu, M, (gu, out, scales), i, 0.0, quant, block_k)  # (w, eps: unused)
     return out if quant is None else (out, scales)
 
 
