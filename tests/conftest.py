@@ -33,6 +33,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     # which every later interpreter test would then fail to launch.
     import sailfish.kernels.w4a8  # noqa: E402,F401
     import sailfish.kernels.w4a16  # noqa: E402,F401
+    import sailfish.kernels.rowwise  # noqa: E402,F401
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/helpers.py
 

@@ -68,7 +68,7 @@ def _round_i8(v, CLAMP: tl.constexpr = True):
 
 
 @triton.jit
-def _to_f32(x):
+def to_f32(x):
     """fp16/bf16/fp32 -> fp32, exact. bf16 is widened by a 16-bit shift (what the hardware
     does): Triton 3.9's interpreter flushes bf16 subnormals in its bf16 -> fp32 cast."""
     if x.dtype == tl.bfloat16:
@@ -82,7 +82,7 @@ def _to_f32(x):
 # Activation quantization
 # ----------------------------------------------------------------------------------
 @triton.jit
-def _abs_or_inf(x):
+def abs_or_inf(x):
     """|x|, with NaN mapped to +Inf: tl.max / tl.maximum drop NaN, so a NaN would vanish
     from the row maximum; this way the maximum is +Inf exactly when the row is not finite."""
     return tl.where(x == x, tl.abs(x), _INF)
@@ -135,30 +135,46 @@ def _quantize_per_token_kernel(x_ptr, xq_ptr, s_ptr, K, stride_xm, stride_qm,
     q_row = xq_ptr + row * stride_qm
     offs = tl.arange(0, BLOCK_K)
     if ONE_PASS:
-        x = _to_f32(tl.load(x_row + offs, mask=offs < K, other=0.0))
-        amax = tl.max(_abs_or_inf(x), axis=0)
+        x = to_f32(tl.load(x_row + offs, mask=offs < K, other=0.0))
+        amax = tl.max(abs_or_inf(x), axis=0)
     else:
         amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            xk = _to_f32(tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0))
-            amax = tl.maximum(amax, _abs_or_inf(xk))
+            xk = to_f32(tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0))
+            amax = tl.maximum(amax, abs_or_inf(xk))
         amax = tl.max(amax, axis=0)
-    bad = amax == _INF  # a NaN or an Inf in the row; then den = inf, inv = 0 and x is zeroed
+    bad, c, inv, scale = token_scale(amax, QMAX)
+    tl.store(s_ptr + row, scale)
+    if ONE_PASS:
+        tl.store(q_row + offs, quantize_scaled(x, bad, c, inv, FP8), mask=offs < K)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            xk = to_f32(tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0))
+            tl.store(q_row + k0 + offs, quantize_scaled(xk, bad, c, inv, FP8), mask=k0 + offs < K)
+
+
+@triton.jit
+def token_scale(amax, QMAX: tl.constexpr):
+    """A row's max |x| (abs_or_inf's: +Inf for a row holding NaN or Inf; a scalar, or one per
+    row) -> (bad, c, inv, scale): bad marks a non-finite row (then inv = 0 and the row is zeroed
+    by quantize_scaled), x is quantized as (x * c) * inv, and scale = amax / QMAX (NaN if bad).
+    Shared with kernels/rowwise.py's fused quantizations, which must give these bits."""
+    bad = amax == _INF
     # tiny rows: scale by 2**64 first (exact) so that QMAX / amax cannot overflow
     c = tl.where(amax < 8.673617379884035e-19, 1.8446744073709552e19, 1.0)
     den = tl.where(amax > 0.0, amax * c, 1.0)
-    inv = tl.where(amax > 0.0, tl.math.div_rn(tl.full((), QMAX, tl.float32), den), 0.0)
+    inv = tl.where(amax > 0.0, tl.math.div_rn(tl.full((), QMAX, tl.float32) + tl.zeros_like(den), den), 0.0)
     # NaN scale for a bad row as inf - inf: a NaN global constexpr never equals itself, so
     # Triton (3.6) takes it for a changed global and refuses to launch the cached kernel
-    tl.store(s_ptr + row, tl.where(bad, amax - amax, tl.math.div_rn(amax, tl.full((), QMAX, tl.float32))))
-    if ONE_PASS:
-        x = tl.where(bad, 0.0, x)  # inf * 0 would be NaN, which no int8 can hold
-        tl.store(q_row + offs, _quantize_value((x * c) * inv, FP8), mask=offs < K)
-    else:
-        for k0 in range(0, K, BLOCK_K):
-            xk = _to_f32(tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0))
-            xk = tl.where(bad, 0.0, xk)
-            tl.store(q_row + k0 + offs, _quantize_value((xk * c) * inv, FP8), mask=k0 + offs < K)
+    scale = tl.where(bad, amax - amax, tl.math.div_rn(amax, tl.full((), QMAX, tl.float32) + tl.zeros_like(amax)))
+    return bad, c, inv, scale
+
+
+@triton.jit
+def quantize_scaled(x, bad, c, inv, FP8: tl.constexpr):
+    """float32 x with token_scale's (bad, c, inv) (broadcast to x) -> the stored activation."""
+    x = tl.where(bad, 0.0, x)  # inf * 0 would be NaN, which no int8 can hold
+    return _quantize_value((x * c) * inv, FP8)
 
 
 # ----------------------------------------------------------------------------------
@@ -421,7 +437,7 @@ def _epilogue(acc, xs_ptr, sch_ptr, bias_ptr, rm, rn, HAS_BIAS: tl.constexpr):
     s_tok = tl.load(xs_ptr + rm)
     y = (acc.to(tl.float32) * s_ch[:, None]) * s_tok[None, :]
     if HAS_BIAS:
-        y = y + _to_f32(tl.load(bias_ptr + rn))[:, None]
+        y = y + to_f32(tl.load(bias_ptr + rn))[:, None]
     return y
 
 
@@ -573,7 +589,7 @@ def _w4a8_gemv_kernel(
         else:
             y = (out.to(tl.float32) * tl.load(sch_ptr + rn)) * tl.load(xs_ptr)
             if HAS_BIAS:
-                y = y + _to_f32(tl.load(bias_ptr + rn))
+                y = y + to_f32(tl.load(bias_ptr + rn))
             tl.store(y_ptr + offs_n, cast_out(y, y_ptr.dtype.element_ty, EMU_BF16), mask=mask)
 
 

@@ -106,7 +106,7 @@ def quantize_per_token_launch(x: torch.Tensor, block_k: Optional[int] = None, ac
     K, row stride, block_k) in W4A8_TUNER.plans (runtime/launch.py)."""
     fp8 = act_dtype == "fp8"
     if fp8:
-        _check_fp8_device(x)
+        check_fp8_device(x)
     elif act_dtype != "int8":
         check_act_dtype(act_dtype)  # raises, naming the allowed values
     M, K = x.shape
@@ -140,7 +140,7 @@ def quantize_per_token_launch(x: torch.Tensor, block_k: Optional[int] = None, ac
     return x_q, scales
 
 
-def _check_fp8_device(t: torch.Tensor) -> None:
+def check_fp8_device(t: torch.Tensor) -> None:
     """fp8 (e4m3) activations need sm_89+ (Ada, Hopper): e4m3 tensor cores and conversions."""
     if t.is_cuda:
         cap = capability(t.get_device())
@@ -561,7 +561,7 @@ def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor
     N, kp8 = qweight.shape
     fp8 = x_q.dtype is torch.float8_e4m3fn
     if fp8:
-        _check_fp8_device(x_q)
+        check_fp8_device(x_q)
     y = x_q.new_empty((M, N), dtype=(torch.float32 if fp8 else torch.int32) if raw_acc else out_dtype)
     if M == 0:
         return y

@@ -1,0 +1,153 @@
+"""Row-wise kernels around the GEMMs: RMSNorm and SiLU-and-multiply, each alone or with the
+W4A8 per-token int8 (or fp8) quantization of its output fused in (launchers, references and ops:
+ops/rowwise.py).
+
+Why: in a CUDA-graph decode step transformers' LlamaRMSNorm is ~8 tiny kernels and
+`act_fn(gate) * up` two, each a few microseconds at batch 1; W4A8 then quantizes the result in
+another launch. Here each is one launch, and the quantized forms hand the W4A8 GEMM its input.
+
+Design (why):
+- The numbers are eager PyTorch's, rounding for rounding: every value torch rounds to the
+  activation dtype is rounded here too (`rounded`), computed in fp32 from fp32 operands. A
+  product of two fp16 / bf16 values is exact in fp32, so `weight * h` and `a * up` rounded once
+  are torch's half-precision multiplies bit for bit. What may differ: the order of the sum of
+  squares (so the mean), and rsqrt / exp, which are the backend's (the interpreter's: numpy's
+  1 / sqrt, as torch's CPU rsqrt; the GPU's approximate instructions, as torch's CUDA rsqrtf
+  is). The mean's division is IEEE (div_rn), as torch's CPU `sum / K`.
+- The fused quantizations quantize the kernel's own rounded output with the per-token
+  quantizer's code (kernels/w4a8.py token_scale / quantize_scaled), so they give exactly
+  quantize_per_token(rms_norm(x)) and quantize_per_token(silu_mul(gu)) (int8, or FP8: the
+  float8 e4m3 quantize_per_token_fp8), NaN / Inf rows included (scale NaN, codes 0).
+- One kernel for both (RMS constexpr). One program per ROWS rows (ROWS > 1 only for short rows,
+  e.g. Qwen3's 128-wide q/k norms over many heads), the row in registers up to ops/rowwise.py
+  ROW_ONE_PASS_MAX channels, chunks of BLOCK_K beyond (the sum / max pass, then the output
+  pass, which recomputes each value with the same instructions, so the same bits).
+- The launch goes through runtime/launch.py's Launch and runtime/plan.py's run_steady / keep
+  (a steady call: one dict lookup and the direct launch), without a Tuner: the tile follows
+  from the row width alone, so there is no config to choose.
+- M is not specialized (do_not_specialize): the launcher keeps one bound kernel per
+  (device, dtype, width, row layout) whatever the number of rows (runtime/launch.py); the
+  usual one-level layout passes inner = 1, which Triton specializes away.
+- bf16 under the interpreter: computed in fp32 and rounded with integer ops (EMU_BF16,
+  kernels/common.py), loaded with w4a8.to_f32.
+"""
+import triton
+import triton.language as tl
+
+from .common import cast_out, round_bf16_emu
+from .w4a8 import abs_or_inf, quantize_scaled, to_f32, token_scale
+
+
+@triton.jit
+def rounded(v, DTYPE: tl.constexpr, EMU_BF16: tl.constexpr):
+    """fp32 v -> fp32 holding v rounded to DTYPE (nearest even): torch's rounding of an op's
+    fp32 result to a half-precision output."""
+    if EMU_BF16:
+        r = round_bf16_emu(v)
+    else:
+        r = v.to(DTYPE).to(tl.float32)
+    return r
+
+
+@triton.jit
+def _load_tile(row_ptrs, cols, n, row_ok):
+    """The (ROWS, BLOCK_K) tile at row_ptrs + cols as fp32 (0 outside the rows / columns),
+    and its mask."""
+    mask = row_ok[:, None] & (cols < n)
+    return to_f32(tl.load(row_ptrs + cols, mask=mask, other=0.0)), mask
+
+
+@triton.jit
+def _rms_out(x, r, w, DTYPE: tl.constexpr, EMU_BF16: tl.constexpr):
+    """LlamaRMSNorm's output from x, the row's rsqrt(mean(x^2) + eps) and the weight:
+    weight * (x * r).to(dtype), each product rounded to the dtype."""
+    return rounded(w * rounded(x * r, DTYPE, EMU_BF16), DTYPE, EMU_BF16)
+
+
+@triton.jit
+def _silu_mul_out(g, u, DTYPE: tl.constexpr, EMU_BF16: tl.constexpr):
+    """F.silu(gate) * up as eager torch rounds it: silu = g / (1 + exp(-g)) in fp32, rounded,
+    then the product, rounded."""
+    a = rounded(tl.math.div_rn(g, 1.0 + tl.exp(-g)), DTYPE, EMU_BF16)
+    return rounded(a * u, DTYPE, EMU_BF16)
+
+
+@triton.jit
+def _store_scales(amax, s_ptr, rows, row_ok, QMAX: tl.constexpr):
+    """Per-row max |y| (abs_or_inf's) -> store the scales, return (bad, c, inv) per element."""
+    bad, c, inv, scale = token_scale(amax, QMAX)
+    tl.store(s_ptr + rows, scale, mask=row_ok)
+    return bad[:, None], c[:, None], inv[:, None]
+
+
+@triton.jit
+def _inv_rms(ss, n, eps):
+    """rsqrt(mean + eps) per row from the sum of squares ss (the mean an IEEE division)."""
+    return tl.math.rsqrt(tl.math.div_rn(ss, tl.zeros_like(ss) + n) + eps)[:, None]
+
+
+@triton.jit
+def _chunk(a_rows, w_ptr, cols, k0, n, row_ok, r, RMS: tl.constexpr, DTYPE: tl.constexpr,
+           EMU_BF16: tl.constexpr):
+    """Output columns k0 + cols of each row, and their mask. RMS: the norm of a's row (x) with
+    its r (_inv_rms) and the weight; else silu(a's first n columns) * its next n."""
+    a, mask = _load_tile(a_rows + k0, cols, n - k0, row_ok)
+    if RMS:
+        y = _rms_out(a, r, to_f32(tl.load(w_ptr + k0 + cols, mask=k0 + cols < n, other=0.0)), DTYPE, EMU_BF16)
+    else:
+        u, _ = _load_tile(a_rows + n + k0, cols, n - k0, row_ok)
+        y = _silu_mul_out(a, u, DTYPE, EMU_BF16)
+    return y, mask
+
+
+@triton.jit(do_not_specialize=["M"])
+def rowwise_kernel(a_ptr, w_ptr, out_ptr, s_ptr, M, n, stride_am, inner, stride_ai, eps,
+                   RMS: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, ONE_PASS: tl.constexpr,
+                   QUANT: tl.constexpr, FP8: tl.constexpr, EMU_BF16: tl.constexpr):
+    """a (M, *), row r at (r // inner) * stride_am + (r % inner) * stride_ai (inner = 1: rows
+    stride_am apart; two levels: e.g. a (B, S, H, D) view of a fused q/k/v output, B * S
+    outer rows stride_am apart, H inner ones stride_ai apart) -> out (M, n) contiguous in a's
+    dtype: RMS, the RMSNorm of
+    a (M, n) with weight w (n,) and eps; else silu(gate) * up with a = [gate | up] (M, 2n) (w and
+    eps unused). QUANT: out the int8 codes (FP8: float8 e4m3) and s_ptr the float32 (M,) scales of
+    quantize_per_token(out) (FP8: quantize_per_token_fp8) instead."""
+    DTYPE: tl.constexpr = a_ptr.dtype.element_ty
+    QMAX: tl.constexpr = 448.0 if FP8 else 127.0
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < M
+    rows = rows.to(tl.int64)
+    a_rows = a_ptr + ((rows // inner) * stride_am + (rows % inner) * stride_ai)[:, None]
+    out_rows = out_ptr + rows[:, None] * n
+    cols = tl.arange(0, BLOCK_K)[None, :]
+    if ONE_PASS:  # the row stays in registers
+        if RMS:
+            x, mask = _load_tile(a_rows, cols, n, row_ok)
+            r = _inv_rms(tl.sum(x * x, axis=1), n, eps)
+            y = _rms_out(x, r, to_f32(tl.load(w_ptr + cols, mask=cols < n, other=0.0)), DTYPE, EMU_BF16)
+        else:
+            y, mask = _chunk(a_rows, w_ptr, cols, 0, n, row_ok, eps, RMS, DTYPE, EMU_BF16)
+        if QUANT:
+            bad, c, inv = _store_scales(tl.max(abs_or_inf(y), axis=1), s_ptr, rows, row_ok, QMAX)
+            tl.store(out_rows + cols, quantize_scaled(y, bad, c, inv, FP8), mask=mask)
+        else:
+            tl.store(out_rows + cols, cast_out(y, DTYPE, EMU_BF16), mask=mask)
+    else:  # (ROWS = 1) chunks: the sum of squares, the max for QUANT, then the output
+        r = eps  # (unused without RMS)
+        if RMS:
+            acc = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+            for k0 in range(0, n, BLOCK_K):
+                xk, _ = _load_tile(a_rows + k0, cols, n - k0, row_ok)
+                acc += xk * xk
+            r = _inv_rms(tl.sum(acc, axis=1), n, eps)
+        if QUANT:
+            amax = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+            for k0 in range(0, n, BLOCK_K):
+                yk, _ = _chunk(a_rows, w_ptr, cols, k0, n, row_ok, r, RMS, DTYPE, EMU_BF16)
+                amax = tl.maximum(amax, abs_or_inf(yk))
+            bad, c, inv = _store_scales(tl.max(amax, axis=1), s_ptr, rows, row_ok, QMAX)
+        for k0 in range(0, n, BLOCK_K):
+            yk, mask = _chunk(a_rows, w_ptr, cols, k0, n, row_ok, r, RMS, DTYPE, EMU_BF16)
+            if QUANT:
+                tl.store(out_rows + k0 + cols, quantize_scaled(yk, bad, c, inv, FP8), mask=mask)
+            else:
+                tl.store(out_rows + k0 + cols, cast_out(yk, DTYPE, EMU_BF16), mask=mask)
