@@ -524,3 +524,123 @@ def test_tensor_parallel_attention_matches_unfused_split(reference_ops, per_segm
                 total = total + attn(x, position_embeddings=pos, attention_mask=None)[0].float()
         outs[key] = total
     assert torch.equal(outs["fused"], outs["unfused"])
+
+
+# ----------------------------------------------------------------------------------
+# 4. Row-wise ops in the model: RMSNorm and silu * up in one launch, W4A8's quantization
+#    fused into them (sailfish.fuse.fuse_row_ops; the ops themselves: test_rowwise.py)
+# ----------------------------------------------------------------------------------
+def test_row_ops_report_and_modules(reference_ops):
+    from sailfish.fuse import DeferredRMSNorm, GatedMLP, SailfishRMSNorm
+    w4a16 = sailfish.quantize_model(tiny_model("qwen3"))
+    rows = w4a16.sailfish_report["row_ops"]
+    layers = range(2)
+    assert sorted(rows["gated_mlp"]) == [f"model.layers.{i}.mlp" for i in layers]
+    assert sorted(rows["norms"]) == sorted(["model.norm"] + [f"model.layers.{i}.{n}" for i in layers for n in (
+        "input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")])
+    assert rows["deferred_norms"] == []  # W4A16 takes the norm's fp16 output as it is
+    layer = w4a16.model.layers[0]
+    assert type(layer.mlp) is GatedMLP and type(layer.input_layernorm) is SailfishRMSNorm
+    assert layer.mlp.intermediate_size == 256 and layer.mlp.replaces == "Qwen3MLP"
+    w4a8 = sailfish.quantize_model(tiny_model("qwen3"), act_bits=8, group_size=128)
+    rows = w4a8.sailfish_report["row_ops"]
+    assert sorted(rows["deferred_norms"]) == [f"model.layers.{i}.{n}" for i in layers
+                                              for n in ("input_layernorm", "post_attention_layernorm")]
+    layer = w4a8.model.layers[1]
+    assert type(layer.input_layernorm) is DeferredRMSNorm and layer.mlp._sailfish_norm is layer.post_attention_layernorm
+    # the norm stays where it was: one parameter, under its own key
+    keys = [k for k in w4a8.state_dict() if "layernorm" in k]
+    assert sorted(keys) == sorted(f"model.layers.{i}.{n}.weight" for i in layers
+                                  for n in ("input_layernorm", "post_attention_layernorm"))
+    # idempotent: fusing again changes nothing
+    from sailfish.fuse import fuse_row_ops
+    assert fuse_row_ops(w4a8) == {"norms": [], "gated_mlp": [], "deferred_norms": []}
+
+
+@pytest.mark.parametrize("act_bits", [16, 8])
+def test_row_ops_with_a_gradient_or_fp32_run_the_formula(act_bits, reference_ops, per_segment):
+    """Where the row ops cannot run (a gradient to compute, an fp32 input), the modules run
+    transformers' formula: the model still equals the unfused one."""
+    quant = {} if act_bits == 16 else dict(act_bits=8, group_size=128)
+    fused, unfused = fused_and_unfused("llama", **quant)
+    ids = torch.randint(1, VOCAB, (1, 5))
+    assert torch.is_grad_enabled()
+    assert torch.equal(fused(ids).logits, unfused(ids).logits)
+    norm = fused.model.norm
+    x = torch.randn(3, 128)
+    assert torch.equal(norm(x), unfused.model.norm(x))  # fp32 input, fp16 weight: the formula's promotion
+
+
+class _Layers:
+    class Good(torch.nn.Module):
+        def forward(self, h, mask=None):
+            residual = h
+            h = self.input_layernorm(h)
+            h, _ = self.self_attn(hidden_states=h, attention_mask=mask)
+            return residual + h
+
+    class TwoUses(torch.nn.Module):
+        def forward(self, h, mask=None):
+            h = self.input_layernorm(h)
+            h, _ = self.self_attn(hidden_states=h, extra=h)
+            return h
+
+    class Kept(torch.nn.Module):
+        def forward(self, h, mask=None):
+            n = self.input_layernorm(h)
+            h, _ = self.self_attn(hidden_states=n)
+            return h + n
+
+    class NotNext(torch.nn.Module):
+        def forward(self, h, mask=None):
+            h = self.input_layernorm(h)
+            print(h)
+            h, _ = self.self_attn(hidden_states=h)
+            return h
+
+
+def test_norm_deferred_only_where_its_output_feeds_only_the_consumer():
+    from sailfish.fuse import _feeds_only
+    assert _feeds_only(_Layers.Good, "input_layernorm", "self_attn")
+    for cls in (_Layers.TwoUses, _Layers.Kept, _Layers.NotNext):
+        assert not _feeds_only(cls, "input_layernorm", "self_attn"), cls.__name__
+    assert not _feeds_only(_Layers.Good, "input_layernorm", "mlp")
+
+
+def test_norms_of_another_formula_are_left_alone(reference_ops):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class LlamaRMSNorm2(LlamaRMSNorm):  # Gemma's (1 + w): not Llama's formula
+        def forward(self, hidden_states):
+            input_dtype = hidden_states.dtype
+            hidden_states = hidden_states.to(torch.float32)
+            variance = hidden_states.pow(2).mean(-1, keepdim=True)
+            hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+            return (1 + self.weight) * hidden_states.to(input_dtype)
+    LlamaRMSNorm2.__name__ = "LlamaRMSNorm"
+    model = tiny_model("llama")
+    other = LlamaRMSNorm2(128).half()
+    model.model.norm = other
+    sailfish.quantize_model(model)
+    assert model.model.norm is other and "model.norm" not in model.sailfish_report["row_ops"]["norms"]
+
+
+@pytest.mark.parametrize("act_bits", [16, 8])
+def test_row_ops_run_the_kernels_in_the_model(act_bits):
+    """With the interpreter (CPU) or on the GPU the modules call the row-wise kernels: a
+    decoder layer's MLP and attention input give what the ops called one by one give."""
+    from sailfish.ops.rowwise import rms_norm_quant, silu_mul, silu_mul_quant
+    quant = {} if act_bits == 16 else dict(act_bits=8, group_size=128)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = sailfish.quantize_model(tiny_model("llama").to(dev), **quant)
+    layer = model.model.layers[0]
+    x = torch.randn(3, 128, dtype=F16, device=dev)
+    with torch.no_grad():
+        got = layer.mlp(x)
+        if act_bits == 16:
+            want = layer.mlp.down_proj(silu_mul(layer.mlp.gate_up_proj(x)))
+        else:
+            norm = layer.post_attention_layernorm
+            gu = layer.mlp.gate_up_proj.forward_quantized(*rms_norm_quant(x, norm.weight, norm.variance_epsilon), F16)
+            want = layer.mlp.down_proj.forward_quantized(*silu_mul_quant(gu), F16)
+    assert torch.equal(got, want)

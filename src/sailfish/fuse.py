@@ -46,6 +46,11 @@ from torch import nn
 
 from .formats.shard import concat_weight, shard_bias, shard_quantized, slice_weight
 from .nn import QuantLinear, QuantLinearW4A8
+from .ops.rowwise import (quantize_per_token_torch, rms_norm, rms_norm_impl, rms_norm_quant, rms_norm_quant_fp8,
+                          rms_norm_quant_fp8_impl, rms_norm_quant_impl, rms_norm_torch, silu_mul, silu_mul_impl,
+                          silu_mul_quant, silu_mul_quant_fp8, silu_mul_quant_fp8_impl, silu_mul_quant_impl,
+                          silu_mul_torch)
+from .runtime.dispatch import direct_call_ok
 
 log = logging.getLogger("sailfish")
 
@@ -368,12 +373,306 @@ def fuse_projections(model: nn.Module) -> nn.Module:
             module.register_forward_pre_hook(functools.partial(_feed_fused, attr, param), with_kwargs=True)
             module.register_load_state_dict_pre_hook(functools.partial(_load_fused, attr))
             fused[where] = list(names)
-    if fused or not_fused:  # (a model without such projections keeps its report as it was)
-        log.info("sailfish: fused %d projection groups, left %d unfused", len(fused), len(not_fused))
+    rows = fuse_row_ops(model)
+    if fused or not_fused or any(rows.values()):  # (a model without any keeps its report as it was)
+        log.info("sailfish: fused %d projection groups, left %d unfused; row ops: %s", len(fused), len(not_fused),
+                 ", ".join(f"{len(v)} {k}" for k, v in rows.items()))
         report = getattr(model, "sailfish_report", None)
         model.sailfish_report = {**(report if isinstance(report, dict) else {}), "fused": fused,
-                                 "not_fused": not_fused}
+                                 "not_fused": not_fused, "row_ops": rows}
     return model
+
+
+# ----------------------------------------------------------------------------------
+# Row-wise ops around the GEMMs: RMSNorm and silu(gate) * up in one launch each, and for
+# W4A8 the activation quantization fused into them (ops/rowwise.py; issue 39 items 2, 3)
+# ----------------------------------------------------------------------------------
+# transformers' RMSNorm classes that are Llama's formula (each class's forward is also checked
+# against it, _same_forward), and the decoder layers whose norm outputs feed only their
+# attention / MLP (checked too, _feeds_only).
+NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MixtralRMSNorm", "Qwen2MoeRMSNorm",
+         "Qwen3MoeRMSNorm")
+_NORM_FORWARD = """
+def forward(self, hidden_states):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+"""
+_MLP_FORWARD = """
+def forward(self, x):
+    return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+"""
+# (op, its implementation) of the quantizing row ops by W4A8 act_dtype
+_NORM_QUANT = {"int8": (rms_norm_quant, rms_norm_quant_impl), "fp8": (rms_norm_quant_fp8, rms_norm_quant_fp8_impl)}
+_SILU_QUANT = {"int8": (silu_mul_quant, silu_mul_quant_impl), "fp8": (silu_mul_quant_fp8, silu_mul_quant_fp8_impl)}
+_SILU_FORWARD = """
+def forward(self, input):
+    return nn.functional.silu(input)
+"""
+
+
+def _function_ast(source: str) -> Optional[str]:
+    """ast.dump of a forward's source with what does not change its meaning taken out
+    (decorators, annotations, the docstring) and a final `v = e; return v` read as `return e`."""
+    try:
+        func = ast.parse(textwrap.dedent(source)).body[0]
+    except (SyntaxError, IndexError):
+        return None
+    if not isinstance(func, ast.FunctionDef):
+        return None
+    func.decorator_list, func.returns, func.name = [], None, "forward"
+    for a in func.args.args + func.args.kwonlyargs:
+        a.annotation = None
+    body = func.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+        body = body[1:]
+    if (len(body) >= 2 and isinstance(body[-1], ast.Return) and isinstance(body[-1].value, ast.Name)
+            and isinstance(body[-2], ast.Assign) and len(body[-2].targets) == 1
+            and isinstance(body[-2].targets[0], ast.Name) and body[-2].targets[0].id == body[-1].value.id):
+        body = body[:-2] + [ast.Return(body[-2].value)]
+    func.body = body
+    return ast.dump(func, annotate_fields=False, include_attributes=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _same_forward(cls: type, canonical: str) -> bool:
+    """cls.forward is, statement for statement, the canonical source (see _function_ast)."""
+    try:
+        source = inspect.getsource(inspect.unwrap(cls.forward))
+    except (OSError, TypeError):
+        return False
+    mine = _function_ast(source)
+    return mine is not None and mine == _function_ast(canonical)
+
+
+@functools.lru_cache(maxsize=None)
+def _feeds_only(cls: type, norm: str, consumer: str) -> bool:
+    """cls.forward computes `v = self.<norm>(...)` and the next statement assigns v again from a
+    call of self.<consumer> that takes v once, as an argument: the norm's output goes to the
+    consumer and nowhere else, and self.<norm> is called nowhere else."""
+    try:
+        func = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward)))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return False
+    if not isinstance(func, ast.FunctionDef):
+        return False
+    uses = [n for n in ast.walk(func) if _is_self_attr(n, (norm,))]
+    body = func.body
+    for i, stmt in enumerate(body[:-1]):
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+                and isinstance(stmt.value, ast.Call) and _is_self_attr(stmt.value.func, (norm,))):
+            continue
+        v, nxt = stmt.targets[0].id, body[i + 1]
+        if len(uses) != 1 or not (isinstance(nxt, ast.Assign) and isinstance(nxt.value, ast.Call)
+                                  and _is_self_attr(nxt.value.func, (consumer,))):
+            return False
+        targets = [t for tg in nxt.targets for t in ast.walk(tg) if isinstance(t, ast.Name)]
+        reads = [n for n in ast.walk(nxt.value) if isinstance(n, ast.Name) and n.id == v]
+        args = list(nxt.value.args) + [k.value for k in nxt.value.keywords]
+        return (any(t.id == v for t in targets) and len(reads) == 1 and any(a is reads[0] for a in args))
+    return False
+
+
+def _torch_path(x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> bool:
+    """Run the plain-torch form rather than the row-wise kernel: under torch.compile (inductor
+    fuses the plain ops with their neighbours itself), with a gradient to compute (the row ops
+    have no derivative), or where the kernel's dtype rule does not hold (fp32, a weight of
+    another dtype: the formula's own promotion then applies)."""
+    if torch.compiler.is_compiling() or x.dtype not in (torch.float16, torch.bfloat16):
+        return True
+    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
+        return True
+    return weight is not None and weight.dtype != x.dtype
+
+
+class SailfishRMSNorm(nn.Module):
+    """transformers' RMSNorm (Llama's formula) as one launch of sailfish::rms_norm instead of
+    the eight small kernels of its eager forward; the same `weight` parameter (and state_dict
+    key), equal outputs up to the order of the sum of squares (ops/rowwise.py)."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.weight = norm.weight
+        self.variance_epsilon = norm.variance_epsilon
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if _torch_path(hidden_states, self.weight):
+            return rms_norm_torch(hidden_states, self.weight, self.variance_epsilon)
+        return _row_op(rms_norm, rms_norm_impl, hidden_states, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class DeferredRMSNorm(SailfishRMSNorm):
+    """A decoder layer's norm whose only consumer (its attention's fused q/k/v, or its MLP's
+    fused gate/up, a W4A8 layer) applies it itself, fused with the int8 / fp8 quantization of
+    its input (sailfish::rms_norm_quant): here the input passes through unchanged. Installed
+    only where the decoder layer's forward hands the norm's output to that consumer and to
+    nothing else (_feeds_only)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", applied by its consumer with the activation quantization"
+
+
+def _plain(module: nn.Module) -> bool:
+    return not (module._forward_hooks or module._forward_pre_hooks)
+
+
+def _takes_quantized(layer: nn.Module) -> bool:
+    """May the caller hand `layer` its input quantized (forward_quantized)? A W4A8 layer without
+    hooks (a tensor-parallel style's hooks must run; a reference model may hold an nn.Linear)."""
+    return isinstance(layer, QuantLinearW4A8) and _plain(layer)
+
+
+def _row_op(op, impl, x: torch.Tensor, *args):
+    """A row-wise op called as a plain function where the dispatcher would add only its cost
+    (runtime/dispatch.direct_call_ok), else through torch.ops."""
+    return impl(x, *args) if direct_call_ok(x) else op(x, *args)
+
+
+def _is_silu(act) -> bool:
+    cls = type(act)
+    return cls is nn.SiLU or (cls.__name__ == "SiLUActivation" and cls.__module__.startswith("transformers.")
+                              and _same_forward(cls, _SILU_FORWARD))
+
+
+def _quantized_input(layer: QuantLinearW4A8, x: torch.Tensor, norm: DeferredRMSNorm) -> torch.Tensor:
+    """layer(norm(x)) with the norm and the activation quantization in one op."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if _torch_path(x, norm.weight):
+        x_q, s = quantize_per_token_torch(rms_norm_torch(x2, norm.weight, norm.variance_epsilon), layer.act_dtype)
+    else:
+        x_q, s = _row_op(*_NORM_QUANT[layer.act_dtype], x2, norm.weight, norm.variance_epsilon)
+    return layer.forward_quantized(x_q, s, x.dtype).reshape(*x.shape[:-1], layer.out_features)
+
+
+def _feed_fused_norm(attr: str, param: str, norm: DeferredRMSNorm, module: nn.Module, args, kwargs):
+    """Forward pre-hook of an attention whose input norm is deferred to it: the fused q/k/v of
+    norm(x), the norm fused with the activation quantization."""
+    fused = module._modules[attr]
+    x = args[0] if args else kwargs[param]
+    y = _quantized_input(fused, x, norm) if _takes_quantized(fused) else fused(SailfishRMSNorm.forward(norm, x))
+    return ((y, *args[1:]), kwargs) if args else (args, {**kwargs, param: y})
+
+
+class GatedMLP(nn.Module):
+    """Stands where a gated MLP (`down(act(gate(x)) * up(x))`, act SiLU, gate/up fused) was,
+    with its children (so its state_dict keys are the MLP's) and its attributes: silu(gate) * up
+    as one launch on the fused gate_up output (sailfish::silu_mul), for a W4A8 down_proj fused
+    with that input's quantization (silu_mul_quant), and the post-attention norm applied here
+    where it is deferred (DeferredRMSNorm)."""
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        for k, v in vars(mlp).items():
+            if not k.startswith("_") and k != "training":
+                setattr(self, k, v)
+        for name, child in mlp._modules.items():
+            self.add_module(name, child)
+        self.replaces = type(mlp).__name__
+        self.register_load_state_dict_pre_hook(functools.partial(_load_fused, "gate_up_proj"))
+        self._sailfish_norm: Optional[DeferredRMSNorm] = None  # not a submodule: the decoder layer holds it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up, down, norm = self._modules["gate_up_proj"], self._modules["down_proj"], self._sailfish_norm
+        if norm is not None:
+            gu = (_quantized_input(gate_up, x, norm) if _takes_quantized(gate_up)
+                  else gate_up(SailfishRMSNorm.forward(norm, x)))
+        else:
+            gu = gate_up(x)
+        if _takes_quantized(down):
+            g2 = gu.reshape(-1, gu.shape[-1])
+            if _torch_path(gu):
+                h_q, s = quantize_per_token_torch(silu_mul_torch(g2), down.act_dtype)
+            else:
+                h_q, s = _row_op(*_SILU_QUANT[down.act_dtype], g2)
+            return down.forward_quantized(h_q, s, gu.dtype).reshape(*gu.shape[:-1], down.out_features)
+        return down(silu_mul_torch(gu) if _torch_path(gu) else _row_op(silu_mul, silu_mul_impl, gu))
+
+    def extra_repr(self) -> str:
+        return f"{self.replaces} with silu(gate) * up on the fused gate_up output"
+
+
+def _gated_ok(mlp: nn.Module) -> bool:
+    """mlp computes down(silu(gate(x)) * up(x)) (its class's forward checked), gate/up fused
+    by fuse_projections (its pre-hook the only one), no other hooks."""
+    hooks = list(mlp._forward_pre_hooks.values())
+    return (isinstance(mlp._modules.get("gate_up_proj"), _Fused)
+            and isinstance(mlp._modules.get("gate_proj"), FusedOutput) and _is_silu(mlp._modules.get("act_fn"))
+            and len(hooks) == 1 and getattr(hooks[0], "func", None) is _feed_fused and not mlp._forward_hooks
+            and "forward" not in mlp.__dict__ and _same_forward(type(mlp), _MLP_FORWARD))
+
+
+def _norm_ok(module: nn.Module) -> bool:
+    cls = type(module)
+    return (cls.__name__ in NORMS and cls.__module__.startswith("transformers.models.")
+            and _same_forward(cls, _NORM_FORWARD) and isinstance(getattr(module, "weight", None), torch.Tensor)
+            and module.weight.dim() == 1 and isinstance(getattr(module, "variance_epsilon", None), float)
+            and _plain(module) and "forward" not in module.__dict__)
+
+
+def fuse_row_ops(model: nn.Module) -> Dict[str, List[str]]:
+    """Swap, in place, the model's Llama-formula RMSNorms for SailfishRMSNorm, every fused
+    gate/up MLP of the checked form for a GatedMLP, and for W4A8 fused layers
+    defer the norm that feeds them into their input quantization (DeferredRMSNorm). Returns
+    {"norms": [...], "gated_mlp": [...], "deferred_norms": [...]} (module names)."""
+    done: Dict[str, List[str]] = {"norms": [], "gated_mlp": [], "deferred_norms": []}
+    mods = list(model.named_modules())
+    for name, module in mods:  # gated MLPs first: a decoder layer's norm may be deferred into them
+        for attr, child in list(module._modules.items()):
+            if child is not None and _gated_ok(child):
+                module._modules[attr] = GatedMLP(child)
+                done["gated_mlp"].append(f"{name}.{attr}" if name else attr)
+    for name, module in mods:
+        for attr, child in list(module._modules.items()):
+            if child is None or not _norm_ok(child):
+                continue
+            full = f"{name}.{attr}" if name else attr
+            new = _deferred(module, attr, child)
+            if new is not None:
+                done["deferred_norms"].append(full)
+            else:
+                new = SailfishRMSNorm(child)
+                done["norms"].append(full)
+            module._modules[attr] = new
+    return done
+
+
+def _remove_pre_hook(module: nn.Module, key: int) -> None:
+    del module._forward_pre_hooks[key]
+    module._forward_pre_hooks_with_kwargs.pop(key, None)
+
+
+def _deferred(layer: nn.Module, attr: str, norm: nn.Module) -> Optional[DeferredRMSNorm]:
+    """A DeferredRMSNorm for `layer.<attr>` where its only consumer is a W4A8 fused layer that
+    can apply it (the attention's q/k/v through its pre-hook, a gated MLP's gate/up), else None."""
+    for consumer in ("self_attn", "mlp"):
+        target = layer._modules.get(consumer)
+        if target is None or not _feeds_only(type(layer), attr, consumer):
+            continue
+        fused = target._modules.get("qkv_proj" if consumer == "self_attn" else "gate_up_proj")
+        if not isinstance(fused, FusedQuantLinearW4A8):
+            return None
+        new = DeferredRMSNorm(norm)
+        if consumer == "mlp":
+            if not isinstance(target, GatedMLP):
+                return None
+            object.__setattr__(target, "_sailfish_norm", new)  # a reference, not a second parent
+            return new
+        hooks = list(target._forward_pre_hooks.items())
+        if len(hooks) != 1 or getattr(hooks[0][1], "func", None) is not _feed_fused:
+            return None
+        _, param = hooks[0][1].args
+        _remove_pre_hook(target, hooks[0][0])
+        target.register_forward_pre_hook(functools.partial(_feed_fused_norm, "qkv_proj", param, new), with_kwargs=True)
+        return new
+    return None
 
 
 def unfused_layers(model: nn.Module) -> Dict[str, nn.Module]:
@@ -390,4 +689,5 @@ def unfused_layers(model: nn.Module) -> Dict[str, nn.Module]:
 
 
 __all__ = ["check_fuse_flag", "FusedQuantLinear", "FusedQuantLinearW4A8", "FusedOutput", "fuse_projections", "unfused_layers",
-           "shard_fused", "SUPPORTED", "ARCHITECTURES"]
+           "shard_fused", "SUPPORTED", "ARCHITECTURES", "fuse_row_ops", "SailfishRMSNorm", "DeferredRMSNorm",
+           "GatedMLP", "NORMS"]

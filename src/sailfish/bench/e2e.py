@@ -376,7 +376,8 @@ class Runner:
                 "experts_modules": None if report is None else len(report.get("experts", [])),
                 "skipped_layers": None if report is None else report["skipped"],
                 "fused_layers": None if report is None else sorted(report.get("fused", {})),
-                "not_fused": None if report is None else report.get("not_fused", {})}
+                "not_fused": None if report is None else report.get("not_fused", {}),
+                "row_ops": None if report is None else {k: len(v) for k, v in report.get("row_ops", {}).items()}}
         self.res.variants.setdefault(name, info)
         return model
 

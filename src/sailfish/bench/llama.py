@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..convert import quantize_model
+from ..fuse import fuse_row_ops
 from ..moe import QuantExperts, is_experts_module
 from ..nn import QuantLinear, QuantLinearW4A8
 
@@ -64,6 +65,7 @@ class Variant:
     label: str
     dtype: torch.dtype
     quant: Optional[dict]  # sailfish.quantize_model keyword arguments; None = not quantized
+    rows: bool = False  # not quantized, but with Sailfish's row-wise ops (sailfish.fuse.fuse_row_ops)
 
 
 # Run order: the fp16 models first, then the bf16 ones (the base model is converted to bf16
@@ -72,6 +74,9 @@ class Variant:
 # seven projections separately, to measure what fusion gives.
 VARIANTS: Dict[str, Variant] = {v.name: v for v in (
     Variant("fp16", "fp16", torch.float16, None),
+    # fp16 with the RMSNorms Sailfish's quantized variants run (one launch each): what those
+    # give a 16-bit model, so that the quantized variants' gain over it is the 4-bit layers'
+    Variant("fp16-rowops", "fp16, Sailfish's one-launch RMSNorm", torch.float16, None, rows=True),
     Variant("w4a16", "W4A16 sym g128 fp16", torch.float16, dict(group_size=128, sym=True)),
     Variant("w4a16-unfused", "W4A16 sym g128 fp16, unfused", torch.float16,
             dict(group_size=128, sym=True, fuse=False)),
@@ -89,7 +94,7 @@ VARIANTS: Dict[str, Variant] = {v.name: v for v in (
 # bf16 W4A16 (the MoE models' variant: transformers' grouped_mm experts are bf16 kernels).
 DEFAULT_VARIANTS = tuple(n for n, v in VARIANTS.items()
                          if (v.quant or {}).get("fuse", True) and not (v.quant or {}).get("lm_head")
-                         and n != "w4a16-bf16")
+                         and n != "w4a16-bf16" and not v.rows)
 MOE_DEFAULT_VARIANTS = ("bf16", "w4a16-bf16")
 
 
@@ -173,7 +178,11 @@ def make_variant(base: nn.Module, variant: Variant) -> nn.Module:
     if base_dtype(base) != variant.dtype:
         raise ValueError(f"base model is {base_dtype(base)}, variant {variant.name} needs {variant.dtype}")
     if variant.quant is None:
-        return base
+        if not variant.rows:
+            return base
+        model = shared_copy(base)
+        model.sailfish_report = {"quantized": [], "skipped": [], "row_ops": fuse_row_ops(model)}
+        return model
     return quantize_model(shared_copy(base), **variant.quant)
 
 
