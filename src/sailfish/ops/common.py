@@ -89,6 +89,8 @@ def _triton_before_3_9() -> bool:
 # sum_slices) instead of by a reduce kernel after it: its tile counters.
 SYNC_CAP = 1 << 14  # output tiles of one launch the counters serve (more: the reduce kernel)
 _SYNC = {}
+_SPARE = {}  # device index -> zeroed buffers made outside any capture, for streams first seen in one
+SYNC_SPARES = 4
 _CURRENT_STREAM = None  # Triton's current-stream function, on first use
 
 
@@ -117,5 +119,19 @@ def sync_buffer(device: torch.device, device_index: int) -> torch.Tensor:
     if buf is None:
         from ..kernels.common import SYNC_TILES  # (after TRITON_INTERPRET is settled)
 
-        buf = _SYNC[key] = torch.zeros(SYNC_TILES.value + SYNC_CAP, dtype=torch.int32, device=device)
+        def zeros():
+            return torch.zeros(SYNC_TILES.value + SYNC_CAP, dtype=torch.int32, device=device)
+
+        # A buffer first needed inside a CUDA graph capture (the usual warm-up runs on another
+        # stream than the capture) must not be zeroed by a kernel of that graph: a second graph
+        # captured on the stream, replayed before the first ever is, would start from garbage.
+        # So buffers made outside a capture leave zeroed spares, and a capture takes one.
+        spares = _SPARE.setdefault(device_index, [])
+        if device_index >= 0 and torch.cuda.is_current_stream_capturing() and spares:
+            buf = spares.pop()
+        else:
+            buf = zeros()
+            if device_index >= 0 and not torch.cuda.is_current_stream_capturing():
+                spares.extend(zeros() for _ in range(SYNC_SPARES - len(spares)))
+        _SYNC[key] = buf
     return buf
