@@ -205,6 +205,54 @@ def test_moe_kernel_configs(split13, split2, bk2, device):
     assert_moe_close(moe_w4a16_launch(*args, configs=cfgs).cpu(), ref, bound)
 
 
+@pytest.mark.parametrize("M,split13,split2,bk2", [(3, 2, 2, 128), (3, 1, 1, 256), (20, 2, 1, 128)])
+def test_moe_fused_decode_path_matches_separate_launches(M, split13, split2, bk2, device):
+    """kernel "moe_fused" (gate_up's split-K sum and the top-k sum by the last program to finish,
+    kernels/moe.py FUSED) gives the bits of the separate reduce launches at the same tiles (the
+    same sums in the same order), within the bound; a token with no routed expert gets zeros (no
+    program owns it); called again, the same bits (the counters are left at zero). M = 20: the
+    top-k sum's token loop takes two BLOCK_M chunks."""
+    from sailfish.ops.moe import SYNC_CAP, sync_buffer
+
+    args, w13, w2 = make_problem(4, 2, M, 256, 256, 64, False, F16, device)
+    args[1][1, :] = 4  # token 1: no local expert for any k
+    args[1][2, 1] = 4
+    ref, bound = moe_bound(args[0].cpu(), args[1].cpu(), args[2].cpu(), w13.dequantize().cpu(),
+                           w2.dequantize().cpu(), F16)
+    separate, fused = ((Config(16, 64, 128, split13, 8, 4, 3, kernel=k), Config(16, 64, bk2, split2, 8, 4, 3, kernel=k))
+                       for k in ("moe", "moe_fused"))
+    want = moe_w4a16_launch(*args, configs=separate)
+    got = moe_w4a16_launch(*args, configs=fused)
+    assert_moe_close(got.cpu(), ref, bound)
+    assert torch.equal(got, want)
+    assert not bool(got[1].any())
+    assert torch.equal(moe_w4a16_launch(*args, configs=fused), got)
+    sync = sync_buffer(got.device, -1 if device == "cpu" else got.get_device())
+    assert sync.shape[0] > SYNC_CAP and not bool(sync.any())
+
+
+def test_moe_heuristic_takes_the_fused_decode_path():
+    """Decode (BLOCK_M 16, M <= 16): the down GEMM does the top-k sum, a split gate_up its split-K
+    sum, inside their launches; BLOCK_M 16 at M = 256 (Qwen3: 16 slots per expert) and prefill
+    keep the separate launches, and so does an unsplit gate_up (nothing to fold)."""
+    from sailfish.ops.moe import moe_block_m, moe_heuristic
+
+    cpu = torch.device("cpu")  # (132 SMs, an H100's)
+
+    def kinds(M, H, I, E, topk):
+        bm = moe_block_m(M, topk, E)
+        return tuple((c.kernel, c.SPLIT_K > 1) for c in (
+            moe_heuristic(device=cpu, M=M, topk=topk, E=E, N=N, Kp=K, gated=g, block_m=bm)
+            for g, N, K in ((True, I, H), (False, H, I))))
+
+    assert kinds(1, 2048, 768, 128, 8) == (("moe_fused", True), ("moe_fused", True))  # Qwen3-30B-A3B
+    assert kinds(1, 2048, 1408, 64, 6)[1][0] == "moe_fused"  # DeepSeek-V2-Lite
+    assert kinds(16, 4096, 14336, 8, 2)[1] == ("moe_fused", False)  # Mixtral: the top-k sum only
+    assert kinds(16, 4096, 14336, 8, 2)[0] == ("moe", False)  # (an unsplit gate_up has no reduce)
+    assert kinds(256, 2048, 768, 128, 8) == (("moe", False), ("moe", False))
+    assert kinds(1024, 2048, 1408, 64, 6) == (("moe", False), ("moe", False))
+
+
 @pytest.mark.parametrize("cfgs,match", [
     ((Config(16, 64, 128, 1, kernel="moe"), Config(32, 64, 128, 1, kernel="moe")),
      "down config BLOCK_M=32 must be the routing's BLOCK_M=16: gate_up and down BLOCK_M must agree"),
@@ -239,7 +287,7 @@ def test_moe_tuner_heuristic_candidates_and_clear_caches():
             cands = list(moe_candidates(**p))
             assert cands[0] == cfg and len(cands) >= 3 and all(c.BLOCK_M == bm for c in cands)
             for c in cands:
-                check_moe_config(c, Kp=Kp, block_m=bm, gated=gated)
+                check_moe_config(c, M=M, topk=topk, E=E, N=N, Kp=Kp, block_m=bm, gated=gated)
         assert moe_config(cpu, M, topk, E, I, H, H, I) == pair
     assert len(MOE_TUNER.cache) == 6
     clear_caches()
