@@ -388,11 +388,13 @@ from sailfish.kernels.moe import _moe_w4a16_kernel
 import torch
 from sailfish.ops.moe import acc_fence, moe_block_m, moe_heuristic
 
-INTS = ("T", "N", "K", "num_blocks", "stride_xm", "stride_ym", "stride_qe", "stride_qn", "stride_se", "stride_sn")
-ALIGNED = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "sorted_ptr", "bexp_ptr", "tw_ptr", "y_ptr", "ws_ptr", "N", "K",
-           "stride_xm", "stride_ym", "stride_qe", "stride_qn")
+INTS = ("T", "N", "K", "E", "num_blocks", "stride_xm", "stride_ym", "stride_qe", "stride_qn", "stride_se",
+        "stride_sn")
+ALIGNED = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "sorted_ptr", "bexp_ptr", "tw_ptr", "y_ptr", "ws_ptr", "ids_ptr",
+           "out_ptr", "sync_ptr", "N", "K", "stride_xm", "stride_ym", "stride_qe", "stride_qn")
 bad, n = [], 0
 # the distinct configs the launcher picks for the benchmark's models at decode and prefill
+# (M = 1, 16: "moe_fused", the split-K and top-k sums inside the launch)
 cpu = torch.device("cpu")  # (132 SMs, an H100's)
 tiles = {(gated, moe_heuristic(device=cpu, M=M, topk=topk, E=E, N=N, Kp=K, gated=gated,
                                block_m=moe_block_m(M, topk, E))) for (H, I, E, topk) in
@@ -403,10 +405,12 @@ for gated, cfg in sorted(tiles, key=str):
     for dtype, zeros, gs in (("fp16", False, 128), ("bf16", True, 0)):
         ty = "*" + dtype
         sig = {"x_ptr": ty, "qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "sorted_ptr": "*i32",
-               "bexp_ptr": "*i32", "tw_ptr": "*fp32", "y_ptr": ty, "ws_ptr": "*fp32", **{k: "i32" for k in INTS}}
+               "bexp_ptr": "*i32", "tw_ptr": "*fp32", "y_ptr": ty, "ws_ptr": "*fp32", "ids_ptr": "*i64",
+               "out_ptr": ty, "sync_ptr": "*i32", **{k: "i32" for k in INTS}}
         consts = dict(TOPK=topk, GATED=gated, GROUP_SIZE=gs, HAS_ZEROS=zeros, EVEN_K=True, SPLIT_K=cfg.SPLIT_K,
                       EMU_BF16=False, USE_ASM=True, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-                      BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, ACC_FENCE=acc_fence())
+                      BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, ACC_FENCE=acc_fence(),
+                      FUSED=cfg.kernel == "moe_fused")
         names = list(sig)
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED}
         k = triton.compile(ast_source(_moe_w4a16_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),

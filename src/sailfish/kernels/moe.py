@@ -66,7 +66,7 @@ def _gated_sum(ws_ptr, t, n, mask, T, N, SPLIT_K: tl.constexpr):
     src = t * (2 * N) + n
     g = tl.zeros(src.shape, dtype=tl.float32)
     u = tl.zeros(src.shape, dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
+    for s in tl.range(0, SPLIT_K, num_stages=1):  # (a loop, not unrolled: kernels/w4a8._add_slices)
         g += tl.load(ws_ptr + s * 2 * T * N + src, mask=mask, other=0.0, cache_modifier=".cg")
         u += tl.load(ws_ptr + s * 2 * T * N + src + N, mask=mask, other=0.0, cache_modifier=".cg")
     return g / (1.0 + tl.exp(-g)) * u
@@ -76,15 +76,17 @@ def _gated_sum(ws_ptr, t, n, mask, T, N, SPLIT_K: tl.constexpr):
 def _topk_sum(src_ptr, ids_ptr, tw_ptr, m, n, mask, M, N, E, TOPK: tl.constexpr, SPLIT_K: tl.constexpr,
               WEIGHTED: tl.constexpr):
     """sum_k c_k * sum_s src[s, m * TOPK + k, n] in fp32, in the fixed order k = 0, 1, ... (and
-    s = 0, 1, ...): _topk_sum_kernel's value (see there); m, n, mask int64 index tensors of one
-    shape."""
-    acc = tl.zeros(m.shape, dtype=tl.float32)
-    for k in tl.static_range(TOPK):
+    s = 0, 1, ...): _topk_sum_kernel's value (see there); m, n int64 index tensors that broadcast
+    to mask's shape."""
+    acc = tl.zeros(mask.shape, dtype=tl.float32)
+    # loops, not unrolled: the fused GEMM's registers are allocated for its peak (unrolled, the
+    # Qwen3 M = 1 down tile took 180 instead of 118 registers; sm_90a compile, docs/perf_log.md v42)
+    for k in tl.range(0, TOPK, num_stages=1):
         row = m * TOPK + k
         eid = tl.load(ids_ptr + row, mask=mask, other=-1)
         live = mask & (eid >= 0) & (eid < E)
-        part = tl.zeros(m.shape, dtype=tl.float32)
-        for s in tl.static_range(SPLIT_K):
+        part = tl.zeros(mask.shape, dtype=tl.float32)
+        for s in tl.range(0, SPLIT_K, num_stages=1):
             part += tl.load(src_ptr + (s * M * TOPK + row) * N + n, mask=live, other=0.0,
                             cache_modifier=".cg").to(tl.float32)
         if WEIGHTED:
