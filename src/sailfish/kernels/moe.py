@@ -59,14 +59,17 @@ def _dot_tile(acc, w_ptrs, xt, s_e, z_e, rn, k0, stride_sn, BLOCK_N: tl.constexp
 
 
 @triton.jit
-def _gated_sum(ws_ptr, t, n, mask, T, N, SPLIT_K: tl.constexpr):
+def _gated_sum(ws_ptr, t, n, mask, T, N, SPLIT_K: tl.constexpr, UNROLL: tl.constexpr):
     """silu(g) * u in fp32, g = sum_s ws[s, t, n], u = sum_s ws[s, t, N + n] in the fixed order
     s = 0, 1, ...; ws (SPLIT_K, T, 2N) fp32; t, n, mask: int64 index tensors of one shape.
-    (.cg: the fused path reads other programs' partials, which L1 may hold stale.)"""
+    UNROLL: the loop unrolled (the reduce kernel: every load in flight at once), else a loop (the
+    fused GEMM, whose registers are allocated for its peak: unrolled, the Qwen3 M = 1 down tile
+    took 180 instead of 140 registers; sm_90a compile, docs/perf_log.md v42). Either way the same
+    sum. (.cg: the fused path reads other programs' partials, which L1 may hold stale.)"""
     src = t * (2 * N) + n
     g = tl.zeros(src.shape, dtype=tl.float32)
     u = tl.zeros(src.shape, dtype=tl.float32)
-    for s in tl.range(0, SPLIT_K, num_stages=1):  # (a loop, not unrolled: kernels/w4a8._add_slices)
+    for s in tl.range(0, SPLIT_K, num_stages=1, loop_unroll_factor=SPLIT_K if UNROLL else 1):
         g += tl.load(ws_ptr + s * 2 * T * N + src, mask=mask, other=0.0, cache_modifier=".cg")
         u += tl.load(ws_ptr + s * 2 * T * N + src + N, mask=mask, other=0.0, cache_modifier=".cg")
     return g / (1.0 + tl.exp(-g)) * u
@@ -74,19 +77,17 @@ def _gated_sum(ws_ptr, t, n, mask, T, N, SPLIT_K: tl.constexpr):
 
 @triton.jit
 def _topk_sum(src_ptr, ids_ptr, tw_ptr, m, n, mask, M, N, E, TOPK: tl.constexpr, SPLIT_K: tl.constexpr,
-              WEIGHTED: tl.constexpr):
+              WEIGHTED: tl.constexpr, UNROLL: tl.constexpr):
     """sum_k c_k * sum_s src[s, m * TOPK + k, n] in fp32, in the fixed order k = 0, 1, ... (and
     s = 0, 1, ...): _topk_sum_kernel's value (see there); m, n int64 index tensors that broadcast
-    to mask's shape."""
+    to mask's shape. UNROLL: as _gated_sum's."""
     acc = tl.zeros(mask.shape, dtype=tl.float32)
-    # loops, not unrolled: the fused GEMM's registers are allocated for its peak (unrolled, the
-    # Qwen3 M = 1 down tile took 180 instead of 118 registers; sm_90a compile, docs/perf_log.md v42)
-    for k in tl.range(0, TOPK, num_stages=1):
+    for k in tl.range(0, TOPK, num_stages=1, loop_unroll_factor=TOPK if UNROLL else 1):
         row = m * TOPK + k
         eid = tl.load(ids_ptr + row, mask=mask, other=-1)
         live = mask & (eid >= 0) & (eid < E)
         part = tl.zeros(mask.shape, dtype=tl.float32)
-        for s in tl.range(0, SPLIT_K, num_stages=1):
+        for s in tl.range(0, SPLIT_K, num_stages=1, loop_unroll_factor=SPLIT_K if UNROLL else 1):
             part += tl.load(src_ptr + (s * M * TOPK + row) * N + n, mask=live, other=0.0,
                             cache_modifier=".cg").to(tl.float32)
         if WEIGHTED:
@@ -184,7 +185,7 @@ def _moe_w4a16_kernel(
             tl.store(base + N, up, mask=mask)
             if FUSED:  # the tile's last K split sums the splits (as _gated_reduce_kernel)
                 if _arrive(sync_ptr + SYNC_TILES + tl.program_id(0), SPLIT_K):
-                    h = _gated_sum(ws_ptr, om, on, mask, T, N, SPLIT_K)
+                    h = _gated_sum(ws_ptr, om, on, mask, T, N, SPLIT_K, False)
                     tl.store(y_ptr + om * stride_ym + on, cast_out(h, DTYPE, EMU_BF16), mask=mask)
     else:
         if SPLIT_K == 1:
@@ -200,7 +201,7 @@ def _moe_w4a16_kernel(
                 for m0 in range(0, M, BLOCK_M):
                     m = m0 + tl.arange(0, BLOCK_M).to(tl.int64)[None, :]
                     tmask = nmask & (m < M)
-                    v = _topk_sum(src, ids_ptr, tw_ptr, m, on, tmask, M, N, E, TOPK, SPLIT_K, SPLIT_K == 1)
+                    v = _topk_sum(src, ids_ptr, tw_ptr, m, on, tmask, M, N, E, TOPK, SPLIT_K, SPLIT_K == 1, False)
                     tl.store(out_ptr + m * N + on, cast_out(v, DTYPE, EMU_BF16), mask=tmask)
 
 
@@ -211,7 +212,7 @@ def _gated_reduce_kernel(ws_ptr, h_ptr, T, N, SPLIT_K: tl.constexpr, EMU_BF16: t
     the fixed order s = 0, 1, ... (_gated_sum); ws (SPLIT_K, T, 2N) fp32, h (T, N) contiguous."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < (offs * 0 + T) * N
-    h = _gated_sum(ws_ptr, offs // N, offs % N, mask, T, N, SPLIT_K)
+    h = _gated_sum(ws_ptr, offs // N, offs % N, mask, T, N, SPLIT_K, True)
     tl.store(h_ptr + offs, cast_out(h, h_ptr.dtype.element_ty, EMU_BF16), mask=mask)
 
 
@@ -225,7 +226,7 @@ def _topk_sum_kernel(src_ptr, ids_ptr, tw_ptr, y_ptr, M, N, E, TOPK: tl.constexp
     not computed: their rows are skipped. y (M, N) contiguous."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < (offs * 0 + M) * N
-    acc = _topk_sum(src_ptr, ids_ptr, tw_ptr, offs // N, offs % N, mask, M, N, E, TOPK, SPLIT_K, WEIGHTED)
+    acc = _topk_sum(src_ptr, ids_ptr, tw_ptr, offs // N, offs % N, mask, M, N, E, TOPK, SPLIT_K, WEIGHTED, True)
     tl.store(y_ptr + offs, cast_out(acc, y_ptr.dtype.element_ty, EMU_BF16), mask=mask)
 
 
