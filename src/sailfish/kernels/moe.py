@@ -28,6 +28,8 @@ the few rows of a block the MMA's N dimension).
   the top-k sum of every token over that tile (`_topk_sum`). The same helpers, the same fixed
   orders and roundings as the separate kernels: the same bits, two launches fewer. The counters
   only pick which program sums; no atomic touches a value.
+- ROUTE (decode, few slots): every program computes its own block's expert and slots from the
+  expert ids with the routing kernels' arithmetic (`_route_block`): no routing launch at all.
 Rows of padding read slot 0 (unmasked loads) and are dropped at the store; K tiles past K
 are masked on x (the weight codes there are 0 with scale 0).
 """
@@ -117,7 +119,8 @@ def _moe_w4a16_kernel(
     TOPK: tl.constexpr, GATED: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr,
     EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACC_FENCE: tl.constexpr = False, FUSED: tl.constexpr = False,
+    ACC_FENCE: tl.constexpr = False, FUSED: tl.constexpr = False, ROUTE: tl.constexpr = False,
+    E_POW2: tl.constexpr = 16, T_POW2: tl.constexpr = 16,
 ):
     """One GEMM of a MoE block over all experts (module docstring). N: output columns (GATED:
     I, the weight has 2I rows); K: input channels (x / h row length). qweight (E, N_w, Kp // 8),
@@ -126,18 +129,24 @@ def _moe_w4a16_kernel(
     FUSED (module docstring): sync_ptr the counters; GATED (with SPLIT_K > 1) writes h itself;
     not GATED, y_ptr / ws_ptr hold the slot rows / partial sums as above, ids_ptr the (M, TOPK)
     expert ids, and the block's output (M = T / TOPK, N) goes to out_ptr (contiguous).
+    ROUTE: the program computes its block's expert and slots from the ids (ids_ptr; _route_block,
+    T <= T_POW2, E <= E_POW2) instead of reading the routing kernels' sorted_ptr / bexp_ptr.
     Grid: (num_blocks * cdiv(N, BLOCK_N), SPLIT_K), GROUP_M blocks in a row sharing each weight
     tile while it is in L2 (blocks of one expert are adjacent)."""
     DTYPE = x_ptr.dtype.element_ty
     TOPK_SUM: tl.constexpr = FUSED and not GATED
     pid_b, pid_n = grouped_tile(tl.program_id(0), num_blocks * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
-    e = tl.load(bexp_ptr + pid_b)
+    if ROUTE:
+        e, slots = _route_block(ids_ptr, pid_b, T, E, BLOCK_M, E_POW2, T_POW2)
+    else:
+        e = tl.load(bexp_ptr + pid_b)
     if not TOPK_SUM:
         if e < 0:  # a block past the routing's last one (the grid is sized for the worst case)
             return
     # (TOPK_SUM: such a block still counts in at its N tile's counter, with no K tiles and no rows)
-    slots = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
+    if not ROUTE:
+        slots = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = slots < T
     slot = tl.where(valid, slots, 0).to(tl.int64)
     rows = slot // TOPK if GATED else slot  # x rows: tokens (gate_up) or slots (down: h)
@@ -248,6 +257,43 @@ def _onehot(ids_ptr, t0, T, E, E_POW2: tl.constexpr, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
+def _placement(onehot, counts, before, BLOCK_M: tl.constexpr):
+    """(ends (E_POW2,), dest (BLOCK_T,)): ends the inclusive prefix sum of the experts' counts
+    padded to whole BLOCK_M blocks (expert e's run is [ends[e] - padded[e], ends[e])), dest each
+    slot's place: its expert's run start + `before` (its expert's slots in earlier chunks) + its
+    rank among its expert's slots in the chunk."""
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    rank = tl.sum((tl.cumsum(onehot, 0) - 1) * onehot, axis=1)  # earlier slots of its expert in the chunk
+    return ends, tl.sum(onehot * (ends - padded + before)[None, :], axis=1) + rank
+
+
+@triton.jit
+def _block_expert(ends, b, E, BLOCK_M: tl.constexpr):
+    """The expert of block(s) b: the experts whose run ends at or before the block's start (-1
+    past the last used block)."""
+    e_of = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+    return tl.where(e_of < E, e_of, -1)
+
+
+@triton.jit
+def _route_block(ids_ptr, b, T, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, T_POW2: tl.constexpr):
+    """(expert, slots (BLOCK_M,) int64) of block b of the routing, computed from the T <= T_POW2
+    expert ids in one chunk: what the routing kernels would have written for it (block_expert[b]
+    and sorted_slots[b * BLOCK_M:][:BLOCK_M], padding T), by their arithmetic (ROUTE: decode's
+    GEMMs route themselves, ops/moe.py ROUTE_TILE)."""
+    offs, live, onehot = _onehot(ids_ptr, 0, T, E, E_POW2, T_POW2)
+    counts = tl.sum(onehot, axis=0)
+    ends, dest = _placement(onehot, counts, counts * 0, BLOCK_M)
+    e = tl.sum(_block_expert(ends, b + tl.arange(0, 1), E, BLOCK_M), axis=0)
+    pos = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    match = (dest[:, None] == pos[None, :]) & live[:, None]  # at most one slot per place
+    found = tl.max(match.to(tl.int32), axis=0) > 0
+    slots = tl.where(found, tl.sum(tl.where(match, offs[:, None], 0), axis=0), T)
+    return e, slots
+
+
+@triton.jit
 def _route_count_kernel(ids_ptr, hist_ptr, sorted_ptr, T, E, S, E_POW2: tl.constexpr, BLOCK_T: tl.constexpr):
     """hist[c, e] = the slots of chunk c routed to expert e; and sorted_slots (S entries) filled
     with the padding value T, a slice per program (the placing kernel runs after this one)."""
@@ -286,12 +332,8 @@ def _route_place_kernel(ids_ptr, hist_ptr, sorted_ptr, bexp_ptr, T, E, NB, BLOCK
             h = tl.load(hist_ptr + j * E_POW2 + e_idx)
             counts += h
             before += tl.where(j < c, h, 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    rank = tl.sum((tl.cumsum(onehot, 0) - 1) * onehot, axis=1)  # earlier slots of its expert in the chunk
-    dest = tl.sum(onehot * (ends - padded + before)[None, :], axis=1) + rank
+    ends, dest = _placement(onehot, counts, before, BLOCK_M)
     tl.store(sorted_ptr + dest, offs, mask=live)
     for b0 in range(c * BLOCK_T, NB, chunks * BLOCK_T):
         b = b0 + tl.arange(0, BLOCK_T)
-        e_of = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-        tl.store(bexp_ptr + b, tl.where(e_of < E, e_of, -1), mask=b < NB)
+        tl.store(bexp_ptr + b, _block_expert(ends, b, E, BLOCK_M), mask=b < NB)

@@ -46,6 +46,11 @@ _REDUCE_BLOCK = 1024
 # every token's rows: the heuristic takes it up to this many tokens.
 FUSED_MAX_M = 16
 KINDS = ("moe", "moe_fused")
+# ... and where a (slots x experts) one-hot tile of at most this many entries (powers of two,
+# >= 16 each) holds the routing, both GEMMs' programs route themselves (kernels/moe._route_block:
+# 32 int32 a thread at 4 warps, before the K loop): routing + 2 launches become 2. Qwen3-30B-A3B
+# (128 experts) up to M = 4, DeepSeek-V2-Lite (64) up to M = 8, Mixtral (8) up to M = 16.
+ROUTE_TILE = 4096
 
 
 # ----------------------------------------------------------------------------------
@@ -293,6 +298,19 @@ def moe_config(device: torch.device, M: int, topk: int, E: int, I: int, H: int, 
     return out[0], out[1]
 
 
+def route_tile(T: int, E: int) -> dict:
+    """The one-hot routing tile's sides (kernels/moe._route_block): slots and experts, powers of two
+    >= 16 (the routing kernels' E_POW2, Router)."""
+    return dict(T_POW2=max(16, next_pow2(T)), E_POW2=max(16, next_pow2(E)))
+
+
+def route_inline(M: int, topk: int, E: int, cfg2: Config) -> bool:
+    """Whether the decode path's GEMMs route themselves (ROUTE_TILE): the down GEMM is "moe_fused"
+    (the decode path) and the routing's one-hot tile is small."""
+    tile = route_tile(M * topk, E)
+    return _fused(cfg2) and tile["T_POW2"] * tile["E_POW2"] <= ROUTE_TILE
+
+
 def _fused(cfg: Config) -> bool:
     """Whether cfg's GEMM does its reduce inside its launch (gate_up: only a split one has one)."""
     return cfg.kernel == "moe_fused"
@@ -305,9 +323,11 @@ class MoEPlan(Plan):
     """The configs (gate_up: `config`, down: `cfg2`) and bound kernel launches of one MoE
     problem (the plan key of moe_w4a16_launch): router, gate_up GEMM, the split gate_up's
     gated reduce, down GEMM, top-k sum (the reduce and the sum None where the config's kernel
-    "moe_fused" does them inside the GEMM). Its calls take the tensors (allocations, strides)."""
+    "moe_fused" does them inside the GEMM; the router None where the GEMMs route themselves:
+    route_inline). Its calls take the tensors (allocations, strides)."""
 
-    __slots__ = ("cfg2", "M", "topk", "E", "I", "H", "router", "gated_reduce", "down", "topk_sum", "sync_at")
+    __slots__ = ("cfg2", "M", "topk", "E", "I", "H", "router", "gated_reduce", "down", "topk_sum", "sync_at",
+                 "nb")
     takes_tensors = True
 
     def __init__(self, cfg13: Config, cfg2: Config, device: torch.device, dtype: torch.dtype, M: int, topk: int,
@@ -321,14 +341,17 @@ class MoEPlan(Plan):
         gs = 0 if group_size == -1 else group_size
         dev = device.index if device.type == "cuda" else -1
 
+        route = route_inline(M, topk, E, cfg2)
+
         def gemm(cfg: Config, gated: bool, zeros: bool, K: int) -> Launch:
             return Launch(_moe_w4a16_kernel, dict(
                 TOPK=topk, GATED=gated, GROUP_SIZE=gs, HAS_ZEROS=zeros, EVEN_K=K % cfg.BLOCK_K == 0,
                 SPLIT_K=cfg.SPLIT_K, EMU_BF16=emu, USE_ASM=asm, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                 BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, ACC_FENCE=asm and acc_fence(),
-                FUSED=_fused(cfg), **cfg.launch()), dev)
+                FUSED=_fused(cfg), **(dict(ROUTE=True, **route_tile(M * topk, E)) if route else {}), **cfg.launch()), dev)
 
-        self.router = Router(E, cfg13.BLOCK_M, dev)
+        self.router = None if route else Router(E, cfg13.BLOCK_M, dev)
+        self.nb = max_blocks(M * topk, E, cfg13.BLOCK_M)
         self.gemm = gemm(cfg13, True, z13, H)  # gate_up
         self.down = gemm(cfg2, False, z2, I)
         self.reduce = None  # (Plan's split-K reduce: the MoE plan's are gated_reduce and topk_sum)
@@ -341,7 +364,8 @@ class MoEPlan(Plan):
         self.sync_at = (device, dev)
 
     def bound(self) -> bool:
-        return (self.router.bound() and self.gemm.run is not None and self.down.run is not None
+        return ((self.router is None or self.router.bound()) and self.gemm.run is not None
+                and self.down.run is not None
                 and all(k is None or k.run is not None for k in (self.gated_reduce, self.topk_sum)))
 
     def __call__(self, y, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales,
@@ -350,8 +374,10 @@ class MoEPlan(Plan):
         M, topk, I, H = self.M, self.topk, self.I, self.H
         T = M * topk
         c13, c2 = self.config, self.cfg2
-        sorted_slots, block_expert = self.router(topk_ids)
-        nb = block_expert.shape[0]
+        nb = self.nb
+        sorted_slots = block_expert = None  # (route_inline: the GEMMs' programs route themselves)
+        if self.router is not None:
+            sorted_slots, block_expert = self.router(topk_ids)
         tw = topk_weights.reshape(-1).float().contiguous()
         h = x.new_empty((T, I))
         f32 = torch.float32
@@ -359,7 +385,8 @@ class MoEPlan(Plan):
         ws = None if c13.SPLIT_K == 1 else x.new_empty((c13.SPLIT_K, T, 2 * I), dtype=f32)
         z13 = w13_scales if w13_zeros is None else w13_zeros  # symmetric: an unread pointer
         self.gemm((nb * -(-I // c13.BLOCK_N), c13.SPLIT_K), x, w13_qweight, w13_scales, z13, sorted_slots,
-                  block_expert, None, h if ws is None or self.gated_reduce is None else None, ws, None, None,
+                  block_expert, None, h if ws is None or self.gated_reduce is None else None, ws,
+                  topk_ids if self.router is None else None, None,
                   sync if _fused(c13) else None, T, I, H, self.E, nb, H, I,
                   w13_qweight.stride(0), w13_qweight.stride(1), w13_scales.stride(0), w13_scales.stride(1))
         if self.gated_reduce is not None:
@@ -369,7 +396,8 @@ class MoEPlan(Plan):
         z2 = w2_scales if w2_zeros is None else w2_zeros
         fused = self.topk_sum is None
         self.down((nb * -(-H // c2.BLOCK_N), split), h, w2_qweight, w2_scales, z2, sorted_slots, block_expert,
-                  tw, rows if split == 1 else None, None if split == 1 else rows, topk_ids if fused else None,
+                  tw, rows if split == 1 else None, None if split == 1 else rows,
+                  topk_ids if fused or self.router is None else None,
                   y if fused else None, sync if fused else None, T, H, I, self.E, nb, I, H,
                   w2_qweight.stride(0), w2_qweight.stride(1), w2_scales.stride(0), w2_scales.stride(1))
         if not fused:
