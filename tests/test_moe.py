@@ -220,8 +220,8 @@ def test_moe_fused_decode_path_matches_separate_launches(M, split13, split2, bk2
     args[1][2, 1] = 4
     ref, bound = moe_bound(args[0].cpu(), args[1].cpu(), args[2].cpu(), w13.dequantize().cpu(),
                            w2.dequantize().cpu(), F16)
-    separate, fused = ((Config(16, 64, 128, split13, 8, 4, 3, kernel=k), Config(16, 64, bk2, split2, 8, 4, 3, kernel=k))
-                       for k in ("moe", "moe_fused"))
+    separate, fused = ((Config(16, 64, 128, split13, 8, 4, 3, kernel=k),
+                        Config(16, 64, bk2, split2, 8, 4, 3, kernel=k)) for k in ("moe", "moe_fused"))
     assert route_inline(M, 2, 4, fused[1]) and not route_inline(M, 2, 4, separate[1])
     want = moe_w4a16_launch(*args, configs=separate)
     got = moe_w4a16_launch(*args, configs=fused)
@@ -235,8 +235,9 @@ def test_moe_fused_decode_path_matches_separate_launches(M, split13, split2, bk2
 
 def test_moe_heuristic_takes_the_fused_decode_path():
     """Decode (BLOCK_M 16, M <= 16): the down GEMM does the top-k sum, a split gate_up its split-K
-    sum, inside their launches (and both route themselves at few slots x experts); BLOCK_M 16 at M = 256 (Qwen3: 16 slots per expert) and prefill
-    keep the separate launches, and so does an unsplit gate_up (nothing to fold)."""
+    sum, inside their launches (and both route themselves at few slots x experts); BLOCK_M 16 at
+    M = 256 (Qwen3: 16 slots per expert) and prefill keep the separate launches, and so does an
+    unsplit gate_up (nothing to fold)."""
     from sailfish.ops.moe import moe_block_m, moe_heuristic, route_inline
 
     cpu = torch.device("cpu")  # (132 SMs, an H100's)
@@ -274,6 +275,20 @@ def test_moe_explicit_configs_are_checked(cfgs, match):
     args = zero_problem(H=256, I=256)
     with pytest.raises(ValueError, match=match):
         moe_w4a16_launch(*args, configs=cfgs)
+
+
+def test_moe_fused_config_needs_its_counters():
+    """kernel "moe_fused" takes one counter per gate_up tile (blocks x N tiles): a problem with more
+    than SYNC_CAP is refused, naming the config and the alternative; "moe" takes it."""
+    from sailfish.ops.moe import SYNC_CAP, check_moe_config, max_blocks
+
+    p = dict(M=16384, topk=1, E=1024, N=512, Kp=128, block_m=16, gated=True)
+    assert max_blocks(16384, 1024, 16) * 512 // 32 > SYNC_CAP
+    with pytest.raises(ValueError, match=r"gate_up config kernel='moe_fused' with BLOCK_N=32 needs 32768 tile "
+                                         r"counters for M=16384, more than the 16384 there are; use kernel='moe'"):
+        check_moe_config(Config(16, 32, 128, 1, kernel="moe_fused"), **p)
+    check_moe_config(Config(16, 32, 128, 1, kernel="moe"), **p)
+    check_moe_config(Config(16, 32, 128, 1, kernel="moe_fused"), **{**p, "gated": False})  # (down: per N tile)
 
 
 def test_moe_tuner_heuristic_candidates_and_clear_caches():

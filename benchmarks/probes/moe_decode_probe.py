@@ -65,8 +65,9 @@ def main():
                     for c in cold:
                         c()
                     t_cold = graph_time_us(cold)
-                    print(f"  {label:6s} ({'+'.join(sorted({c.kernel for c in cfgs}))}): warm {graph_time_us(warm):7.1f} us"
-                          f"   cold {t_cold:7.1f} us   limit fraction {lim / t_cold:.2f}")
+                    kinds = "+".join(sorted({c.kernel for c in cfgs}))
+                    print(f"  {label:6s} ({kinds}): warm {graph_time_us(warm):7.1f} us   cold {t_cold:7.1f} us   "
+                          f"limit fraction {lim / t_cold:.2f}")
                     if args.profile:
                         with profile(activities=[ProfilerActivity.CUDA]) as prof:
                             for _ in range(3):

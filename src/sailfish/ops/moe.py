@@ -342,13 +342,15 @@ class MoEPlan(Plan):
         dev = device.index if device.type == "cuda" else -1
 
         route = route_inline(M, topk, E, cfg2)
+        # (the routing tile's constexprs only where it is used: one compile serves every M otherwise)
+        routing = dict(ROUTE=True, **route_tile(M * topk, E)) if route else {}
 
         def gemm(cfg: Config, gated: bool, zeros: bool, K: int) -> Launch:
             return Launch(_moe_w4a16_kernel, dict(
                 TOPK=topk, GATED=gated, GROUP_SIZE=gs, HAS_ZEROS=zeros, EVEN_K=K % cfg.BLOCK_K == 0,
                 SPLIT_K=cfg.SPLIT_K, EMU_BF16=emu, USE_ASM=asm, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                 BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, ACC_FENCE=asm and acc_fence(),
-                FUSED=_fused(cfg), **(dict(ROUTE=True, **route_tile(M * topk, E)) if route else {}), **cfg.launch()), dev)
+                FUSED=_fused(cfg), **routing, **cfg.launch()), dev)
 
         self.router = None if route else Router(E, cfg13.BLOCK_M, dev)
         self.nb = max_blocks(M * topk, E, cfg13.BLOCK_M)
@@ -394,13 +396,13 @@ class MoEPlan(Plan):
         split = c2.SPLIT_K
         rows = x.new_empty((T, H)) if split == 1 else x.new_empty((split, T, H), dtype=f32)
         z2 = w2_scales if w2_zeros is None else w2_zeros
-        fused = self.topk_sum is None
+        sum_inside = self.topk_sum is None
         self.down((nb * -(-H // c2.BLOCK_N), split), h, w2_qweight, w2_scales, z2, sorted_slots, block_expert,
                   tw, rows if split == 1 else None, None if split == 1 else rows,
-                  topk_ids if fused or self.router is None else None,
-                  y if fused else None, sync if fused else None, T, H, I, self.E, nb, I, H,
+                  topk_ids if sum_inside or self.router is None else None,
+                  y if sum_inside else None, sync if sum_inside else None, T, H, I, self.E, nb, I, H,
                   w2_qweight.stride(0), w2_qweight.stride(1), w2_scales.stride(0), w2_scales.stride(1))
-        if not fused:
+        if not sum_inside:
             self.topk_sum((-(-M * H // _REDUCE_BLOCK), 1), rows, topk_ids, None if split == 1 else tw, y, M, H,
                           self.E)
 
