@@ -213,10 +213,10 @@ def moe_heuristic(*, device, M, topk, E, N, Kp, gated, block_m) -> Config:
     tiles = blocks * -(-N // bn)
     if bm == 16 and tiles < sms:  # split K until every SM has a program (twice, for the gate_up)
         split = _decode_split(tiles, Kp, bk, 2 * sms if gated else sms)
-    return Config(bm, bn, bk, split, 8, warps, 3, kernel=_kind(M, gated, bm, split))
+    return Config(bm, bn, bk, split, 8, warps, 3, kernel=moe_kind(M, gated, bm, split))
 
 
-def _kind(M: int, gated: bool, block_m: int, split: int) -> str:
+def moe_kind(M: int, gated: bool, block_m: int, split: int) -> str:
     """The decode path ("moe_fused") at BLOCK_M 16 and M <= FUSED_MAX_M where it saves a launch:
     gate_up only when split (else there is no reduce to fold), down always (the top-k sum)."""
     fused = block_m == 16 and M <= FUSED_MAX_M and (split > 1 or not gated)
@@ -227,7 +227,7 @@ def moe_candidates(*, device, M, topk, E, N, Kp, gated, block_m):
     """The heuristic's config (and, where it is "moe_fused", its tile as "moe": the separate
     reduce launches), then the tiles of moe_config_sweep.py at the routing's BLOCK_M: BLOCK_N
     32-128 (gate_up) / 64-256 (down), BLOCK_K 128 / 256, unsplit and, at BLOCK_M 16, the split
-    giving 2 programs per SM and half that; each of the heuristic's kind rule (_kind)."""
+    giving 2 programs per SM and half that; each of the heuristic's kind rule (moe_kind)."""
     sms = sms_for(device)
     first = moe_heuristic(device=device, M=M, topk=topk, E=E, N=N, Kp=Kp, gated=gated, block_m=block_m)
     yield first
@@ -244,7 +244,7 @@ def moe_candidates(*, device, M, topk, E, N, Kp, gated, block_m):
                 splits |= {sp, max(1, sp // 2)}
             for split in sorted(splits):
                 cfg = Config(block_m, bn, bk, split, 8, 4 if block_m <= 32 else 8, 3,
-                             kernel=_kind(M, gated, block_m, split))
+                             kernel=moe_kind(M, gated, block_m, split))
                 if cfg != first:
                     yield cfg
 
