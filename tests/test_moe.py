@@ -416,8 +416,8 @@ ALIGNED = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "sorted_ptr", "bexp_ptr", "tw_pt
            "out_ptr", "sync_ptr", "N", "K", "stride_xm", "stride_ym", "stride_qe", "stride_qn")
 bad, n = [], 0
 # the distinct configs the launcher picks for the benchmark's models at decode and prefill
-# (M = 1, 16: "moe_fused", the split-K and top-k sums inside the launch; where the GEMMs route
-# themselves, with their routing tile)
+# (M = 1, 16: "moe_fused", the split-K and top-k sums inside the launch, down a programmatic
+# dependent of gate_up; where the GEMMs route themselves, with their routing tile)
 cpu = torch.device("cpu")  # (132 SMs, an H100's)
 tiles = set()
 for (H, I, E, topk) in ((2048, 768, 128, 8), (4096, 14336, 8, 2), (2048, 1408, 64, 6)):
@@ -425,9 +425,10 @@ for (H, I, E, topk) in ((2048, 768, 128, 8), (4096, 14336, 8, 2), (2048, 1408, 6
         pair = [moe_heuristic(device=cpu, M=M, topk=topk, E=E, N=N, Kp=K, gated=gated,
                               block_m=moe_block_m(M, topk, E)) for gated, N, K in ((True, I, H), (False, H, I))]
         route = tuple(sorted(route_tile(M * topk, E).items())) if route_inline(M, topk, E, pair[1]) else ()
-        tiles |= {(True, pair[0], route), (False, pair[1], route)}
+        chained = pair[1].kernel == "moe_fused"
+        tiles |= {(True, pair[0], route, chained), (False, pair[1], route, chained)}
 topk = 8
-for gated, cfg, route in sorted(tiles, key=str):
+for gated, cfg, route, chained in sorted(tiles, key=str):
     for dtype, zeros, gs in (("fp16", False, 128), ("bf16", True, 0)):
         ty = "*" + dtype
         sig = {"x_ptr": ty, "qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "sorted_ptr": "*i32",
@@ -436,7 +437,8 @@ for gated, cfg, route in sorted(tiles, key=str):
         consts = dict(TOPK=topk, GATED=gated, GROUP_SIZE=gs, HAS_ZEROS=zeros, EVEN_K=True, SPLIT_K=cfg.SPLIT_K,
                       EMU_BF16=False, USE_ASM=True, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                       BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, ACC_FENCE=acc_fence(),
-                      FUSED=cfg.kernel == "moe_fused", **(dict(ROUTE=True, **dict(route)) if route else {}))
+                      FUSED=cfg.kernel == "moe_fused", **(dict(ROUTE=True, **dict(route)) if route else {}),
+                      **({} if not chained else dict(PDL_EARLY=True) if gated else dict(PDL=True)))
         names = list(sig)
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED}
         k = triton.compile(ast_source(_moe_w4a16_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),

@@ -7,6 +7,8 @@ as kernel "moe" (the separate reduce launches: the chain before v42), each timed
 copy replayed (L2-warm) and with enough copies to defeat L2 (cold), one CUDA graph per row
 (bench.timing.graph_time_us); the two outputs must be the same bits (same tiles, same sums in
 the same order). --profile: the device time of each kernel (torch.profiler) on the cold run.
+"after" includes PDL between the two GEMMs on sm_90+; SAILFISH_PDL=0 leaves it out ("before"
+never has it: its down GEMM is not the decode path's).
 
     SAILFISH_AUTOTUNE=0 PYTHONPATH=src python benchmarks/probes/moe_decode_probe.py \
         --models Qwen3-30B-A3B,DeepSeek-V2-Lite,Mixtral-8x7B --m 1,4,16 [--profile]

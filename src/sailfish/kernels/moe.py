@@ -36,7 +36,7 @@ are masked on x (the weight codes there are 0 with scale 0).
 import triton
 import triton.language as tl
 
-from .common import cast_out, grouped_tile, split_k_range
+from .common import cast_out, grouped_tile, pdl_release, pdl_wait, split_k_range
 from .w4a8 import SYNC_TILES
 from .w4a16 import _load_groups, _tile_operands
 
@@ -120,7 +120,8 @@ def _moe_w4a16_kernel(
     EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ACC_FENCE: tl.constexpr = False, FUSED: tl.constexpr = False, ROUTE: tl.constexpr = False,
-    E_POW2: tl.constexpr = 16, T_POW2: tl.constexpr = 16,
+    E_POW2: tl.constexpr = 16, T_POW2: tl.constexpr = 16, PDL_EARLY: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """One GEMM of a MoE block over all experts (module docstring). N: output columns (GATED:
     I, the weight has 2I rows); K: input channels (x / h row length). qweight (E, N_w, Kp // 8),
@@ -131,8 +132,12 @@ def _moe_w4a16_kernel(
     expert ids, and the block's output (M = T / TOPK, N) goes to out_ptr (contiguous).
     ROUTE: the program computes its block's expert and slots from the ids (ids_ptr; _route_block,
     T <= T_POW2, E <= E_POW2) instead of reading the routing kernels' sorted_ptr / bexp_ptr.
+    PDL_EARLY (gate_up) / PDL (down, launched as its programmatic dependent; kernels/common.py):
+    the down GEMM's programs launch while gate_up's last wave runs, route themselves and set up,
+    and wait for h (and for the counters to be back at zero) before their K loop.
     Grid: (num_blocks * cdiv(N, BLOCK_N), SPLIT_K), GROUP_M blocks in a row sharing each weight
     tile while it is in L2 (blocks of one expert are adjacent)."""
+    pdl_release(PDL_EARLY)
     DTYPE = x_ptr.dtype.element_ty
     TOPK_SUM: tl.constexpr = FUSED and not GATED
     pid_b, pid_n = grouped_tile(tl.program_id(0), num_blocks * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -166,6 +171,7 @@ def _moe_w4a16_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if GATED:
         up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    pdl_wait(PDL)  # (every program that reads h or counts in: the e < 0 ones above read nothing)
     # one K loop for both tiles of a gated program: x is loaded once per K tile
     for kt in range(kt0, kt1):
         k0 = kt * BLOCK_K

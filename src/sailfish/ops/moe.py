@@ -27,7 +27,7 @@ import torch
 
 from ..formats.experts import PackedExperts, padded_k_experts
 from ..formats.int4 import GROUP_SIZES, K_CHUNK, check_int_choice, unpack
-from ..runtime.device import check_devices, device_of, has_bf16x2, sms_for, use_triton
+from ..runtime.device import check_devices, device_of, has_bf16x2, pdl, sms_for, use_triton
 from ..runtime.dispatch import define_op
 from ..runtime.launch import Launch
 from ..runtime.plan import Plan, keep, run_built, run_steady
@@ -344,13 +344,16 @@ class MoEPlan(Plan):
         route = route_inline(M, topk, E, cfg2)
         # (the routing tile's constexprs only where it is used: one compile serves every M otherwise)
         routing = dict(ROUTE=True, **route_tile(M * topk, E)) if route else {}
+        # the decode path's down GEMM a programmatic dependent of gate_up (sm_90+, SAILFISH_PDL)
+        chained = _fused(cfg2) and pdl(dev)
 
         def gemm(cfg: Config, gated: bool, zeros: bool, K: int) -> Launch:
+            link = {} if not chained else dict(PDL_EARLY=True) if gated else dict(PDL=True, launch_pdl=True)
             return Launch(_moe_w4a16_kernel, dict(
                 TOPK=topk, GATED=gated, GROUP_SIZE=gs, HAS_ZEROS=zeros, EVEN_K=K % cfg.BLOCK_K == 0,
                 SPLIT_K=cfg.SPLIT_K, EMU_BF16=emu, USE_ASM=asm, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                 BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, ACC_FENCE=asm and acc_fence(),
-                FUSED=_fused(cfg), **routing, **cfg.launch()), dev)
+                FUSED=_fused(cfg), **routing, **link, **cfg.launch()), dev)
 
         self.router = None if route else Router(E, cfg13.BLOCK_M, dev)
         self.nb = max_blocks(M * topk, E, cfg13.BLOCK_M)
