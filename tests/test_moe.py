@@ -205,6 +205,62 @@ def test_moe_kernel_configs(split13, split2, bk2, device):
     assert_moe_close(moe_w4a16_launch(*args, configs=cfgs).cpu(), ref, bound)
 
 
+@pytest.mark.parametrize("M,split13,split2,bk2", [(3, 2, 2, 128), (3, 1, 1, 256), (20, 2, 1, 128)])
+def test_moe_fused_decode_path_matches_separate_launches(M, split13, split2, bk2, device):
+    """kernel "moe_fused" (gate_up's split-K sum and the top-k sum by the last program to finish,
+    kernels/moe.py FUSED; the GEMMs routing themselves, ROUTE) gives the bits of the routing
+    kernels and the separate reduce launches at the same tiles (the same sums in the same order),
+    within the bound; a token with no routed expert gets zeros (no program owns it); called again,
+    the same bits (the counters are left at zero). M = 20: the top-k sum's token loop takes two
+    BLOCK_M chunks, and expert 0 (every token's first choice) two blocks."""
+    from sailfish.ops.moe import SYNC_CAP, route_inline, sync_buffer
+
+    args, w13, w2 = make_problem(4, 2, M, 256, 256, 64, False, F16, device, skew=M > 16)
+    args[1][1, :] = 4  # token 1: no local expert for any k
+    args[1][2, 1] = 4
+    ref, bound = moe_bound(args[0].cpu(), args[1].cpu(), args[2].cpu(), w13.dequantize().cpu(),
+                           w2.dequantize().cpu(), F16)
+    separate, fused = ((Config(16, 64, 128, split13, 8, 4, 3, kernel=k),
+                        Config(16, 64, bk2, split2, 8, 4, 3, kernel=k)) for k in ("moe", "moe_fused"))
+    assert route_inline(M, 2, 4, fused[1]) and not route_inline(M, 2, 4, separate[1])
+    want = moe_w4a16_launch(*args, configs=separate)
+    got = moe_w4a16_launch(*args, configs=fused)
+    assert_moe_close(got.cpu(), ref, bound)
+    assert torch.equal(got, want)
+    assert not bool(got[1].any())
+    assert torch.equal(moe_w4a16_launch(*args, configs=fused), got)
+    sync = sync_buffer(got.device, -1 if device == "cpu" else got.get_device())
+    assert sync.shape[0] > SYNC_CAP and not bool(sync.any())
+
+
+def test_moe_heuristic_takes_the_fused_decode_path():
+    """Decode (BLOCK_M 16, M <= 16): the down GEMM does the top-k sum, a split gate_up its split-K
+    sum, inside their launches (and both route themselves at few slots x experts); BLOCK_M 16 at
+    M = 256 (Qwen3: 16 slots per expert) and prefill keep the separate launches, and so does an
+    unsplit gate_up (nothing to fold)."""
+    from sailfish.ops.moe import moe_block_m, moe_heuristic, route_inline
+
+    cpu = torch.device("cpu")  # (132 SMs, an H100's)
+
+    def kinds(M, H, I, E, topk):
+        bm = moe_block_m(M, topk, E)
+        return tuple((c.kernel, c.SPLIT_K > 1) for c in (
+            moe_heuristic(device=cpu, M=M, topk=topk, E=E, N=N, Kp=K, gated=g, block_m=bm)
+            for g, N, K in ((True, I, H), (False, H, I))))
+
+    assert kinds(1, 2048, 768, 128, 8) == (("moe_fused", True), ("moe_fused", True))  # Qwen3-30B-A3B
+    assert kinds(1, 2048, 1408, 64, 6)[1][0] == "moe_fused"  # DeepSeek-V2-Lite
+    assert kinds(16, 4096, 14336, 8, 2)[1] == ("moe_fused", False)  # Mixtral: the top-k sum only
+    assert kinds(16, 4096, 14336, 8, 2)[0] == ("moe", False)  # (an unsplit gate_up has no reduce)
+    assert kinds(256, 2048, 768, 128, 8) == (("moe", False), ("moe", False))
+    assert kinds(1024, 2048, 1408, 64, 6) == (("moe", False), ("moe", False))
+    # and the GEMMs route themselves where the (slots x experts) one-hot tile is small
+    fused, separate = Config(16, 128, 128, 1, kernel="moe_fused"), Config(16, 128, 128, 1, kernel="moe")
+    assert [route_inline(M, 8, 128, fused) for M in (1, 4, 8)] == [True, True, False]  # Qwen3
+    assert [route_inline(M, 6, 64, fused) for M in (8, 16)] == [True, False]  # DeepSeek-V2-Lite
+    assert route_inline(16, 2, 8, fused) and not route_inline(1, 2, 8, separate)  # Mixtral; the chain before
+
+
 @pytest.mark.parametrize("cfgs,match", [
     ((Config(16, 64, 128, 1, kernel="moe"), Config(32, 64, 128, 1, kernel="moe")),
      "down config BLOCK_M=32 must be the routing's BLOCK_M=16: gate_up and down BLOCK_M must agree"),
@@ -219,6 +275,20 @@ def test_moe_explicit_configs_are_checked(cfgs, match):
     args = zero_problem(H=256, I=256)
     with pytest.raises(ValueError, match=match):
         moe_w4a16_launch(*args, configs=cfgs)
+
+
+def test_moe_fused_config_needs_its_counters():
+    """kernel "moe_fused" takes one counter per gate_up tile (blocks x N tiles): a problem with more
+    than SYNC_CAP is refused, naming the config and the alternative; "moe" takes it."""
+    from sailfish.ops.moe import SYNC_CAP, check_moe_config, max_blocks
+
+    p = dict(M=16384, topk=1, E=1024, N=512, Kp=128, block_m=16, gated=True)
+    assert max_blocks(16384, 1024, 16) * 512 // 32 > SYNC_CAP
+    with pytest.raises(ValueError, match=r"gate_up config kernel='moe_fused' with BLOCK_N=32 needs 32768 tile "
+                                         r"counters for M=16384, more than the 16384 there are; use kernel='moe'"):
+        check_moe_config(Config(16, 32, 128, 1, kernel="moe_fused"), **p)
+    check_moe_config(Config(16, 32, 128, 1, kernel="moe"), **p)
+    check_moe_config(Config(16, 32, 128, 1, kernel="moe_fused"), **{**p, "gated": False})  # (down: per N tile)
 
 
 def test_moe_tuner_heuristic_candidates_and_clear_caches():
@@ -239,7 +309,7 @@ def test_moe_tuner_heuristic_candidates_and_clear_caches():
             cands = list(moe_candidates(**p))
             assert cands[0] == cfg and len(cands) >= 3 and all(c.BLOCK_M == bm for c in cands)
             for c in cands:
-                check_moe_config(c, Kp=Kp, block_m=bm, gated=gated)
+                check_moe_config(c, M=M, topk=topk, E=E, N=N, Kp=Kp, block_m=bm, gated=gated)
         assert moe_config(cpu, M, topk, E, I, H, H, I) == pair
     assert len(MOE_TUNER.cache) == 6
     clear_caches()
@@ -338,27 +408,37 @@ from triton.backends.compiler import GPUTarget
 from sailfish.tools.ptx import ast_source, k_loop_stats, sass, wgmma_register_hazard
 from sailfish.kernels.moe import _moe_w4a16_kernel
 import torch
-from sailfish.ops.moe import acc_fence, moe_block_m, moe_heuristic
+from sailfish.ops.moe import route_tile, acc_fence, moe_block_m, moe_heuristic, route_inline
 
-INTS = ("T", "N", "K", "num_blocks", "stride_xm", "stride_ym", "stride_qe", "stride_qn", "stride_se", "stride_sn")
-ALIGNED = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "sorted_ptr", "bexp_ptr", "tw_ptr", "y_ptr", "ws_ptr", "N", "K",
-           "stride_xm", "stride_ym", "stride_qe", "stride_qn")
+INTS = ("T", "N", "K", "E", "num_blocks", "stride_xm", "stride_ym", "stride_qe", "stride_qn", "stride_se",
+        "stride_sn")
+ALIGNED = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "sorted_ptr", "bexp_ptr", "tw_ptr", "y_ptr", "ws_ptr", "ids_ptr",
+           "out_ptr", "sync_ptr", "N", "K", "stride_xm", "stride_ym", "stride_qe", "stride_qn")
 bad, n = [], 0
 # the distinct configs the launcher picks for the benchmark's models at decode and prefill
+# (M = 1, 16: "moe_fused", the split-K and top-k sums inside the launch, down a programmatic
+# dependent of gate_up; where the GEMMs route themselves, with their routing tile)
 cpu = torch.device("cpu")  # (132 SMs, an H100's)
-tiles = {(gated, moe_heuristic(device=cpu, M=M, topk=topk, E=E, N=N, Kp=K, gated=gated,
-                               block_m=moe_block_m(M, topk, E))) for (H, I, E, topk) in
-         ((2048, 768, 128, 8), (4096, 14336, 8, 2), (2048, 1408, 64, 6)) for M in (1, 16, 256, 4096)
-         for gated, N, K in ((True, I, H), (False, H, I))}
+tiles = set()
+for (H, I, E, topk) in ((2048, 768, 128, 8), (4096, 14336, 8, 2), (2048, 1408, 64, 6)):
+    for M in (1, 16, 256, 4096):
+        pair = [moe_heuristic(device=cpu, M=M, topk=topk, E=E, N=N, Kp=K, gated=gated,
+                              block_m=moe_block_m(M, topk, E)) for gated, N, K in ((True, I, H), (False, H, I))]
+        route = tuple(sorted(route_tile(M * topk, E).items())) if route_inline(M, topk, E, pair[1]) else ()
+        chained = pair[1].kernel == "moe_fused"
+        tiles |= {(True, pair[0], route, chained), (False, pair[1], route, chained)}
 topk = 8
-for gated, cfg in sorted(tiles, key=str):
+for gated, cfg, route, chained in sorted(tiles, key=str):
     for dtype, zeros, gs in (("fp16", False, 128), ("bf16", True, 0)):
         ty = "*" + dtype
         sig = {"x_ptr": ty, "qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "sorted_ptr": "*i32",
-               "bexp_ptr": "*i32", "tw_ptr": "*fp32", "y_ptr": ty, "ws_ptr": "*fp32", **{k: "i32" for k in INTS}}
+               "bexp_ptr": "*i32", "tw_ptr": "*fp32", "y_ptr": ty, "ws_ptr": "*fp32", "ids_ptr": "*i64",
+               "out_ptr": ty, "sync_ptr": "*i32", **{k: "i32" for k in INTS}}
         consts = dict(TOPK=topk, GATED=gated, GROUP_SIZE=gs, HAS_ZEROS=zeros, EVEN_K=True, SPLIT_K=cfg.SPLIT_K,
                       EMU_BF16=False, USE_ASM=True, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-                      BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, ACC_FENCE=acc_fence())
+                      BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, ACC_FENCE=acc_fence(),
+                      FUSED=cfg.kernel == "moe_fused", **(dict(ROUTE=True, **dict(route)) if route else {}),
+                      **({} if not chained else dict(PDL_EARLY=True) if gated else dict(PDL=True)))
         names = list(sig)
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED}
         k = triton.compile(ast_source(_moe_w4a16_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -366,7 +446,7 @@ for gated, cfg in sorted(tiles, key=str):
         st = k_loop_stats(k.asm["ptx"])
         n += 1
         if st is None or not st.wgmma_a_in_registers or wgmma_register_hazard(sass(k.asm["cubin"])):
-            bad.append((gated, cfg, dtype, zeros, gs, st))
+            bad.append((gated, cfg, route, dtype, zeros, gs, st))
 # the routing kernels, as Router sizes them for 128 / 16 / 1024 experts (they must compile)
 from sailfish.kernels.moe import _route_count_kernel, _route_place_kernel
 for ep, bt in ((128, 64), (16, 128), (1024, 16)):
@@ -387,7 +467,8 @@ raise SystemExit(f"not wgmma from registers, or a register hazard: {bad}" if bad
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
 def test_moe_kernel_compiles_for_hopper(tmp_path):
-    """The launcher's configs for the benchmark shapes compile for sm_90a with the dequantized tile
+    """The launcher's configs for the benchmark shapes (the decode path's fused sums and inline
+    routing included) compile for sm_90a with the dequantized tile
     fed to wgmma from registers (the fragment-order layout's point) and no wgmma register hazard."""
     from helpers import run_compile_child
 

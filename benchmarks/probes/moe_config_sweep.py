@@ -1,6 +1,7 @@
 """Sweep the MoE kernels' tiles per (model, M) on the GPU: each GEMM's config varied with the
-other at the heuristic's choice (they are separate launches; BLOCK_M shared), whole-block time
-in one CUDA graph (bench/timing.py). Prints the heuristic's time, the best of each GEMM, and
+other at the heuristic's choice (they are separate launches; BLOCK_M shared; each tile of the
+family's kernel kind, ops/moe.moe_kind: at decode the split-K and top-k sums inside the
+launches), whole-block time in one CUDA graph (bench/timing.py). Prints the heuristic's time, the best of each GEMM, and
 the combined best; writes JSON rows to argv[1].
 
     PYTHONPATH=src python benchmarks/probes/moe_config_sweep.py /tmp/sweep.json [models] [Ms]
@@ -13,7 +14,7 @@ import torch
 
 from sailfish.bench.moe import MODELS, make_experts, routing
 from sailfish.bench.timing import graph_time_us
-from sailfish.ops.moe import moe_block_m, moe_heuristic, moe_w4a16_launch
+from sailfish.ops.moe import moe_block_m, moe_heuristic, moe_kind, moe_w4a16_launch
 from sailfish.runtime.device import sms_for
 from sailfish.tuning import Config
 
@@ -66,10 +67,12 @@ def main():
                                 sp *= 2
                             splits |= {sp, max(1, sp // 2)}
                         for split in sorted(splits):
-                            c = Config(bm, bn, bk, split, 8, warps, 3, kernel="moe")
+                            c = Config(bm, bn, bk, split, 8, warps, 3,
+                                       kernel=moe_kind(M, which == "gate_up", bm, split))
                             other = h2 if which == "gate_up" else h13
                             other = Config(bm, other.BLOCK_N, other.BLOCK_K, other.SPLIT_K, 8, other.num_warps,
-                                           other.num_stages, kernel="moe")
+                                           other.num_stages, kernel=moe_kind(M, which != "gate_up", bm,
+                                                                             other.SPLIT_K))
                             pair = (c, other) if which == "gate_up" else (other, c)
                             us = t(*pair)
                             rows.append(dict(model=name, M=M, which=which, cfg=c.__dict__, us=us))

@@ -1,40 +1,84 @@
-"""Where the MoE block's decode time goes (GPU): one weight copy replayed (L2-warm) against
-enough copies to defeat L2, and the device time of each kernel (torch.profiler) on the cold run.
+"""Where the MoE block's decode time goes (GPU), and the decode launch chain before / after
+(docs/perf_log.md v42), in one process.
 
-    PYTHONPATH=src python benchmarks/probes/moe_decode_probe.py [model] [M]
+Per model and M: the launcher's configs (the heuristic's with SAILFISH_AUTOTUNE=0: at M <= 16
+kernel "moe_fused", the split-K and top-k sums inside the GEMM launches) against the same tiles
+as kernel "moe" (the separate reduce launches: the chain before v42), each timed with one weight
+copy replayed (L2-warm) and with enough copies to defeat L2 (cold), one CUDA graph per row
+(bench.timing.graph_time_us); the two outputs must be the same bits (same tiles, same sums in
+the same order). --profile: the device time of each kernel (torch.profiler) on the cold run.
+"after" includes PDL between the two GEMMs on sm_90+; SAILFISH_PDL=0 leaves it out ("before"
+never has it: its down GEMM is not the decode path's).
+
+    SAILFISH_AUTOTUNE=0 PYTHONPATH=src python benchmarks/probes/moe_decode_probe.py \
+        --models Qwen3-30B-A3B,DeepSeek-V2-Lite,Mixtral-8x7B --m 1,4,16 [--profile]
 """
-import sys
+import argparse
+from dataclasses import replace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from sailfish.bench.moe import MODELS, grouped_block, make_experts, routing, sailfish_block
-from sailfish.bench.timing import graph_time_us
+from sailfish.bench.moe import MODELS, _shared, limit_us, make_experts, routing
+from sailfish.bench.timing import copies_needed, graph_time_us, hbm_ceiling_gbps, tensor_core_peaks
+from sailfish.ops.moe import moe_config, moe_w4a16_launch
+
+
+def block(x, ids, w, ex, configs):
+    """bench.moe's sailfish block (shared experts included) with explicit configs."""
+    q13, q2 = ex.q13, ex.q2
+    y = moe_w4a16_launch(x, ids, w, q13.qweight, q13.scales, q13.zeros, q2.qweight, q2.scales, q2.zeros,
+                         q13.group_size, configs=configs)
+    return y if ex.shared is None else y + _shared(x, ex, True)
 
 
 def main():
-    name = sys.argv[1] if len(sys.argv) > 1 else "Qwen3-30B-A3B"
-    M = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    H, I, E, topk, _ = MODELS[name]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="Qwen3-30B-A3B,DeepSeek-V2-Lite,Mixtral-8x7B")
+    ap.add_argument("--m", default="1,4,16")
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
     dev = torch.device("cuda")
-    copies = [make_experts(H, I, E, 0, torch.bfloat16, 128, dev, False, r) for r in range(8)]
-    ids, w = routing(M, E, topk, False, dev)
-    x = torch.randn(M, H, dtype=torch.bfloat16, device=dev)
-    routed = topk * min(M, E) * 3 * H * I // 2  # 4-bit bytes of the routed experts (upper bound)
-    print(f"{name} M={M}: routed 4-bit expert bytes <= {routed / 2**20:.1f} MiB")
-    with torch.no_grad():
-        for label, block in (("sailfish", sailfish_block), ("bf16-grouped", grouped_block)):
-            warm = [lambda: block(x, ids, w, copies[0])] * 8
-            cold = [lambda ex=ex: block(x, ids, w, ex) for ex in copies]
-            warm[0](), [c() for c in cold]
-            print(f"{label:14s} warm (1 copy) {graph_time_us(warm):8.1f} us   cold (8 copies) "
-                  f"{graph_time_us(cold):8.1f} us")
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
+    props = torch.cuda.get_device_properties(dev)
+    print(f"{props.name}, torch {torch.__version__}")
+    hbm, peak = hbm_ceiling_gbps(), tensor_core_peaks().get("half")  # (as bench.moe: its limit_fraction)
+    ms = [int(m) for m in args.m.split(",")]
+    for name in args.models.split(","):
+        H, I, E, topk, shared = MODELS[name]
+        # copies from the routed bytes at the smallest M, as bench.moe counts them (L2-cold)
+        one = make_experts(H, I, E, shared, torch.bfloat16, 128, dev, False, 0)
+        per_expert = (one.q13.qweight[0].numel() + one.q2.qweight[0].numel()) * 4
+        n_copies = copies_needed(min(E, min(ms) * topk) * per_expert)
+        copies = [one] + [make_experts(H, I, E, shared, torch.bfloat16, 128, dev, False, r) for r in range(1, n_copies)]
+        for M in ms:
+            ids, w = routing(M, E, topk, False, dev)
+            x = torch.randn(M, H, dtype=torch.bfloat16, device=dev)
+            after = moe_config(dev, M, topk, E, I, H, one.q13.qweight.shape[2] * 8, one.q2.qweight.shape[2] * 8)
+            before = tuple(replace(c, kernel="moe") for c in after)
+            lim = limit_us(M, H, I, E, topk, shared, ids, "sailfish-moe-w4a16", 2, 128, hbm, peak)
+            print(f"\n{name} M={M}: {int(torch.unique(ids).numel())} experts routed, {n_copies} weight copies; "
+                  f"limit {lim:.1f} us\n  after's configs: {after}")
+            outs = {}
+            with torch.no_grad():
+                for label, cfgs in (("before", before), ("after", after)):
+                    warm = [lambda c=cfgs: block(x, ids, w, copies[0], c)] * 8
+                    cold = [lambda ex=ex, c=cfgs: block(x, ids, w, ex, c) for ex in copies]
+                    outs[label] = warm[0]()
                     for c in cold:
                         c()
-                torch.cuda.synchronize()
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
+                    t_cold = graph_time_us(cold)
+                    kinds = "+".join(sorted({c.kernel for c in cfgs}))
+                    print(f"  {label:6s} ({kinds}): warm {graph_time_us(warm):7.1f} us   cold {t_cold:7.1f} us   "
+                          f"limit fraction {lim / t_cold:.2f}")
+                    if args.profile:
+                        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                            for _ in range(3):
+                                for c in cold:
+                                    c()
+                            torch.cuda.synchronize()
+                        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10,
+                                                        max_name_column_width=60))
+            print(f"  same bits before / after: {torch.equal(outs['before'], outs['after'])}")
 
 
 if __name__ == "__main__":

@@ -20,13 +20,24 @@ the few rows of a block the MMA's N dimension).
 - SPLIT_K > 1 (decode: few slots, long K): fp32 partial sums to a workspace (SPLIT_K, T, N),
   summed in a fixed order by `_gated_reduce_kernel` (silu * up after the sum) or
   `_topk_sum_kernel` (routing weight after the sum).
+- FUSED (config kernel "moe_fused", decode): those sums inside the GEMM's launch, by the last
+  program to finish, found with int32 counters (the dense W4A8 split-K "fixup",
+  kernels/w4a8._add_slices; zero between launches, one buffer per stream: ops/w4a8.sync_buffer).
+  gate_up: the last K split of each (block, N tile) sums the tile's SPLIT_K partials and applies
+  silu * up (`_gated_sum`); down: the last of all num_blocks * SPLIT_K programs of an N tile does
+  the top-k sum of every token over that tile (`_topk_sum`). The same helpers, the same fixed
+  orders and roundings as the separate kernels: the same bits, two launches fewer. The counters
+  only pick which program sums; no atomic touches a value.
+- ROUTE (decode, few slots): every program computes its own block's expert and slots from the
+  expert ids with the routing kernels' arithmetic (`_route_block`): no routing launch at all.
 Rows of padding read slot 0 (unmasked loads) and are dropped at the store; K tiles past K
 are masked on x (the weight codes there are 0 with scale 0).
 """
 import triton
 import triton.language as tl
 
-from .common import cast_out, grouped_tile, split_k_range
+from .common import cast_out, grouped_tile, pdl_release, pdl_wait, split_k_range
+from .w4a8 import SYNC_TILES
 from .w4a16 import _load_groups, _tile_operands
 
 
@@ -50,34 +61,106 @@ def _dot_tile(acc, w_ptrs, xt, s_e, z_e, rn, k0, stride_sn, BLOCK_N: tl.constexp
 
 
 @triton.jit
+def _gated_sum(ws_ptr, t, n, mask, T, N, SPLIT_K: tl.constexpr, UNROLL: tl.constexpr):
+    """silu(g) * u in fp32, g = sum_s ws[s, t, n], u = sum_s ws[s, t, N + n] in the fixed order
+    s = 0, 1, ...; ws (SPLIT_K, T, 2N) fp32; t, n, mask: int64 index tensors of one shape.
+    UNROLL: the loop unrolled (the reduce kernel: every load in flight at once), else a loop (the
+    fused GEMM, whose registers are allocated for its peak: unrolled, the Qwen3 M = 1 down tile
+    took 180 instead of 140 registers; sm_90a compile, docs/perf_log.md v42). Either way the same
+    sum. (.cg: the fused path reads other programs' partials, which L1 may hold stale.)"""
+    src = t * (2 * N) + n
+    g = tl.zeros(src.shape, dtype=tl.float32)
+    u = tl.zeros(src.shape, dtype=tl.float32)
+    for s in tl.range(0, SPLIT_K, num_stages=1, loop_unroll_factor=SPLIT_K if UNROLL else 1):
+        g += tl.load(ws_ptr + s * 2 * T * N + src, mask=mask, other=0.0, cache_modifier=".cg")
+        u += tl.load(ws_ptr + s * 2 * T * N + src + N, mask=mask, other=0.0, cache_modifier=".cg")
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
+def _topk_sum(src_ptr, ids_ptr, tw_ptr, m, n, mask, M, N, E, TOPK: tl.constexpr, SPLIT_K: tl.constexpr,
+              WEIGHTED: tl.constexpr, UNROLL: tl.constexpr):
+    """sum_k c_k * sum_s src[s, m * TOPK + k, n] in fp32, in the fixed order k = 0, 1, ... (and
+    s = 0, 1, ...): _topk_sum_kernel's value (see there); m, n int64 index tensors that broadcast
+    to mask's shape. UNROLL: as _gated_sum's."""
+    acc = tl.zeros(mask.shape, dtype=tl.float32)
+    for k in tl.range(0, TOPK, num_stages=1, loop_unroll_factor=TOPK if UNROLL else 1):
+        row = m * TOPK + k
+        eid = tl.load(ids_ptr + row, mask=mask, other=-1)
+        live = mask & (eid >= 0) & (eid < E)
+        part = tl.zeros(mask.shape, dtype=tl.float32)
+        for s in tl.range(0, SPLIT_K, num_stages=1, loop_unroll_factor=SPLIT_K if UNROLL else 1):
+            part += tl.load(src_ptr + (s * M * TOPK + row) * N + n, mask=live, other=0.0,
+                            cache_modifier=".cg").to(tl.float32)
+        if WEIGHTED:
+            acc += part
+        else:
+            acc += part * tl.load(tw_ptr + row, mask=mask, other=0.0)
+    return acc
+
+
+@triton.jit
+def _arrive(cnt_ptr, count):
+    """Count this program in at its counter (after a CTA barrier: every thread's stores come
+    before it; acq_rel: the last one sees them all) and return whether it is the last of `count`;
+    the last zeroes the counter for the next launch (kernels/w4a8._add_slices' protocol)."""
+    tl.debug_barrier()
+    last = tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == count - 1
+    if last:
+        tl.debug_barrier()
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
+    return last
+
+
+@triton.jit
 def _moe_w4a16_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, sorted_ptr, bexp_ptr, tw_ptr, y_ptr, ws_ptr,
-    T, N, K, num_blocks, stride_xm, stride_ym, stride_qe, stride_qn, stride_se, stride_sn,
+    x_ptr, qw_ptr, s_ptr, z_ptr, sorted_ptr, bexp_ptr, tw_ptr, y_ptr, ws_ptr, ids_ptr, out_ptr, sync_ptr,
+    T, N, K, E, num_blocks, stride_xm, stride_ym, stride_qe, stride_qn, stride_se, stride_sn,
     TOPK: tl.constexpr, GATED: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr,
     EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACC_FENCE: tl.constexpr = False,
+    ACC_FENCE: tl.constexpr = False, FUSED: tl.constexpr = False, ROUTE: tl.constexpr = False,
+    E_POW2: tl.constexpr = 16, T_POW2: tl.constexpr = 16, PDL_EARLY: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """One GEMM of a MoE block over all experts (module docstring). N: output columns (GATED:
     I, the weight has 2I rows); K: input channels (x / h row length). qweight (E, N_w, Kp // 8),
     scales / zeros (E, N_w, Gp) with equal strides. y: GATED h (T, I), else the weighted slot
     rows (T, N); ws: (SPLIT_K, T, N_w) fp32 when SPLIT_K > 1.
+    FUSED (module docstring): sync_ptr the counters; GATED (with SPLIT_K > 1) writes h itself;
+    not GATED, y_ptr / ws_ptr hold the slot rows / partial sums as above, ids_ptr the (M, TOPK)
+    expert ids, and the block's output (M = T / TOPK, N) goes to out_ptr (contiguous).
+    ROUTE: the program computes its block's expert and slots from the ids (ids_ptr; _route_block,
+    T <= T_POW2, E <= E_POW2) instead of reading the routing kernels' sorted_ptr / bexp_ptr.
+    PDL_EARLY (gate_up) / PDL (down, launched as its programmatic dependent; kernels/common.py):
+    the down GEMM's programs launch while gate_up's last wave runs, route themselves and set up,
+    and wait for h (and for the counters to be back at zero) before their K loop.
     Grid: (num_blocks * cdiv(N, BLOCK_N), SPLIT_K), GROUP_M blocks in a row sharing each weight
     tile while it is in L2 (blocks of one expert are adjacent)."""
+    pdl_release(PDL_EARLY)
     DTYPE = x_ptr.dtype.element_ty
+    TOPK_SUM: tl.constexpr = FUSED and not GATED
     pid_b, pid_n = grouped_tile(tl.program_id(0), num_blocks * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
-    e = tl.load(bexp_ptr + pid_b)
-    if e < 0:  # a block past the routing's last one (the grid is sized for the worst case)
-        return
-    slots = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
+    if ROUTE:
+        e, slots = _route_block(ids_ptr, pid_b, T, E, BLOCK_M, E_POW2, T_POW2)
+    else:
+        e = tl.load(bexp_ptr + pid_b)
+    if not TOPK_SUM:
+        if e < 0:  # a block past the routing's last one (the grid is sized for the worst case)
+            return
+    # (TOPK_SUM: such a block still counts in at its N tile's counter, with no K tiles and no rows)
+    if not ROUTE:
+        slots = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = slots < T
     slot = tl.where(valid, slots, 0).to(tl.int64)
     rows = slot // TOPK if GATED else slot  # x rows: tokens (gate_up) or slots (down: h)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = (offs_n % N).to(tl.int64)
     kt0, kt1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
-    e64 = e.to(tl.int64)
+    if TOPK_SUM:
+        kt1 = tl.where(e < 0, kt0, kt1)
+    e64 = tl.maximum(e, 0).to(tl.int64)
     s_e = s_ptr + e64 * stride_se
     z_e = z_ptr + e64 * stride_se
     wq = qw_ptr + e64 * stride_qe + (kt0 * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8))[None, :]
@@ -88,6 +171,7 @@ def _moe_w4a16_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if GATED:
         up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    pdl_wait(PDL)  # (every program that reads h or counts in: the e < 0 ones above read nothing)
     # one K loop for both tiles of a gated program: x is loaded once per K tile
     for kt in range(kt0, kt1):
         k0 = kt * BLOCK_K
@@ -114,29 +198,36 @@ def _moe_w4a16_kernel(
             base = ws_ptr + (pid_k * T + om) * (2 * N) + on
             tl.store(base, acc, mask=mask)
             tl.store(base + N, up, mask=mask)
-    elif SPLIT_K == 1:
-        wt = tl.load(tw_ptr + slot)  # the slot's routing weight (fp32)
-        tl.store(y_ptr + om * stride_ym + on, cast_out(acc * wt[None, :], DTYPE, EMU_BF16), mask=mask)
+            if FUSED:  # the tile's last K split sums the splits (as _gated_reduce_kernel)
+                if _arrive(sync_ptr + SYNC_TILES + tl.program_id(0), SPLIT_K):
+                    h = _gated_sum(ws_ptr, om, on, mask, T, N, SPLIT_K, False)
+                    tl.store(y_ptr + om * stride_ym + on, cast_out(h, DTYPE, EMU_BF16), mask=mask)
     else:
-        tl.store(ws_ptr + (pid_k * T + om) * N + on, acc, mask=mask)
+        if SPLIT_K == 1:
+            wt = tl.load(tw_ptr + slot)  # the slot's routing weight (fp32)
+            tl.store(y_ptr + om * stride_ym + on, cast_out(acc * wt[None, :], DTYPE, EMU_BF16), mask=mask)
+        else:
+            tl.store(ws_ptr + (pid_k * T + om) * N + on, acc, mask=mask)
+        if TOPK_SUM:  # the N tile's last program adds the top-k rows of every token (as _topk_sum_kernel)
+            if _arrive(sync_ptr + SYNC_TILES + pid_n, num_blocks * SPLIT_K):
+                M = T // TOPK
+                src = y_ptr if SPLIT_K == 1 else ws_ptr
+                nmask = on < N
+                for m0 in range(0, M, BLOCK_M):
+                    m = m0 + tl.arange(0, BLOCK_M).to(tl.int64)[None, :]
+                    tmask = nmask & (m < M)
+                    v = _topk_sum(src, ids_ptr, tw_ptr, m, on, tmask, M, N, E, TOPK, SPLIT_K, SPLIT_K == 1, False)
+                    tl.store(out_ptr + m * N + on, cast_out(v, DTYPE, EMU_BF16), mask=tmask)
 
 
 @triton.jit
 def _gated_reduce_kernel(ws_ptr, h_ptr, T, N, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr,
                          BLOCK: tl.constexpr):
     """h[t, n] = silu(g) * u, g = sum_s ws[s, t, n], u = sum_s ws[s, t, N + n], each sum in
-    the fixed order s = 0, 1, ...; ws (SPLIT_K, T, 2N) fp32, h (T, N) contiguous."""
+    the fixed order s = 0, 1, ... (_gated_sum); ws (SPLIT_K, T, 2N) fp32, h (T, N) contiguous."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    TN = (offs * 0 + T) * N
-    mask = offs < TN
-    t = offs // N
-    src = t * (2 * N) + offs % N
-    g = tl.zeros((BLOCK,), dtype=tl.float32)
-    u = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        g += tl.load(ws_ptr + s * 2 * TN + src, mask=mask, other=0.0)
-        u += tl.load(ws_ptr + s * 2 * TN + src + N, mask=mask, other=0.0)
-    h = g / (1.0 + tl.exp(-g)) * u
+    mask = offs < (offs * 0 + T) * N
+    h = _gated_sum(ws_ptr, offs // N, offs % N, mask, T, N, SPLIT_K, True)
     tl.store(h_ptr + offs, cast_out(h, h_ptr.dtype.element_ty, EMU_BF16), mask=mask)
 
 
@@ -144,27 +235,13 @@ def _gated_reduce_kernel(ws_ptr, h_ptr, T, N, SPLIT_K: tl.constexpr, EMU_BF16: t
 def _topk_sum_kernel(src_ptr, ids_ptr, tw_ptr, y_ptr, M, N, E, TOPK: tl.constexpr, SPLIT_K: tl.constexpr,
                      WEIGHTED: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK: tl.constexpr):
     """y[m, n] = sum_k c_k * sum_s src[s, m * TOPK + k, n], in the fixed order k = 0, 1, ...
-    (and s = 0, 1, ...) in fp32, rounded once to y's dtype. src (SPLIT_K, M * TOPK, N): the
-    down GEMM's slot rows, already weighted (WEIGHTED: c_k = 1) or fp32 partial sums (c_k = the
+    (and s = 0, 1, ...) in fp32, rounded once to y's dtype (_topk_sum). src (SPLIT_K, M * TOPK, N):
+    the down GEMM's slot rows, already weighted (WEIGHTED: c_k = 1) or fp32 partial sums (c_k = the
     routing weight tw[m * TOPK + k]). Slots whose id (ids, (M * TOPK,)) is outside [0, E) were
     not computed: their rows are skipped. y (M, N) contiguous."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    MN = (offs * 0 + M) * N
-    mask = offs < MN
-    m = offs // N
-    n = offs % N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k in tl.static_range(TOPK):
-        row = m * TOPK + k
-        eid = tl.load(ids_ptr + row, mask=mask, other=-1)
-        live = mask & (eid >= 0) & (eid < E)
-        part = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in tl.static_range(SPLIT_K):
-            part += tl.load(src_ptr + (s * M * TOPK + row) * N + n, mask=live, other=0.0).to(tl.float32)
-        if WEIGHTED:
-            acc += part
-        else:
-            acc += part * tl.load(tw_ptr + row, mask=mask, other=0.0)
+    mask = offs < (offs * 0 + M) * N
+    acc = _topk_sum(src_ptr, ids_ptr, tw_ptr, offs // N, offs % N, mask, M, N, E, TOPK, SPLIT_K, WEIGHTED, True)
     tl.store(y_ptr + offs, cast_out(acc, y_ptr.dtype.element_ty, EMU_BF16), mask=mask)
 
 
@@ -183,6 +260,43 @@ def _onehot(ids_ptr, t0, T, E, E_POW2: tl.constexpr, BLOCK_T: tl.constexpr):
     live = (offs < T) & (ids >= 0) & (ids < E)
     ids = tl.where(live, ids, -1)
     return offs, live, (ids[:, None] == tl.arange(0, E_POW2)[None, :]).to(tl.int32)
+
+
+@triton.jit
+def _placement(onehot, counts, before, BLOCK_M: tl.constexpr):
+    """(ends (E_POW2,), dest (BLOCK_T,)): ends the inclusive prefix sum of the experts' counts
+    padded to whole BLOCK_M blocks (expert e's run is [ends[e] - padded[e], ends[e])), dest each
+    slot's place: its expert's run start + `before` (its expert's slots in earlier chunks) + its
+    rank among its expert's slots in the chunk."""
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    rank = tl.sum((tl.cumsum(onehot, 0) - 1) * onehot, axis=1)  # earlier slots of its expert in the chunk
+    return ends, tl.sum(onehot * (ends - padded + before)[None, :], axis=1) + rank
+
+
+@triton.jit
+def _block_expert(ends, b, E, BLOCK_M: tl.constexpr):
+    """The expert of block(s) b: the experts whose run ends at or before the block's start (-1
+    past the last used block)."""
+    e_of = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+    return tl.where(e_of < E, e_of, -1)
+
+
+@triton.jit
+def _route_block(ids_ptr, b, T, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, T_POW2: tl.constexpr):
+    """(expert, slots (BLOCK_M,) int64) of block b of the routing, computed from the T <= T_POW2
+    expert ids in one chunk: what the routing kernels would have written for it (block_expert[b]
+    and sorted_slots[b * BLOCK_M:][:BLOCK_M], padding T), by their arithmetic (ROUTE: decode's
+    GEMMs route themselves, ops/moe.py ROUTE_TILE)."""
+    offs, live, onehot = _onehot(ids_ptr, 0, T, E, E_POW2, T_POW2)
+    counts = tl.sum(onehot, axis=0)
+    ends, dest = _placement(onehot, counts, counts * 0, BLOCK_M)
+    e = tl.sum(_block_expert(ends, b + tl.arange(0, 1), E, BLOCK_M), axis=0)
+    pos = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    match = (dest[:, None] == pos[None, :]) & live[:, None]  # at most one slot per place
+    found = tl.max(match.to(tl.int32), axis=0) > 0
+    slots = tl.where(found, tl.sum(tl.where(match, offs[:, None], 0), axis=0), T)
+    return e, slots
 
 
 @triton.jit
@@ -224,12 +338,8 @@ def _route_place_kernel(ids_ptr, hist_ptr, sorted_ptr, bexp_ptr, T, E, NB, BLOCK
             h = tl.load(hist_ptr + j * E_POW2 + e_idx)
             counts += h
             before += tl.where(j < c, h, 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    rank = tl.sum((tl.cumsum(onehot, 0) - 1) * onehot, axis=1)  # earlier slots of its expert in the chunk
-    dest = tl.sum(onehot * (ends - padded + before)[None, :], axis=1) + rank
+    ends, dest = _placement(onehot, counts, before, BLOCK_M)
     tl.store(sorted_ptr + dest, offs, mask=live)
     for b0 in range(c * BLOCK_T, NB, chunks * BLOCK_T):
         b = b0 + tl.arange(0, BLOCK_T)
-        e_of = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-        tl.store(bexp_ptr + b, tl.where(e_of < E, e_of, -1), mask=b < NB)
+        tl.store(bexp_ptr + b, _block_expert(ends, b, E, BLOCK_M), mask=b < NB)

@@ -15,28 +15,42 @@ Numerics (the reference below is the exact twin; kernels/moe.py): fp32 accumulat
 h = silu(gate) * up in fp32 rounded once to x's dtype, each (token, k) row of the down
 product times its routing weight in fp32 (rounded once to x's dtype when K is not split),
 the top-k rows of a token added in the fixed order k = 0, 1, ... in fp32, rounded once.
-Deterministic run to run: no atomics anywhere.
+Deterministic run to run: every sum in a fixed order; the one atomic (the decode path's
+counters, kernel "moe_fused") only picks which program does a sum, never changes a value.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Tuple
 
 import torch
 
 from ..formats.experts import PackedExperts, padded_k_experts
 from ..formats.int4 import GROUP_SIZES, K_CHUNK, check_int_choice, unpack
-from ..runtime.device import check_devices, device_of, has_bf16x2, sms_for, use_triton
+from ..runtime.device import check_devices, device_of, has_bf16x2, pdl, sms_for, use_triton
 from ..runtime.dispatch import define_op
 from ..runtime.launch import Launch
 from ..runtime.plan import Plan, keep, run_built, run_steady
 from ..tuning import Config, Tuner, check_blocks, check_fit, check_kernel, next_pow2, problem_key
 from .common import acc_fence  # (the Triton-version rule of the dense path)
+from .w4a8 import SYNC_CAP, sync_buffer  # (the split-K counters: one buffer per stream, shared)
 
 MAX_TOPK = 32  # the top-k sum is unrolled (kernels/moe._topk_sum_kernel)
 # the routing kernels hold a (slots x experts) one-hot tile in registers (Router); the largest
 # MoE models published have 512 routed experts (Qwen3-Next), DeepSeek-V3 256, Kimi-K2 384
 MAX_EXPERTS = 1024
 _REDUCE_BLOCK = 1024
+# Decode's launch chain (docs/perf_log.md v42): config kernel "moe_fused" adds gate_up's split-K
+# slices and does the top-k sum inside the two GEMM launches (kernels/moe.py FUSED): routing + 2
+# launches instead of routing + 4. The top-k sum is done per N tile by one program that reads
+# every token's rows: the heuristic takes it up to this many tokens.
+FUSED_MAX_M = 16
+KINDS = ("moe", "moe_fused")
+# ... and where a (slots x experts) one-hot tile of at most this many entries (powers of two,
+# >= 16 each) holds the routing, both GEMMs' programs route themselves (kernels/moe._route_block:
+# 32 int32 a thread at 4 warps, before the K loop): routing + 2 launches become 2. Qwen3-30B-A3B
+# (128 experts) up to M = 4, DeepSeek-V2-Lite (64) up to M = 8, Mixtral (8) up to M = 16.
+ROUTE_TILE = 4096
 
 
 # ----------------------------------------------------------------------------------
@@ -199,16 +213,26 @@ def moe_heuristic(*, device, M, topk, E, N, Kp, gated, block_m) -> Config:
     tiles = blocks * -(-N // bn)
     if bm == 16 and tiles < sms:  # split K until every SM has a program (twice, for the gate_up)
         split = _decode_split(tiles, Kp, bk, 2 * sms if gated else sms)
-    return Config(bm, bn, bk, split, 8, warps, 3, kernel="moe")
+    return Config(bm, bn, bk, split, 8, warps, 3, kernel=moe_kind(M, gated, bm, split))
+
+
+def moe_kind(M: int, gated: bool, block_m: int, split: int) -> str:
+    """The decode path ("moe_fused") at BLOCK_M 16 and M <= FUSED_MAX_M where it saves a launch:
+    gate_up only when split (else there is no reduce to fold), down always (the top-k sum)."""
+    fused = block_m == 16 and M <= FUSED_MAX_M and (split > 1 or not gated)
+    return "moe_fused" if fused else "moe"
 
 
 def moe_candidates(*, device, M, topk, E, N, Kp, gated, block_m):
-    """The heuristic's config, then the tiles of moe_config_sweep.py at the routing's BLOCK_M:
-    BLOCK_N 32-128 (gate_up) / 64-256 (down), BLOCK_K 128 / 256, unsplit and, at BLOCK_M 16,
-    the split giving 2 programs per SM and half that."""
+    """The heuristic's config (and, where it is "moe_fused", its tile as "moe": the separate
+    reduce launches), then the tiles of moe_config_sweep.py at the routing's BLOCK_M: BLOCK_N
+    32-128 (gate_up) / 64-256 (down), BLOCK_K 128 / 256, unsplit and, at BLOCK_M 16, the split
+    giving 2 programs per SM and half that; each of the heuristic's kind rule (moe_kind)."""
     sms = sms_for(device)
     first = moe_heuristic(device=device, M=M, topk=topk, E=E, N=N, Kp=Kp, gated=gated, block_m=block_m)
     yield first
+    if first.kernel != "moe":
+        yield replace(first, kernel="moe")
     blocks = _blocks(M, topk, E, block_m)
     for bn in (32, 64, 128) if gated else (64, 128, 256):
         for bk in (K_CHUNK, 256):
@@ -219,18 +243,26 @@ def moe_candidates(*, device, M, topk, E, N, Kp, gated, block_m):
                 sp = _decode_split(blocks * -(-N // bn), Kp, bk, 2 * sms)
                 splits |= {sp, max(1, sp // 2)}
             for split in sorted(splits):
-                cfg = Config(block_m, bn, bk, split, 8, 4 if block_m <= 32 else 8, 3, kernel="moe")
+                cfg = Config(block_m, bn, bk, split, 8, 4 if block_m <= 32 else 8, 3,
+                             kernel=moe_kind(M, gated, block_m, split))
                 if cfg != first:
                     yield cfg
 
 
-def check_moe_config(cfg: Config, *, Kp: int, block_m: int, gated: bool = True, **_) -> None:
-    """ValueError naming the field of a config one GEMM of the block cannot run: the shared
-    checks (tuning.check_blocks / check_kernel / check_fit), whole 128-channel K chunks, and
-    BLOCK_M the routing's (block_m: both GEMMs share one routing)."""
+def check_moe_config(cfg: Config, *, M: int, topk: int, E: int, N: int, Kp: int, block_m: int, gated: bool,
+                     **_) -> None:
+    """ValueError naming the field of a config one GEMM (gated: gate_up, N = I; else down, N = H)
+    of the block of M tokens cannot run: the shared checks (tuning.check_blocks / check_kernel /
+    check_fit), whole 128-channel K chunks, BLOCK_M the routing's (block_m: both GEMMs share one
+    routing), and "moe_fused"'s counters (one per gate_up tile, per down N tile) within SYNC_CAP."""
     what = "gate_up" if gated else "down"
     check_blocks(cfg)
-    check_kernel(cfg, ("moe",))
+    check_kernel(cfg, KINDS)
+    if cfg.kernel == "moe_fused":
+        tiles = (max_blocks(M * topk, E, block_m) if gated else 1) * -(-N // cfg.BLOCK_N)
+        if tiles > SYNC_CAP:
+            raise ValueError(f"{what} config kernel='moe_fused' with BLOCK_N={cfg.BLOCK_N} needs {tiles} tile "
+                             f"counters for M={M}, more than the {SYNC_CAP} there are; use kernel='moe'")
     if cfg.BLOCK_M < 16:
         raise ValueError(f"{what} config BLOCK_M={cfg.BLOCK_M} must be >= 16 (the smallest tl.dot tile)")
     if cfg.BLOCK_M != block_m:
@@ -266,15 +298,36 @@ def moe_config(device: torch.device, M: int, topk: int, E: int, I: int, H: int, 
     return out[0], out[1]
 
 
+def route_tile(T: int, E: int) -> dict:
+    """The one-hot routing tile's sides (kernels/moe._route_block): slots and experts, powers of two
+    >= 16 (the routing kernels' E_POW2, Router)."""
+    return dict(T_POW2=max(16, next_pow2(T)), E_POW2=max(16, next_pow2(E)))
+
+
+def route_inline(M: int, topk: int, E: int, cfg2: Config) -> bool:
+    """Whether the decode path's GEMMs route themselves (ROUTE_TILE): the down GEMM is "moe_fused"
+    (the decode path) and the routing's one-hot tile is small."""
+    tile = route_tile(M * topk, E)
+    return _fused(cfg2) and tile["T_POW2"] * tile["E_POW2"] <= ROUTE_TILE
+
+
+def _fused(cfg: Config) -> bool:
+    """Whether cfg's GEMM does its reduce inside its launch (gate_up: only a split one has one)."""
+    return cfg.kernel == "moe_fused"
+
+
 # ----------------------------------------------------------------------------------
 # Launcher: a plan per problem (configs and bound launches; runtime/plan.py), built once
 # ----------------------------------------------------------------------------------
 class MoEPlan(Plan):
     """The configs (gate_up: `config`, down: `cfg2`) and bound kernel launches of one MoE
     problem (the plan key of moe_w4a16_launch): router, gate_up GEMM, the split gate_up's
-    gated reduce, down GEMM, top-k sum. Its calls take the tensors (allocations, strides)."""
+    gated reduce, down GEMM, top-k sum (the reduce and the sum None where the config's kernel
+    "moe_fused" does them inside the GEMM; the router None where the GEMMs route themselves:
+    route_inline). Its calls take the tensors (allocations, strides)."""
 
-    __slots__ = ("cfg2", "M", "topk", "E", "I", "H", "router", "gated_reduce", "down", "topk_sum")
+    __slots__ = ("cfg2", "M", "topk", "E", "I", "H", "router", "gated_reduce", "down", "topk_sum", "sync_at",
+                 "nb")
     takes_tensors = True
 
     def __init__(self, cfg13: Config, cfg2: Config, device: torch.device, dtype: torch.dtype, M: int, topk: int,
@@ -288,24 +341,37 @@ class MoEPlan(Plan):
         gs = 0 if group_size == -1 else group_size
         dev = device.index if device.type == "cuda" else -1
 
+        route = route_inline(M, topk, E, cfg2)
+        # (the routing tile's constexprs only where it is used: one compile serves every M otherwise)
+        routing = dict(ROUTE=True, **route_tile(M * topk, E)) if route else {}
+        # the decode path's down GEMM a programmatic dependent of gate_up (sm_90+, SAILFISH_PDL)
+        chained = _fused(cfg2) and pdl(dev)
+
         def gemm(cfg: Config, gated: bool, zeros: bool, K: int) -> Launch:
+            link = {} if not chained else dict(PDL_EARLY=True) if gated else dict(PDL=True, launch_pdl=True)
             return Launch(_moe_w4a16_kernel, dict(
                 TOPK=topk, GATED=gated, GROUP_SIZE=gs, HAS_ZEROS=zeros, EVEN_K=K % cfg.BLOCK_K == 0,
                 SPLIT_K=cfg.SPLIT_K, EMU_BF16=emu, USE_ASM=asm, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-                BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, ACC_FENCE=asm and acc_fence(), **cfg.launch()), dev)
+                BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, ACC_FENCE=asm and acc_fence(),
+                FUSED=_fused(cfg), **routing, **link, **cfg.launch()), dev)
 
-        self.router = Router(E, cfg13.BLOCK_M, dev)
+        self.router = None if route else Router(E, cfg13.BLOCK_M, dev)
+        self.nb = max_blocks(M * topk, E, cfg13.BLOCK_M)
         self.gemm = gemm(cfg13, True, z13, H)  # gate_up
         self.down = gemm(cfg2, False, z2, I)
         self.reduce = None  # (Plan's split-K reduce: the MoE plan's are gated_reduce and topk_sum)
-        self.gated_reduce = None if cfg13.SPLIT_K == 1 else Launch(
+        self.gated_reduce = None if cfg13.SPLIT_K == 1 or _fused(cfg13) else Launch(
             _gated_reduce_kernel, dict(SPLIT_K=cfg13.SPLIT_K, EMU_BF16=emu, BLOCK=_REDUCE_BLOCK, num_warps=4), dev)
-        self.topk_sum = Launch(_topk_sum_kernel, dict(TOPK=topk, SPLIT_K=cfg2.SPLIT_K, WEIGHTED=cfg2.SPLIT_K == 1,
-                                                      EMU_BF16=emu, BLOCK=_REDUCE_BLOCK, num_warps=4), dev)
+        self.topk_sum = None if _fused(cfg2) else Launch(
+            _topk_sum_kernel, dict(TOPK=topk, SPLIT_K=cfg2.SPLIT_K, WEIGHTED=cfg2.SPLIT_K == 1, EMU_BF16=emu,
+                                   BLOCK=_REDUCE_BLOCK, num_warps=4), dev)
+        # sync_buffer's arguments: the counters live on the plan's device
+        self.sync_at = (device, dev)
 
     def bound(self) -> bool:
-        return (self.router.bound() and self.gemm.run is not None and self.down.run is not None
-                and self.topk_sum.run is not None and (self.gated_reduce is None or self.gated_reduce.run is not None))
+        return ((self.router is None or self.router.bound()) and self.gemm.run is not None
+                and self.down.run is not None
+                and all(k is None or k.run is not None for k in (self.gated_reduce, self.topk_sum)))
 
     def __call__(self, y, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales,
                  w2_zeros) -> None:
@@ -313,25 +379,35 @@ class MoEPlan(Plan):
         M, topk, I, H = self.M, self.topk, self.I, self.H
         T = M * topk
         c13, c2 = self.config, self.cfg2
-        sorted_slots, block_expert = self.router(topk_ids)
-        nb = block_expert.shape[0]
+        nb = self.nb
+        sorted_slots = block_expert = None  # (route_inline: the GEMMs' programs route themselves)
+        if self.router is not None:
+            sorted_slots, block_expert = self.router(topk_ids)
         tw = topk_weights.reshape(-1).float().contiguous()
         h = x.new_empty((T, I))
         f32 = torch.float32
+        sync = sync_buffer(*self.sync_at) if _fused(c13) or _fused(c2) else None
         ws = None if c13.SPLIT_K == 1 else x.new_empty((c13.SPLIT_K, T, 2 * I), dtype=f32)
         z13 = w13_scales if w13_zeros is None else w13_zeros  # symmetric: an unread pointer
         self.gemm((nb * -(-I // c13.BLOCK_N), c13.SPLIT_K), x, w13_qweight, w13_scales, z13, sorted_slots,
-                  block_expert, None, None if ws is not None else h, ws, T, I, H, nb, H, I,
+                  block_expert, None, h if ws is None or self.gated_reduce is None else None, ws,
+                  topk_ids if self.router is None else None, None,
+                  sync if _fused(c13) else None, T, I, H, self.E, nb, H, I,
                   w13_qweight.stride(0), w13_qweight.stride(1), w13_scales.stride(0), w13_scales.stride(1))
-        if ws is not None:
+        if self.gated_reduce is not None:
             self.gated_reduce((-(-T * I // _REDUCE_BLOCK), 1), ws, h, T, I)
         split = c2.SPLIT_K
         rows = x.new_empty((T, H)) if split == 1 else x.new_empty((split, T, H), dtype=f32)
         z2 = w2_scales if w2_zeros is None else w2_zeros
+        sum_inside = self.topk_sum is None
         self.down((nb * -(-H // c2.BLOCK_N), split), h, w2_qweight, w2_scales, z2, sorted_slots, block_expert,
-                  tw, rows if split == 1 else None, None if split == 1 else rows, T, H, I, nb, I, H,
+                  tw, rows if split == 1 else None, None if split == 1 else rows,
+                  topk_ids if sum_inside or self.router is None else None,
+                  y if sum_inside else None, sync if sum_inside else None, T, H, I, self.E, nb, I, H,
                   w2_qweight.stride(0), w2_qweight.stride(1), w2_scales.stride(0), w2_scales.stride(1))
-        self.topk_sum((-(-M * H // _REDUCE_BLOCK), 1), rows, topk_ids, None if split == 1 else tw, y, M, H, self.E)
+        if not sum_inside:
+            self.topk_sum((-(-M * H // _REDUCE_BLOCK), 1), rows, topk_ids, None if split == 1 else tw, y, M, H,
+                          self.E)
 
 
 def moe_w4a16_launch(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales,
@@ -378,8 +454,8 @@ def moe_w4a16_launch(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zer
             configs = moe_config(x.device, M, topk, E, I, H, kp13, kp2, make_run)
         else:
             bm = configs[0].BLOCK_M
-            check_moe_config(configs[0], Kp=kp13, block_m=bm, gated=True)
-            check_moe_config(configs[1], Kp=kp2, block_m=bm, gated=False)
+            for cfg, gated, N, Kp in ((configs[0], True, I, kp13), (configs[1], False, H, kp2)):
+                check_moe_config(cfg, M=M, topk=topk, E=E, N=N, Kp=Kp, block_m=bm, gated=gated)
         plan = run_built(lambda: build(*configs), lambda p: p(y, *operands), (), "MoE W4A16")
     keep(plans, key, plan, *operands)
     return y
