@@ -36,8 +36,7 @@ are masked on x (the weight codes there are 0 with scale 0).
 import triton
 import triton.language as tl
 
-from .common import cast_out, grouped_tile, pdl_release, pdl_wait, split_k_range
-from .w4a8 import SYNC_TILES
+from .common import SYNC_TILES, cast_out, grouped_tile, pdl_release, pdl_wait, split_k_range
 from .w4a16 import _load_groups, _tile_operands
 
 

@@ -32,8 +32,8 @@ from ..runtime.dispatch import define_op
 from ..runtime.launch import Launch
 from ..runtime.plan import Plan, keep, run_built, run_steady
 from ..tuning import Config, Tuner, check_blocks, check_fit, check_kernel, next_pow2, problem_key
-from .common import acc_fence  # (the Triton-version rule of the dense path)
-from .w4a8 import SYNC_CAP, sync_buffer  # (the split-K counters: one buffer per stream, shared)
+# acc_fence: the Triton-version rule of the dense path; the split-K counters: one buffer per stream, shared
+from .common import SYNC_CAP, acc_fence, sync_buffer
 
 MAX_TOPK = 32  # the top-k sum is unrolled (kernels/moe._topk_sum_kernel)
 # the routing kernels hold a (slots x experts) one-hot tile in registers (Router); the largest
