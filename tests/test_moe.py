@@ -250,8 +250,9 @@ def test_moe_heuristic_takes_the_fused_decode_path():
 
     assert kinds(1, 2048, 768, 128, 8) == (("moe_fused", True), ("moe_fused", True))  # Qwen3-30B-A3B
     assert kinds(1, 2048, 1408, 64, 6)[1][0] == "moe_fused"  # DeepSeek-V2-Lite
-    assert kinds(16, 4096, 14336, 8, 2)[1] == ("moe_fused", False)  # Mixtral: the top-k sum only
-    assert kinds(16, 4096, 14336, 8, 2)[0] == ("moe", False)  # (an unsplit gate_up has no reduce)
+    assert kinds(4, 4096, 14336, 8, 2)[1] == ("moe_fused", False)  # Mixtral: the top-k sum only
+    assert kinds(4, 4096, 14336, 8, 2)[0] == ("moe", False)  # (an unsplit gate_up has no reduce)
+    assert kinds(16, 2048, 768, 128, 8)[1][0] == "moe"  # past FUSED_MAX_M
     assert kinds(256, 2048, 768, 128, 8) == (("moe", False), ("moe", False))
     assert kinds(1024, 2048, 1408, 64, 6) == (("moe", False), ("moe", False))
     # and the GEMMs route themselves where the (slots x experts) one-hot tile is small
@@ -416,12 +417,12 @@ ALIGNED = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "sorted_ptr", "bexp_ptr", "tw_pt
            "out_ptr", "sync_ptr", "N", "K", "stride_xm", "stride_ym", "stride_qe", "stride_qn")
 bad, n = [], 0
 # the distinct configs the launcher picks for the benchmark's models at decode and prefill
-# (M = 1, 16: "moe_fused", the split-K and top-k sums inside the launch, down a programmatic
+# (M = 1, 4: "moe_fused", the split-K and top-k sums inside the launch, down a programmatic
 # dependent of gate_up; where the GEMMs route themselves, with their routing tile)
 cpu = torch.device("cpu")  # (132 SMs, an H100's)
 tiles = set()
 for (H, I, E, topk) in ((2048, 768, 128, 8), (4096, 14336, 8, 2), (2048, 1408, 64, 6)):
-    for M in (1, 16, 256, 4096):
+    for M in (1, 4, 16, 256, 4096):
         pair = [moe_heuristic(device=cpu, M=M, topk=topk, E=E, N=N, Kp=K, gated=gated,
                               block_m=moe_block_m(M, topk, E)) for gated, N, K in ((True, I, H), (False, H, I))]
         route = tuple(sorted(route_tile(M * topk, E).items())) if route_inline(M, topk, E, pair[1]) else ()

@@ -623,3 +623,24 @@ def test_gemv_fixup_graphs_replay_in_any_order():
         for x, out in zip(xs, outs):
             assert torch.equal(out, launch(layer, x, cfg))
     assert not any(buf.any() for buf in common._SYNC.values()), "tile counters left non-zero"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_split_k_layer_under_compile_reduce_overhead():
+    """torch.compile(mode="reduce-overhead") (what transformers' generate() uses with a static
+    cache) runs its warm-up inside the CUDA graph memory pool and refuses live allocations there
+    that are not outputs: the split-K tile counters, kept for the life of the process, must be
+    made outside it. The down projection of Llama-3-8B at M = 1 (split-K on Hopper)."""
+    from sailfish.ops import common
+
+    torch._dynamo.reset()
+    layer = make_layer(14336, 4096, 128, True, F16, False, "cuda")
+    try:
+        with torch.no_grad():
+            f = torch.compile(lambda x: layer(x), mode="reduce-overhead", fullgraph=True)
+            for _ in range(4):
+                x = torch.randn(1, 14336, device="cuda").half()
+                assert torch.equal(f(x).clone(), layer(x))
+    finally:
+        torch._dynamo.reset()
+    assert not any(buf.any() for buf in common._SYNC.values()), "tile counters left non-zero"

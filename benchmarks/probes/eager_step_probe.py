@@ -1,10 +1,14 @@
-"""Where an eager decode step's host time goes, fused against unfused (issue 39, eager bar).
+"""Where an eager decode step's host time goes (issue 39, eager bar).
 
-    PYTHONPATH=src python benchmarks/probes/eager_step_probe.py [--layers 4] [--batch 1]
+    PYTHONPATH=src python benchmarks/probes/eager_step_probe.py [--layers 4] [--batches 1,16]
+        [--variants fp16,w4a16,w4a16-unfused] [--rounds 2] [--profile]
 
-For fp16, w4a16 (fused q/k/v, gate/up) and w4a16-unfused on Llama-3-8B shapes: the eager step's
-wall time per call (CUDA events around --steps steps) and its host time (perf_counter without
-synchronizing), then a cProfile of the fused and unfused steps (top functions by own time).
+For the variants (sailfish.bench.llama.VARIANTS) on Llama-3-8B shapes: the eager step's wall
+time per call (CUDA events around --steps steps) and its host time (perf_counter without
+synchronizing), the variants interleaved round by round so that host drift hits them alike (the
+eager step is host-bound: separate runs of the e2e benchmark disagree by more than the
+differences); with --profile, a cProfile of each quantized variant's steps (top functions by own
+time).
 """
 import argparse
 import cProfile
@@ -39,20 +43,30 @@ def timed(dec: Decoder, steps: int):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--variants", default="fp16,w4a16,w4a16-unfused")
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args()
     base = build_model(MODELS["8b"], a.layers, torch.device("cuda"))
-    models = {name: make_variant(base, VARIANTS[name]) for name in ("fp16", "w4a16", "w4a16-unfused")}
-    print(torch.cuda.get_device_name(), f"layers {a.layers}, batch {a.batch}")
-    for rnd in range(2):
-        for name, model in models.items():
-            with torch.no_grad():
-                ms, host_ms = timed(Decoder(model, a.batch, 1024), a.steps)
-            print(f"round {rnd} {name:14s} step {ms:7.3f} ms   host {host_ms:7.3f} ms")
-    for name in ("w4a16", "w4a16-unfused"):
-        dec = Decoder(models[name], a.batch, 1024)
+    models = {name: make_variant(base, VARIANTS[name]) for name in a.variants.split(",")}
+    for batch in (int(b) for b in a.batches.split(",")):
+        print(torch.cuda.get_device_name(), f"layers {a.layers}, batch {batch}")
+        steps = {name: [] for name in models}
+        for rnd in range(a.rounds):
+            for name, model in models.items():
+                with torch.no_grad():
+                    ms, host_ms = timed(Decoder(model, batch, 1024), a.steps)
+                steps[name].append(ms)
+                print(f"round {rnd} {name:14s} step {ms:7.3f} ms   host {host_ms:7.3f} ms")
+        base_ms = sorted(steps[next(iter(models))])[a.rounds // 2]
+        for name, t in steps.items():
+            med = sorted(t)[a.rounds // 2]
+            print(f"batch {batch} {name:14s} median step {med:7.3f} ms   {base_ms / med:5.2f}x {next(iter(models))}")
+    for name in [n for n in models if VARIANTS[n].quant is not None] if a.profile else []:
+        dec = Decoder(models[name], 1, 1024)
         with torch.no_grad():
             timed(dec, 3)
             prof = cProfile.Profile()

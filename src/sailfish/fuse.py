@@ -475,16 +475,23 @@ def _feeds_only(cls: type, norm: str, consumer: str) -> bool:
     return False
 
 
-def _torch_path(x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> bool:
-    """Run the plain-torch form rather than the row-wise kernel: under torch.compile (inductor
-    fuses the plain ops with their neighbours itself), with a gradient to compute (the row ops
-    have no derivative), or where the kernel's dtype rule does not hold (fp32, a weight of
+def _formula_only(x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> bool:
+    """Where the row-wise kernels cannot stand in for the formula: with a gradient to compute
+    (they have no derivative), or where the kernel's dtype rule does not hold (fp32, a weight of
     another dtype: the formula's own promotion then applies)."""
-    if torch.compiler.is_compiling() or x.dtype not in (torch.float16, torch.bfloat16):
+    if x.dtype not in (torch.float16, torch.bfloat16):
         return True
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
         return True
     return weight is not None and weight.dtype != x.dtype
+
+
+def _torch_path(x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> bool:
+    """Run the plain-torch form of a 16-bit row op: where the kernels cannot (_formula_only), and
+    under torch.compile, where inductor fuses the formula with its neighbours (the residual add
+    before a norm) into fewer launches than the op would leave. The quantizing forms stay ops under
+    compile: inductor's own norm + per-token quantization measured slower (docs/perf_log.md v43)."""
+    return torch.compiler.is_compiling() or _formula_only(x, weight)
 
 
 class SailfishRMSNorm(nn.Module):
@@ -545,7 +552,7 @@ def _is_silu(act) -> bool:
 def _quantized_input(layer: QuantLinearW4A8, x: torch.Tensor, norm: DeferredRMSNorm) -> torch.Tensor:
     """layer(norm(x)) with the norm and the activation quantization in one op."""
     x2 = x.reshape(-1, x.shape[-1])
-    if _torch_path(x, norm.weight):
+    if _formula_only(x, norm.weight):
         x_q, s = quantize_per_token_torch(rms_norm_torch(x2, norm.weight, norm.variance_epsilon), layer.act_dtype)
     else:
         x_q, s = _row_op(*_NORM_QUANT[layer.act_dtype], x2, norm.weight, norm.variance_epsilon)
@@ -588,7 +595,7 @@ class GatedMLP(nn.Module):
             gu = gate_up(x)
         if _takes_quantized(down):
             g2 = gu.reshape(-1, gu.shape[-1])
-            if _torch_path(gu):
+            if _formula_only(gu):
                 h_q, s = quantize_per_token_torch(silu_mul_torch(g2), down.act_dtype)
             else:
                 h_q, s = _row_op(*_SILU_QUANT[down.act_dtype], g2)

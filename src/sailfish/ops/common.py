@@ -9,7 +9,9 @@ Triton twins from then on.
 """
 from __future__ import annotations
 
+import threading
 from functools import lru_cache
+from typing import List
 
 import torch
 
@@ -100,6 +102,31 @@ def fixup_fits(tiles: int, M: int, N: int) -> bool:
     return tiles <= SYNC_CAP and M * N < 2**31
 
 
+def _kept_zeros(device: torch.device, device_index: int, n: int, count: int) -> List[torch.Tensor]:
+    """`count` int32 zero tensors for the life of the process, made on a thread of their own:
+    outside any CUDA graph memory pool this thread's allocations may be routed to
+    (torch.compile's cudagraph trees warm up with every allocation of the current thread going to
+    their pool, and refuse live allocations there that are not the graph's outputs). That thread
+    waits for the zeroing before they are handed over (once per stream: a host sync is fine)."""
+    made: List[torch.Tensor] = []
+    failed: List[BaseException] = []
+
+    def make() -> None:
+        try:
+            with torch.cuda.device(device_index):
+                made.extend(torch.zeros(n, dtype=torch.int32, device=device) for _ in range(count))
+                torch.cuda.current_stream(device_index).synchronize()
+        except BaseException as e:  # (re-raised on the caller's thread)
+            failed.append(e)
+
+    worker = threading.Thread(target=make, name="sailfish-sync-buffers")
+    worker.start()
+    worker.join()
+    if failed:
+        raise failed[0]
+    return made
+
+
 def sync_buffer(device: torch.device, device_index: int) -> torch.Tensor:
     """The split-K tile counters (int32, zero between launches) of the current stream of
     `device`: one buffer per stream, since two launches running at once must not share them
@@ -119,19 +146,19 @@ def sync_buffer(device: torch.device, device_index: int) -> torch.Tensor:
     if buf is None:
         from ..kernels.common import SYNC_TILES  # (after TRITON_INTERPRET is settled)
 
-        def zeros():
-            return torch.zeros(SYNC_TILES.value + SYNC_CAP, dtype=torch.int32, device=device)
-
+        n = SYNC_TILES.value + SYNC_CAP
         # A buffer first needed inside a CUDA graph capture (the usual warm-up runs on another
         # stream than the capture) must not be zeroed by a kernel of that graph: a second graph
         # captured on the stream, replayed before the first ever is, would start from garbage.
         # So buffers made outside a capture leave zeroed spares, and a capture takes one.
+        capturing = device_index >= 0 and torch.cuda.is_current_stream_capturing()
         spares = _SPARE.setdefault(device_index, [])
-        if device_index >= 0 and torch.cuda.is_current_stream_capturing() and spares:
+        if capturing and spares:
             buf = spares.pop()
+        elif capturing or device_index < 0:  # (a first use inside a capture: the graph zeroes it)
+            buf = torch.zeros(n, dtype=torch.int32, device=device)
         else:
-            buf = zeros()
-            if device_index >= 0 and not torch.cuda.is_current_stream_capturing():
-                spares.extend(zeros() for _ in range(SYNC_SPARES - len(spares)))
+            buf, *more = _kept_zeros(device, device_index, n, 1 + SYNC_SPARES - len(spares))
+            spares.extend(more)
         _SYNC[key] = buf
     return buf

@@ -43,8 +43,9 @@ _REDUCE_BLOCK = 1024
 # Decode's launch chain (docs/perf_log.md v42): config kernel "moe_fused" adds gate_up's split-K
 # slices and does the top-k sum inside the two GEMM launches (kernels/moe.py FUSED): routing + 2
 # launches instead of routing + 4. The top-k sum is done per N tile by one program that reads
-# every token's rows: the heuristic takes it up to this many tokens.
-FUSED_MAX_M = 16
+# every token's rows: the heuristic takes it up to this many tokens (H100, v42: at M = 1-4 it
+# gains up to 15% on Qwen3-30B-A3B, at M = 16 it lost 2-4% on all three benchmark shapes).
+FUSED_MAX_M = 4
 KINDS = ("moe", "moe_fused")
 # ... and where a (slots x experts) one-hot tile of at most this many entries (powers of two,
 # >= 16 each) holds the routing, both GEMMs' programs route themselves (kernels/moe._route_block:
