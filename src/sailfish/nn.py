@@ -19,7 +19,7 @@ from .formats.qqq import (LAYOUT_VERSION_W4A8, PackedQQQ, QQQWeight, check_act_d
                           unpack_qqq)
 from .ops import direct_call_ok
 from .ops.autograd import w4a8_linear
-from .ops.w4a8 import w4a8_linear_fp8_impl, w4a8_linear_impl, w4a8_linear_nograd
+from .ops.w4a8 import w4a8_gemm_impl, w4a8_linear_fp8_impl, w4a8_linear_impl, w4a8_linear_nograd
 from .ops.w4a16 import w4a16_gemm, w4a16_gemm_impl, w4a16_gemm_nograd
 
 def _upgrade_qweight_layout(state_dict, prefix: str, current: int, from_v1, what: str) -> None:
@@ -573,8 +573,10 @@ class QuantLinearW4A8(nn.Module):
         if x_q.dtype != want:
             raise TypeError(f"x_q dtype {x_q.dtype} does not match this layer (act_dtype="
                             f"{self.act_dtype!r} takes {want}); use layer.quantize_input(x)")
-        return torch.ops.sailfish.w4a8_gemm(x_q, x_scales, self.qweight, self.s_ch, self.s_g,
-                                            self.bias, self.in_features, self.group_size, out_dtype)
+        buf = self._buffers  # (lean as forward: a fused model calls this once per norm, eagerly)
+        op = w4a8_gemm_impl if direct_call_ok(x_q) else torch.ops.sailfish.w4a8_gemm
+        return op(x_q, x_scales, buf["qweight"], buf["s_ch"], buf["s_g"], buf["bias"], self.in_features,
+                  self.group_size, out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
