@@ -549,8 +549,11 @@ def _is_silu(act) -> bool:
                               and _same_forward(cls, _SILU_FORWARD))
 
 
-def _quantized_input(layer: QuantLinearW4A8, x: torch.Tensor, norm: DeferredRMSNorm) -> torch.Tensor:
-    """layer(norm(x)) with the norm and the activation quantization in one op."""
+def _normed_into(layer: nn.Module, x: torch.Tensor, norm: DeferredRMSNorm) -> torch.Tensor:
+    """layer(norm(x)); for a W4A8 layer that takes its input quantized, the norm and the
+    activation quantization in one op."""
+    if not _takes_quantized(layer):
+        return layer(SailfishRMSNorm.forward(norm, x))
     x2 = x.reshape(-1, x.shape[-1])
     if _formula_only(x, norm.weight):
         x_q, s = quantize_per_token_torch(rms_norm_torch(x2, norm.weight, norm.variance_epsilon), layer.act_dtype)
@@ -562,9 +565,8 @@ def _quantized_input(layer: QuantLinearW4A8, x: torch.Tensor, norm: DeferredRMSN
 def _feed_fused_norm(attr: str, param: str, norm: DeferredRMSNorm, module: nn.Module, args, kwargs):
     """Forward pre-hook of an attention whose input norm is deferred to it: the fused q/k/v of
     norm(x), the norm fused with the activation quantization."""
-    fused = module._modules[attr]
     x = args[0] if args else kwargs[param]
-    y = _quantized_input(fused, x, norm) if _takes_quantized(fused) else fused(SailfishRMSNorm.forward(norm, x))
+    y = _normed_into(module._modules[attr], x, norm)
     return ((y, *args[1:]), kwargs) if args else (args, {**kwargs, param: y})
 
 
@@ -588,11 +590,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, down, norm = self._modules["gate_up_proj"], self._modules["down_proj"], self._sailfish_norm
-        if norm is not None:
-            gu = (_quantized_input(gate_up, x, norm) if _takes_quantized(gate_up)
-                  else gate_up(SailfishRMSNorm.forward(norm, x)))
-        else:
-            gu = gate_up(x)
+        gu = gate_up(x) if norm is None else _normed_into(gate_up, x, norm)
         if _takes_quantized(down):
             g2 = gu.reshape(-1, gu.shape[-1])
             if _formula_only(gu):

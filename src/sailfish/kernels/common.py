@@ -69,12 +69,14 @@ SYNC_TILES = tl.constexpr(32)  # (the first 128 bytes are left free)
 
 
 @triton.jit
-def last_slice(cnt_ptr, SPLIT_K: tl.constexpr):
+def last_slice(cnt_ptr, count):
     """Count this program's slice in on its tile's counter, once all of its threads have stored
     their part of the partial tile (the barrier orders every thread's stores before the release);
-    True for the tile's last slice, whose acquire makes the other slices' stores visible to it."""
+    True for the tile's last of `count` slices (a constexpr for the dense kernels' SPLIT_K, a
+    runtime value for the MoE top-k sum's programs), whose acquire makes the other slices'
+    stores visible to it."""
     tl.debug_barrier()
-    return tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == SPLIT_K - 1
+    return tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == count - 1
 
 
 @triton.jit

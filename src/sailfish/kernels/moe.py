@@ -36,7 +36,7 @@ are masked on x (the weight codes there are 0 with scale 0).
 import triton
 import triton.language as tl
 
-from .common import SYNC_TILES, cast_out, grouped_tile, pdl_release, pdl_wait, split_k_range
+from .common import SYNC_TILES, cast_out, grouped_tile, last_slice, pdl_release, pdl_wait, split_k_range
 from .w4a16 import _load_groups, _tile_operands
 
 
@@ -102,9 +102,8 @@ def _topk_sum(src_ptr, ids_ptr, tw_ptr, m, n, mask, M, N, E, TOPK: tl.constexpr,
 def _arrive(cnt_ptr, count):
     """Count this program in at its counter (after a CTA barrier: every thread's stores come
     before it; acq_rel: the last one sees them all) and return whether it is the last of `count`;
-    the last zeroes the counter for the next launch (kernels/w4a8._add_slices' protocol)."""
-    tl.debug_barrier()
-    last = tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == count - 1
+    the last zeroes the counter for the next launch (kernels/common.last_slice's protocol)."""
+    last = last_slice(cnt_ptr, count)
     if last:
         tl.debug_barrier()
         tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
