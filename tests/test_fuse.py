@@ -541,6 +541,7 @@ def test_row_ops_report_and_modules(reference_ops):
     assert sorted(rows["norms"]) == sorted(["model.norm"] + [f"model.layers.{i}.{n}" for i in layers for n in (
         "input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")])
     assert rows["deferred_norms"] == []  # W4A16 takes the norm's fp16 output as it is
+    assert rows["attention"] == [f"model.layers.{i}.self_attn" for i in layers]  # (test_attention.py)
     layer = w4a16.model.layers[0]
     assert type(layer.mlp) is GatedMLP and type(layer.input_layernorm) is SailfishRMSNorm
     assert layer.mlp.intermediate_size == 256 and layer.mlp.replaces == "Qwen3MLP"
@@ -556,7 +557,7 @@ def test_row_ops_report_and_modules(reference_ops):
                                   for n in ("input_layernorm", "post_attention_layernorm"))
     # idempotent: fusing again changes nothing
     from sailfish.fuse import fuse_row_ops
-    assert fuse_row_ops(w4a8) == {"norms": [], "gated_mlp": [], "deferred_norms": []}
+    assert fuse_row_ops(w4a8) == {"norms": [], "gated_mlp": [], "deferred_norms": [], "attention": []}
 
 
 @pytest.mark.parametrize("act_bits", [16, 8])

@@ -50,6 +50,8 @@ from .ops.rowwise import (quantize_per_token_torch, rms_norm, rms_norm_impl, rms
                           rms_norm_quant_fp8_impl, rms_norm_quant_impl, rms_norm_torch, silu_mul, silu_mul_impl,
                           silu_mul_quant, silu_mul_quant_fp8, silu_mul_quant_fp8_impl, silu_mul_quant_impl,
                           silu_mul_torch)
+from .ops.attention import HEAD_DIMS, decode_attention, decode_attention_impl
+from .runtime.device import use_triton
 from .runtime.dispatch import direct_call_ok
 
 log = logging.getLogger("sailfish")
@@ -625,9 +627,11 @@ def _norm_ok(module: nn.Module) -> bool:
 def fuse_row_ops(model: nn.Module) -> Dict[str, List[str]]:
     """Swap, in place, the model's Llama-formula RMSNorms for SailfishRMSNorm, every fused
     gate/up MLP of the checked form for a GatedMLP, and for W4A8 fused layers
-    defer the norm that feeds them into their input quantization (DeferredRMSNorm). Returns
-    {"norms": [...], "gated_mlp": [...], "deferred_norms": [...]} (module names)."""
-    done: Dict[str, List[str]] = {"norms": [], "gated_mlp": [], "deferred_norms": []}
+    defer the norm that feeds them into their input quantization (DeferredRMSNorm); and run
+    its decode attention through sailfish::decode_attention (use_decode_attention). Returns
+    {"norms": [...], "gated_mlp": [...], "deferred_norms": [...], "attention": [...]} (module names)."""
+    done: Dict[str, List[str]] = {"norms": [], "gated_mlp": [], "deferred_norms": [],
+                                  "attention": use_decode_attention(model)}
     mods = list(model.named_modules())
     for name, module in mods:  # gated MLPs first: a decoder layer's norm may be deferred into them
         for attr, child in list(module._modules.items()):
@@ -680,6 +684,87 @@ def _deferred(layer: nn.Module, attr: str, norm: nn.Module) -> Optional[Deferred
     return None
 
 
+# ----------------------------------------------------------------------------------
+# Decode attention
+# ----------------------------------------------------------------------------------
+ATTENTION = "sailfish"  # the name registered with transformers' attention and mask interfaces
+# Models whose attention calls transformers' attention interface with the query, the cache's
+# K / V and the 4-D mask sdpa gets (each class's forward is checked for that call).
+ATTENTION_MODELS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+_NOT_DECODE = ("softcap", "s_aux", "sinks", "position_bias", "head_mask")  # sdpa's own path, or its error
+
+
+def _decode_ok(query, key, value, mask, dropout: float, kwargs) -> bool:
+    """Whether sailfish::decode_attention computes what transformers' sdpa path would: one query
+    token, half-precision q / k / v of one dtype on a GPU (or the interpreter), a supported head
+    dim, a boolean or additive mask of sdpa's shape, no dropout, gradient, or extra term."""
+    if query.shape[2] != 1 or query.dtype not in (torch.float16, torch.bfloat16) or key.dtype != query.dtype \
+            or value.dtype != query.dtype or query.shape[-1] not in HEAD_DIMS or key.shape != value.shape \
+            or key.shape[-1] != query.shape[-1] or query.shape[1] % key.shape[1] or dropout:
+        return False
+    if not use_triton(query) or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)):
+        return False
+    if kwargs.get("output_attentions") or any(kwargs.get(k) is not None for k in _NOT_DECODE):
+        return False
+    if mask is not None and (mask.dim() != 4 or mask.shape[0] not in (1, query.shape[0])
+                             or mask.shape[1] not in (1, query.shape[1]) or mask.shape[2] != 1
+                             or mask.shape[3] != key.shape[2]
+                             or not (mask.dtype == torch.bool or mask.dtype.is_floating_point)):
+        return False
+    return all(t.stride(-1) == 1 for t in (query, key, value))
+
+
+def sailfish_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                       **kwargs):
+    """transformers' attention function "sailfish": a decode step (one query token) in one launch
+    of sailfish::decode_attention over the cache (no repeat_kv copy of it), everything else
+    (prefill, or what _decode_ok refuses) through transformers' sdpa_attention_forward."""
+    if _decode_ok(query, key, value, attention_mask, dropout, kwargs):
+        scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+        if direct_call_ok(query):
+            return decode_attention_impl(query, key, value, attention_mask, scale), None
+        return decode_attention(query, key, value, attention_mask, scale), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, sailfish_attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # the masks sdpa gets
+
+
+@functools.lru_cache(maxsize=None)
+def _calls_interface(cls: type) -> bool:
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
+def use_decode_attention(model: nn.Module) -> List[str]:
+    """Switch a transformers model running sdpa attention (transformers' default on GPUs) of an
+    ATTENTION_MODELS type to "sailfish" (sdpa with the decode step in one launch). Returns the
+    attention modules that now run it ([]: nothing changed: another attention implementation
+    chosen by the user or already switched, another model type, or an attention class that does
+    not call the interface)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in ATTENTION_MODELS or \
+            getattr(config, "_attn_implementation", None) != "sdpa":
+        return []
+    names = [n for n, m in model.named_modules() if type(m).__name__.endswith("Attention")]
+    if not names or not all(_calls_interface(type(model.get_submodule(n))) for n in names):
+        return []
+    _register_attention()
+    config._attn_implementation = ATTENTION
+    return names
+
+
 def unfused_layers(model: nn.Module) -> Dict[str, nn.Module]:
     """{name: layer} of every Sailfish layer of the model, a fused layer given as its
     projections (plain layers, under their own names): what a checkpoint stores."""
@@ -695,4 +780,4 @@ def unfused_layers(model: nn.Module) -> Dict[str, nn.Module]:
 
 __all__ = ["check_fuse_flag", "FusedQuantLinear", "FusedQuantLinearW4A8", "FusedOutput", "fuse_projections", "unfused_layers",
            "shard_fused", "SUPPORTED", "ARCHITECTURES", "fuse_row_ops", "SailfishRMSNorm", "DeferredRMSNorm",
-           "GatedMLP", "NORMS"]
+           "GatedMLP", "NORMS", "sailfish_attention", "use_decode_attention", "ATTENTION_MODELS"]

@@ -74,9 +74,11 @@ class Variant:
 # seven projections separately, to measure what fusion gives.
 VARIANTS: Dict[str, Variant] = {v.name: v for v in (
     Variant("fp16", "fp16", torch.float16, None),
-    # fp16 with the RMSNorms Sailfish's quantized variants run (one launch each): what those
-    # give a 16-bit model, so that the quantized variants' gain over it is the 4-bit layers'
-    Variant("fp16-rowops", "fp16, Sailfish's one-launch RMSNorm", torch.float16, None, rows=True),
+    # fp16 with the RMSNorms (one launch each) and the decode attention Sailfish's quantized
+    # variants run: what those give a 16-bit model, so that the quantized variants' gain over
+    # it is the 4-bit layers'
+    Variant("fp16-rowops", "fp16, Sailfish's one-launch RMSNorm and decode attention", torch.float16, None,
+            rows=True),
     Variant("w4a16", "W4A16 sym g128 fp16", torch.float16, dict(group_size=128, sym=True)),
     Variant("w4a16-unfused", "W4A16 sym g128 fp16, unfused", torch.float16,
             dict(group_size=128, sym=True, fuse=False)),
@@ -86,6 +88,8 @@ VARIANTS: Dict[str, Variant] = {v.name: v for v in (
     Variant("w4a16-lmhead", "W4A16 sym g128 fp16, lm_head quantized", torch.float16,
             dict(group_size=128, sym=True, lm_head=True)),
     Variant("bf16", "bf16", torch.bfloat16, None),
+    Variant("bf16-rowops", "bf16, Sailfish's one-launch RMSNorm and decode attention", torch.bfloat16, None,
+            rows=True),
     Variant("w4a16-bf16", "W4A16 sym g128 bf16", torch.bfloat16, dict(group_size=128, sym=True)),
     Variant("w4a16-asym-bf16", "W4A16 asym g128 bf16 (GPTQ-style)", torch.bfloat16,
             dict(group_size=128, sym=False)),

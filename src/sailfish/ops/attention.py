@@ -1,0 +1,197 @@
+"""Decode attention (issue 39): one query token per sequence against a KV cache, as transformers'
+attention functions see it, in one launch.
+
+    sailfish::decode_attention(q, k, v, mask, scale) -> out
+        q (B, Hq, 1, D), k / v (B, Hkv, L, D) float16 / bfloat16, Hq a multiple of Hkv, D a power
+        of two in 16..256; mask None, boolean (True: attend) or additive (any float dtype),
+        broadcastable as (B or 1, 1 or Hq, 1, L); out (B, 1, Hq, D) contiguous (what an
+        attention function returns, before the o_proj's reshape).
+
+The reference below is the contract: softmax(q k^T * scale + mask) v in fp32, each query head
+reading its group's KV head, a row with every position masked giving 0. The kernel
+(kernels/attention.py) differs from it by the probabilities' rounding to the cache's dtype
+before P @ V (as flash attention's), the order of the sums and exp2: tests/test_attention.py
+bounds it.
+
+Where it runs: CUDA tensors and, with TRITON_INTERPRET=1, CPU tensors run the kernel; other CPU
+tensors the reference. On CUDA the bound kernel is kept per (device, dtypes, shapes, strides,
+splits) and a steady call is a dict lookup, the allocations and the direct launch
+(runtime/plan.py run_steady / keep), as the row ops' are.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+from ..formats.int4 import HALF_DTYPES
+from ..runtime.device import check_devices, device_of, sm_count, use_triton
+from ..runtime.dispatch import define_op
+from ..runtime.launch import Launch
+from ..runtime.plan import keep, run_steady
+from .common import SYNC_CAP, sync_buffer
+
+BLOCK_N = 64  # cached tokens per step of a program's loop
+MAX_SPLITS = 32  # cache chunks per (sequence, KV head) at most (the combine reads them all at once)
+COMBINE_TILE = 4096  # fp32 partial-output values the combine loads at once (32 registers a thread)
+HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+@lru_cache(maxsize=None)
+def _kernel():
+    """kernels.attention's kernel, imported on first use (after TRITON_INTERPRET is settled)."""
+    from ..kernels.attention import decode_attention_kernel
+    return decode_attention_kernel
+
+
+class _AttnPlans:
+    """run_steady's view of the kept launches (no config to tune: the splits follow from the
+    shapes and the GPU's SM count)."""
+    plans: dict = {}
+
+
+# ----------------------------------------------------------------------------------
+# Reference (the contract)
+# ----------------------------------------------------------------------------------
+def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                               scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v in fp32, grouped-query heads, fully masked rows 0:
+    q (B, Hq, 1, D), k / v (B, Hkv, L, D) -> (B, 1, Hq, D) in q's dtype."""
+    B, hq, _, D = q.shape
+    hkv, L = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qf = q.float().reshape(B, hkv, g, D)
+    s = torch.einsum("bhgd,bhld->bhgl", qf, k.float()) * scale
+    if mask is not None:
+        m = mask.expand(B, hq, 1, L).reshape(B, hkv, g, L)
+        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.float()
+    dead = torch.isneginf(s).all(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(dead, 0.0), -1).masked_fill(dead, 0.0)
+    out = torch.einsum("bhgl,bhld->bhgd", p, v.float())
+    return out.reshape(B, 1, hq, D).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------------
+# Checks (shared by the op and its fake implementation)
+# ----------------------------------------------------------------------------------
+def check_decode_attention(q, k, v, mask, scale, fake: bool = False) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, tokens, head_dim), got shape {tuple(t.shape)}")
+        if t.dtype not in HALF_DTYPES:
+            raise TypeError(f"{name} dtype {t.dtype} is not supported; allowed: float16, bfloat16")
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {tuple(t.stride())}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    B, hq, sq, D = q.shape
+    if sq != 1:
+        raise ValueError(f"q must hold one token per sequence (decode): q.shape[2] must be 1, got {sq}")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head_dim {D} is not supported; allowed: {HEAD_DIMS}")
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k and v must have shape ({B}, Hkv, L, {D}) alike, got {tuple(k.shape)} and {tuple(v.shape)}")
+    hkv, L = k.shape[1], k.shape[2]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"q's {hq} heads must be a multiple of k's {hkv} heads")
+    if L == 0:
+        raise ValueError("k and v must hold at least one token (L > 0)")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+        if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+            raise TypeError(f"mask dtype {mask.dtype} is not supported; allowed: bool (True: attend) or a float dtype "
+                            "(added to the scores)")
+        if (mask.dim() != 4 or mask.shape[0] not in (1, B) or mask.shape[1] not in (1, hq) or mask.shape[2] != 1
+                or mask.shape[3] != L):
+            raise ValueError(f"mask must have shape ({B} or 1, 1 or {hq}, 1, {L}), got {tuple(mask.shape)}")
+    if not isinstance(scale, (float, int)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float, got {scale!r}")
+    check_devices(fake, q=q, k=k, v=v, mask=mask)
+
+
+# ----------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------
+def _splits(programs: int, L: int, device: torch.device) -> int:
+    """Splits of the cache per (sequence, KV head): enough programs for two per SM (an H100 at
+    batch 1 with 8 KV heads: 16 splits of 64 tokens over a 1024-token cache), at least one
+    BLOCK_N step each; 1 when the counters would not cover the programs."""
+    if programs > SYNC_CAP:
+        return 1
+    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 4
+    return max(1, min(-(-L // BLOCK_N), -(-2 * sms // programs), MAX_SPLITS))
+
+
+def decode_attention_launch(q, k, v, mask, scale: float, splits: Optional[int] = None) -> torch.Tensor:
+    """The kernel on checked operands; splits: the number of cache chunks (default _splits's;
+    tests pass others)."""
+    B, hq, _, D = q.shape
+    hkv, L = k.shape[1], k.shape[2]
+    g = hq // hkv
+    programs = B * hkv
+    if splits is None:
+        splits = _splits(programs, L, q.device)
+    if splits > 1 and programs > SYNC_CAP:
+        raise ValueError(f"splits={splits} needs one counter per (sequence, KV head): {programs} > {SYNC_CAP}")
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits={splits} is not supported; allowed: 1..{MAX_SPLITS}")
+    chunk = -(-(-(-L // splits)) // BLOCK_N) * BLOCK_N  # whole BLOCK_N steps per split
+    splits = -(-L // chunk)
+    out = q.new_empty((B, 1, hq, D))
+    if splits > 1:
+        ws = torch.empty((splits, B * hq, D), dtype=torch.float32, device=q.device)
+        ml = torch.empty((splits, B * hq, 2), dtype=torch.float32, device=q.device)
+        cnt = sync_buffer(q.device, q.get_device())
+    else:
+        ws = ml = cnt = out  # (unused)
+    if mask is None:
+        kind, m, ms = 0, q, (0, 0, 0)
+    else:
+        kind = 1 if mask.dtype == torch.bool else 2
+        m = mask.view(torch.uint8) if kind == 1 else mask
+        ms = tuple(0 if m.shape[i] == 1 else m.stride(i) for i in (0, 1, 3))
+    ints = (hkv, L, chunk, float(scale), q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), *ms, out.stride(0), out.stride(2))
+    operands = (q, k, v, m, out, ws, ml, cnt)
+    grid = (programs, splits)
+    key = None
+    if q.is_cuda:
+        dev = q.get_device()
+        key = (dev, q.dtype, m.dtype, kind, g, D, grid, ints)
+        if run_steady(_AttnPlans, key, dev, q, grid, operands, ints):
+            return out
+    g_p2, s_p2 = 1 << (g - 1).bit_length(), 1 << (splits - 1).bit_length()
+    meta = dict(G=g, BLOCK_G=max(16, g_p2), D=D, BLOCK_N=BLOCK_N, SPLITS=splits, MASK=kind,
+                EMU_BF16=q.dtype is torch.bfloat16 and not q.is_cuda, SPLITS_P2=s_p2, G_P2=g_p2,
+                CS=max(1, min(s_p2, COMBINE_TILE // (g_p2 * D))), num_warps=4, num_stages=3)
+    launch = Launch(_kernel(), meta, q.get_device())
+    with device_of(q):
+        launch(grid, *operands, *ints)
+    keep(None if key is None else _AttnPlans.plans, key, launch, *operands)
+    return out
+
+
+# ----------------------------------------------------------------------------------
+# torch.library op (inference only: no derivative)
+# ----------------------------------------------------------------------------------
+def decode_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                          scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v for one query token per sequence: see the module's doc."""
+    check_decode_attention(q, k, v, mask, scale)
+    if use_triton(q):
+        return decode_attention_launch(q, k, v, mask, scale)
+    return decode_attention_reference(q, k, v, mask, scale)
+
+
+def _decode_attention_fake(q, k, v, mask, scale):
+    check_decode_attention(q, k, v, mask, scale, fake=True)
+    return q.new_empty((q.shape[0], 1, q.shape[1], q.shape[3]))
+
+
+decode_attention = define_op("decode_attention", "(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor",
+                             decode_attention_impl, _decode_attention_fake)
