@@ -163,7 +163,12 @@ def test_opcheck_and_compile():
 def _tiny(arch: str):
     common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=96, pad_token_id=0, eos_token_id=None, bos_token_id=None)
-    config = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[arch](**common)
+    config = {"llama": lambda: transformers.LlamaConfig(**common),
+              "qwen3": lambda: transformers.Qwen3Config(**common),
+              # a window shorter than the prompt: the mask (sdpa's) carries it into the kernel
+              "mistral-window": lambda: transformers.MistralConfig(sliding_window=4, **common),
+              "qwen3-moe": lambda: transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2,
+                                                               moe_intermediate_size=64, **common)}[arch]()
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float16,
                                                          attn_implementation="sdpa").to(DEVICE).eval()
@@ -175,7 +180,7 @@ def _decode_logits(model, ids, steps=3):
     return out.sequences, torch.stack(out.logits)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral-window", "qwen3-moe"])
 def test_model_decodes_through_the_kernel(arch, monkeypatch):
     base = _tiny(arch)
     model = copy.deepcopy(base)
