@@ -231,9 +231,10 @@ def test_act_order_experts(tmp_path):
     """GPTQ desc_act experts (each expert its own g_idx, gate and up one) load: every expert's
     effective weight equals the packer's per element, in the checkpoint's channel order; the
     experts module matches transformers' holding those weights within the per-element bound,
-    and the model's logits a 16-bit model holding them; saved and loaded again, every tensor
-    (the g_idx too) and the logits are equal bit for bit. desc_act with g_idx equal to
-    k // group_size loads without act-order."""
+    and the model's logits a 16-bit model holding them; saved (GPTQ, compressed-tensors) and
+    loaded again, every tensor (the g_idx too) and the logits are equal bit for bit; AWQ, which
+    has no g_idx, refuses them. desc_act with g_idx equal to k // group_size loads without
+    act-order."""
     from test_moe_module import check_against_transformers
 
     trivial = lambda k: torch.arange(k, dtype=torch.int32) // 32  # noqa: E731
@@ -268,6 +269,11 @@ def test_act_order_experts(tmp_path):
     assert ours.keys() == theirs.keys() and "model.layers.0.mlp.experts.w13_perm" in ours
     assert all(torch.equal(v, theirs[k]) for k, v in ours.items())
     assert torch.equal(logits(again), logits(model))
+    save_quantized(model, str(tmp_path / "ct"), format="compressed-tensors")  # (actorder "group": weight_g_idx)
+    theirs = load_quantized(str(tmp_path / "ct"), fuse=False).state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(v, theirs[k]) for k, v in ours.items())
+    with pytest.raises(ValueError, match=r"experts.0.w1: an act-order weight \(g_idx\) cannot be stored in AWQ"):
+        save_quantized(model, str(tmp_path / "awq"), format="awq")
 
 
 @pytest.mark.parametrize("g_idx,match", [
