@@ -254,13 +254,14 @@ def test_w4a8_plan_hit_matches_the_jit_launch(heuristics, k, n, m, gs):
 
 
 @requires_cuda
-@pytest.mark.parametrize("M", [1, 160])  # decode (split-K gate_up: the gated reduce); BLOCK_M 32
-def test_moe_plan_hit_matches_the_jit_launch(heuristics, M):
+# decode (split-K gate_up: the gated reduce); BLOCK_M 32; act-order experts (perms in the plan key)
+@pytest.mark.parametrize("M,act_order", [(1, False), (160, False), (1, True)])
+def test_moe_plan_hit_matches_the_jit_launch(heuristics, M, act_order):
     from test_moe import make_problem
 
     from sailfish.ops.moe import MOE_TUNER, moe_config, moe_w4a16_launch
 
-    args, _, _ = make_problem(8, 2, M, 512, 256, 128, False, torch.float16, "cuda")
+    args, _, _ = make_problem(8, 2, M, 512, 256, 128, False, torch.float16, "cuda", act_order=act_order)
     first = moe_w4a16_launch(*args)  # builds the plan
     assert len(MOE_TUNER.plans) == 1
     for _ in range(2):

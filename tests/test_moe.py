@@ -4,7 +4,8 @@ the op (fake, torch.compile) and bad input. On CPU the kernels run in Triton's i
 import pytest
 import torch
 
-from helpers import DTYPE_NAMES, U32, UNIT_ROUNDOFF, accumulation_constant, random_quantized
+from helpers import (DTYPE_NAMES, U32, UNIT_ROUNDOFF, accumulation_constant, desc_act_g_idx, general_g_idx,
+                     random_quantized)
 from sailfish import Config
 from sailfish.formats.experts import PackedExperts, padded_k_experts, quantize_experts, stack
 from sailfish.formats.int4 import QuantizedWeight, quantize
@@ -17,8 +18,10 @@ SILU_SLOPE = 1.1  # max |silu'(x)| = 1.0998...: a gate error d moves silu(gate) 
 # ----------------------------------------------------------------------------------
 # Stacked format
 # ----------------------------------------------------------------------------------
-def random_experts(E, n, k, gs, sym, dtype, device="cpu"):
-    return [random_quantized(k, n, gs, sym, dtype, device=device) for _ in range(E)]
+def random_experts(E, n, k, gs, sym, dtype, device="cpu", act_order=False):
+    """act_order: GPTQ desc_act g_idx for every expert but the first (which keeps k // group_size)."""
+    return [random_quantized(k, n, gs, sym, dtype, device=device,
+                             g_idx=desc_act_g_idx(k, gs, device) if act_order and e else None) for e in range(E)]
 
 
 @pytest.mark.parametrize("gs,sym,dtype,k", [(32, True, F16, 96), (64, False, BF16, 320), (128, True, BF16, 1408),
@@ -31,6 +34,21 @@ def test_stack_unstack_exact(gs, sym, dtype, k):
     for a, b in zip(p.unstack(), qws):
         assert torch.equal(a.qweight, b.qweight) and torch.equal(a.scales, b.scales)
         assert (a.zeros is None) == sym and (sym or torch.equal(a.zeros, b.zeros))
+    assert torch.equal(p.dequantize(), torch.stack([qw.dequantize() for qw in qws]))
+
+
+@pytest.mark.parametrize("gs,sym,k", [(32, False, 96), (128, True, 1408)])
+def test_stack_unstack_act_order_exact(gs, sym, k):
+    """GPTQ desc_act experts: each one's channels sorted by group (perm: the identity for the
+    expert without act-order), and back exactly, g_idx included."""
+    qws = random_experts(3, 24, k, gs, sym, F16, act_order=True)
+    p = stack(qws)
+    assert p.perm.shape == (3, k) and p.perm.dtype == torch.int32
+    assert torch.equal(p.perm[0], torch.arange(k, dtype=torch.int32))
+    for e, (a, b) in enumerate(zip(p.unstack(), qws)):
+        assert torch.equal(a.qweight, b.qweight) and torch.equal(a.scales, b.scales)
+        assert (a.g_idx is None) == (e == 0) and (e == 0 or torch.equal(a.g_idx, b.g_idx))
+        assert torch.equal(b.group_index()[p.perm[e].long()], torch.arange(k) // gs)  # groups contiguous
     assert torch.equal(p.dequantize(), torch.stack([qw.dequantize() for qw in qws]))
 
 
@@ -54,8 +72,8 @@ def test_stack_refuses_bad_experts():
         stack([])
     with pytest.raises(ValueError, match=r"weights\[1\] has group_size"):
         stack([qws[0], random_quantized(128, 16, 32, True, F16)])
-    gidx = torch.arange(128, dtype=torch.int32) % 2
-    with pytest.raises(ValueError, match="act-order"):
+    gidx = general_g_idx(128, 64)
+    with pytest.raises(ValueError, match=r"weights\[0\] has a g_idx whose sorted values are not k // group_size"):
         stack([QuantizedWeight(qws[0].qweight, random_quantized(128, 16, 64, True, F16).scales, None, gidx, 64)])
     w = torch.randn(2, 16, 64)
     w[1, 3, 5] = float("nan")
@@ -154,9 +172,10 @@ def assert_moe_close(y, ref, bound):
                                  f"{float((err / bound).max()):.3g}, max |err| {float(err.max()):.3g}")
 
 
-def make_problem(E, topk, M, H, I, gs, sym, dtype, device, skew=False):
-    w13 = stack(random_experts(E, 2 * I, H, gs, sym, dtype, device))
-    w2 = stack(random_experts(E, H, I, gs, sym, dtype, device))
+def make_problem(E, topk, M, H, I, gs, sym, dtype, device, skew=False, act_order=False):
+    """act_order: GPTQ desc_act experts (the op's w13_perm / w2_perm arguments)."""
+    w13 = stack(random_experts(E, 2 * I, H, gs, sym, dtype, device, act_order))
+    w2 = stack(random_experts(E, H, I, gs, sym, dtype, device, act_order))
     x = torch.randn(M, H, device=device).to(dtype)
     if skew:  # every token's first choice is expert 0
         ids = torch.stack([torch.cat([torch.tensor([0]), 1 + torch.randperm(E - 1)[:topk - 1]]) for _ in range(M)])
@@ -164,6 +183,8 @@ def make_problem(E, topk, M, H, I, gs, sym, dtype, device, skew=False):
         ids = torch.stack([torch.randperm(E)[:topk] for _ in range(M)])
     tw = torch.softmax(torch.randn(M, topk), -1)
     args = (x, ids.to(device), tw.to(device), w13.qweight, w13.scales, w13.zeros, w2.qweight, w2.scales, w2.zeros, gs)
+    if act_order:
+        args += (w13.perm, w2.perm)
     return args, w13, w2
 
 
@@ -191,6 +212,35 @@ def test_moe_kernel_per_element(case, device):
     y = moe_w4a16_launch(*args)
     assert y.shape == (M, H) and y.dtype == dtype
     assert_moe_close(y.cpu(), ref, bound)
+    assert_moe_close(moe_w4a16_reference(*args).cpu(), ref, bound)  # (the reference obeys it too)
+
+
+#   kind         split H    I    gs  sym    dtype  M
+ACT_ORDER_CASES = [
+    ("moe", 1, 256, 160, 32, False, BF16, 3),       # ragged I: the down GEMM's masked K tail
+    ("moe", 2, 320, 256, 64, True, F16, 5),         # ragged H, split K
+    ("moe_fused", 2, 256, 128, 128, False, F16, 3),  # the decode path (inline routing, sums in the launch)
+    ("moe_fused", 1, 384, 96, 32, True, BF16, 2),
+    (None, 1, 128, 64, 32, False, F16, 40),         # the heuristic's tiles, BLOCK_M 32
+]
+
+
+@pytest.mark.parametrize("case", ACT_ORDER_CASES, ids=lambda c: "{}-s{}-H{}-I{}-g{}-{}-{}-M{}".format(
+    c[0] or "heuristic", *c[1:5], "sym" if c[5] else "asym", DTYPE_NAMES[c[6]], c[7]))
+def test_moe_act_order_per_element(case, device):
+    """GPTQ desc_act experts (each expert's own permutation of H for gate_up and of I for down;
+    expert 0 without act-order): the kernel gathers x / h through them, within the bound of the
+    block on the effective weights in x's channel order; a token with no routed expert gets zeros."""
+    kind, split, H, I, gs, sym, dtype, M = case
+    args, w13, w2 = make_problem(4, 2, M, H, I, gs, sym, dtype, device, act_order=True)
+    args[1][1, :] = 4  # token 1: no local expert
+    ref, bound = moe_bound(args[0].cpu(), args[1].cpu(), args[2].cpu(), w13.dequantize().cpu(),
+                           w2.dequantize().cpu(), dtype)
+    cfgs = None if kind is None else tuple(Config(16, 64, 128, min(split, -(-k // 128)), 8, 4, 3, kernel=kind)
+                                           for k in (H, I))
+    y = moe_w4a16_launch(*args, configs=cfgs)
+    assert_moe_close(y.cpu(), ref, bound)
+    assert not bool(y[1].any())
     assert_moe_close(moe_w4a16_reference(*args).cpu(), ref, bound)  # (the reference obeys it too)
 
 
@@ -320,8 +370,9 @@ def test_moe_tuner_heuristic_candidates_and_clear_caches():
 # ----------------------------------------------------------------------------------
 # The op: fake implementation, torch.compile, bad input
 # ----------------------------------------------------------------------------------
-def test_op_opcheck_and_compile(device):
-    args, _, _ = make_problem(4, 2, 3, 128, 64, 64, True, F16, device)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_op_opcheck_and_compile(act_order, device):
+    args, _, _ = make_problem(4, 2, 3, 128, 64, 64, True, F16, device, act_order=act_order)
     torch.library.opcheck(torch.ops.sailfish.moe_w4a16.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
     weights = args[3:]
@@ -361,6 +412,21 @@ def test_op_bad_input(change, error, match):
     change(args)
     with pytest.raises(error, match=match):
         torch.ops.sailfish.moe_w4a16(*args)
+
+
+def test_op_bad_perms():
+    """w13_perm / w2_perm: int32 (E, K) rows that are permutations (values checked on the CPU)."""
+    args = zero_problem() + [torch.arange(128, dtype=torch.int32).repeat(4, 1), None]
+    torch.ops.sailfish.moe_w4a16(*args)
+    bad = args[10].clone()
+    bad[2, 5] = 6  # channel 6 twice, 5 never
+    for perm, match in ((bad, r"w13_perm\[2\] is not a permutation of 0 .. 127"),
+                        (args[10].long(), r"w13_perm must be an int32 \(E=4, K=128\) tensor .* got torch.int64"),
+                        (args[10][:, :64], r"w13_perm must be an int32 \(E=4, K=128\) .* got torch.int32 \(4, 64\)")):
+        with pytest.raises(ValueError, match=match):
+            torch.ops.sailfish.moe_w4a16(*args[:10], perm, None)
+    with pytest.raises(ValueError, match=r"w2_perm must be an int32 \(E=4, K=64\)"):
+        torch.ops.sailfish.moe_w4a16(*args[:10], None, args[10])
 
 
 def test_op_expert_count_limit():
@@ -429,25 +495,32 @@ for (H, I, E, topk) in ((2048, 768, 128, 8), (4096, 14336, 8, 2), (2048, 1408, 6
         chained = pair[1].kernel == "moe_fused"
         tiles |= {(True, pair[0], route, chained), (False, pair[1], route, chained)}
 topk = 8
+# act-order (HAS_PERM: x gathered through a permutation) on one gate_up and one down tile of each kind
+perm_tiles = {min((t for t in tiles if t[0] == g and t[1].kernel == kd), key=str, default=None)
+              for g in (True, False) for kd in ("moe", "moe_fused")}
 for gated, cfg, route, chained in sorted(tiles, key=str):
-    for dtype, zeros, gs in (("fp16", False, 128), ("bf16", True, 0)):
+    for dtype, zeros, gs, perm in (("fp16", False, 128, False), ("bf16", True, 0, False), ("fp16", True, 128, True)):
+        if perm and (gated, cfg, route, chained) not in perm_tiles:
+            continue
         ty = "*" + dtype
         sig = {"x_ptr": ty, "qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "sorted_ptr": "*i32",
                "bexp_ptr": "*i32", "tw_ptr": "*fp32", "y_ptr": ty, "ws_ptr": "*fp32", "ids_ptr": "*i64",
-               "out_ptr": ty, "sync_ptr": "*i32", **{k: "i32" for k in INTS}}
+               "out_ptr": ty, "sync_ptr": "*i32", "perm_ptr": "*i32" if perm else "constexpr",
+               **{k: "i32" for k in INTS}}
         consts = dict(TOPK=topk, GATED=gated, GROUP_SIZE=gs, HAS_ZEROS=zeros, EVEN_K=True, SPLIT_K=cfg.SPLIT_K,
                       EMU_BF16=False, USE_ASM=True, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                       BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, ACC_FENCE=acc_fence(),
                       FUSED=cfg.kernel == "moe_fused", **(dict(ROUTE=True, **dict(route)) if route else {}),
-                      **({} if not chained else dict(PDL_EARLY=True) if gated else dict(PDL=True)))
+                      **({} if not chained else dict(PDL_EARLY=True) if gated else dict(PDL=True)),
+                      **(dict(HAS_PERM=True) if perm else dict(perm_ptr=None)))
         names = list(sig)
-        attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED}
+        attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED + (("perm_ptr",) if perm else ())}
         k = triton.compile(ast_source(_moe_w4a16_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                            options=cfg.launch())
         st = k_loop_stats(k.asm["ptx"])
         n += 1
         if st is None or not st.wgmma_a_in_registers or wgmma_register_hazard(sass(k.asm["cubin"])):
-            bad.append((gated, cfg, route, dtype, zeros, gs, st))
+            bad.append((gated, cfg, route, dtype, zeros, gs, perm, st))
 # the routing kernels, as Router sizes them for 128 / 16 / 1024 experts (they must compile)
 from sailfish.kernels.moe import _route_count_kernel, _route_place_kernel
 for ep, bt in ((128, 64), (16, 128), (1024, 16)):
@@ -469,7 +542,7 @@ raise SystemExit(f"not wgmma from registers, or a register hazard: {bad}" if bad
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
 def test_moe_kernel_compiles_for_hopper(tmp_path):
     """The launcher's configs for the benchmark shapes (the decode path's fused sums and inline
-    routing included) compile for sm_90a with the dequantized tile
+    routing included, and act-order on a few) compile for sm_90a with the dequantized tile
     fed to wgmma from registers (the fragment-order layout's point) and no wgmma register hazard."""
     from helpers import run_compile_child
 

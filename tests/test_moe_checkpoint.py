@@ -16,7 +16,7 @@ import torch
 
 from test_checkpoint import awq_dequant, awq_pack, ct_config, ct_dequant, ct_pack, reference_path  # noqa: F401
 from test_formats import gptq_dequant, gptq_pack
-from helpers import desc_act_g_idx
+from helpers import desc_act_g_idx, general_g_idx
 import sailfish
 from sailfish import QuantExperts, QuantLinear, load_quantized, save_quantized
 from sailfish.formats.int4 import QuantizedWeight
@@ -176,8 +176,10 @@ def write_moe_checkpoint(path, arch, method, gs, sym, fmt="gptq", g_idx=None, se
         prefix = experts_prefix(arch, layer)
         w = {p: [] for p in (gate, up, down)}
         for e in range(E):
+            # (gate and up read one input: GPTQ quantizes both from its one Hessian, so one g_idx)
+            g_of = g_idx and {k: g_idx(k) for k in (H, I)}
             for proj, (n, k) in ((gate, (I, H)), (up, (I, H)), (down, (H, I))):
-                packed, weight = pack_projection(method, n, k, gs, sym, rng, fmt, g_idx and g_idx(k))
+                packed, weight = pack_projection(method, n, k, gs, sym, rng, fmt, g_idx and g_of[k].clone())
                 tensors.update({f"{prefix}.{e}.{proj}.{s}": t for s, t in packed.items()})
                 w[proj].append(weight)
         experts[f"model.layers.{layer}.mlp.experts"] = (torch.cat([torch.stack(w[gate]), torch.stack(w[up])], 1),
@@ -225,16 +227,67 @@ def test_independent_checkpoint(tmp_path, reference_path, arch, method, gs, sym,
     assert torch.isfinite(logits(model)).all()
 
 
-def test_act_order_experts(tmp_path, reference_path):  # noqa: F811
-    """desc_act with g_idx equal to k // group_size loads (the g_idx is dropped); a real act-order
-    g_idx is refused naming the tensor: the grouped MoE kernel has no act-order."""
+def test_act_order_experts(tmp_path):
+    """GPTQ desc_act experts (each expert its own g_idx, gate and up one) load: every expert's
+    effective weight equals the packer's per element, in the checkpoint's channel order; the
+    experts module matches transformers' holding those weights within the per-element bound,
+    and the model's logits a 16-bit model holding them; saved (GPTQ, compressed-tensors) and
+    loaded again, every tensor (the g_idx too) and the logits are equal bit for bit; AWQ, which
+    has no g_idx, refuses them. desc_act with g_idx equal to k // group_size loads without
+    act-order."""
+    from test_moe_module import check_against_transformers
+
     trivial = lambda k: torch.arange(k, dtype=torch.int32) // 32  # noqa: E731
     experts, shared = write_moe_checkpoint(tmp_path / "plain", "mixtral", "gptq", 32, False, g_idx=trivial)
-    assert_loads_as_packed(tmp_path / "plain", experts, shared)
-    write_moe_checkpoint(tmp_path / "act", "mixtral", "gptq", 32, False, g_idx=lambda k: desc_act_g_idx(k, 32))
-    with pytest.raises(ValueError, match=r"model.layers.0.block_sparse_moe.experts.0.w1 \(experts "
-                                         r"model.layers.0.mlp.experts\): act-order .* allowed: desc_act false"):
-        load_quantized(str(tmp_path / "act"))
+    assert assert_loads_as_packed(tmp_path / "plain", experts, shared).model.layers[0].mlp.experts.w13_perm is None
+    torch.manual_seed(1)
+    experts, shared = write_moe_checkpoint(tmp_path / "act", "mixtral", "gptq", 32, False,
+                                           g_idx=lambda k: desc_act_g_idx(k, 32))
+    model = assert_loads_as_packed(tmp_path / "act", experts, shared)
+    layer = model.model.layers[0].mlp.experts
+    assert layer.act_order and layer.w13_perm.shape == (E, H) and layer.w2_perm.shape == (E, I)
+    x = torch.randn(5, H).to(F16)
+    ids, weights = torch.stack([torch.randperm(E)[:2] for _ in range(5)]), torch.softmax(torch.randn(5, 2), -1)
+    check_against_transformers(tiny_model("mixtral").model.layers[0].mlp.experts.float(), layer, x, ids, weights)
+    ref = tiny_model("mixtral")  # (the checkpoint's 16-bit tensors are this model's)
+    with torch.no_grad():
+        for name, (gate_up, down) in experts.items():
+            ref.get_submodule(name).gate_up_proj.copy_(gate_up)
+            ref.get_submodule(name).down_proj.copy_(down)
+    got, want = logits(model).float(), logits(ref).float()
+    # fp16 model, the two rounding at different places: measured 1e-6 relative; the kernel ignoring
+    # the perms gave 6e-4 (the packer's small scales keep the experts' share of the residual stream
+    # small: the per-element check above is the sharp one)
+    assert float((got - want).norm() / want.norm()) < 1e-4
+    save_quantized(model, str(tmp_path / "again"))
+    written, original = load_file(str(tmp_path / "again" / "model.safetensors")), load_file(
+        str(tmp_path / "act" / "model.safetensors"))
+    g_keys = [k for k in original if k.endswith(".g_idx") and ".experts." in k]
+    assert len(g_keys) == LAYERS * E * 3 and all(torch.equal(written[k], original[k]) for k in g_keys)
+    again = load_quantized(str(tmp_path / "again"), fuse=False)
+    ours, theirs = model.state_dict(), again.state_dict()
+    assert ours.keys() == theirs.keys() and "model.layers.0.mlp.experts.w13_perm" in ours
+    assert all(torch.equal(v, theirs[k]) for k, v in ours.items())
+    assert torch.equal(logits(again), logits(model))
+    save_quantized(model, str(tmp_path / "ct"), format="compressed-tensors")  # (actorder "group": weight_g_idx)
+    theirs = load_quantized(str(tmp_path / "ct"), fuse=False).state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(v, theirs[k]) for k, v in ours.items())
+    with pytest.raises(ValueError, match=r"experts.0.w1: an act-order weight \(g_idx\) cannot be stored in AWQ"):
+        save_quantized(model, str(tmp_path / "awq"), format="awq")
+
+
+@pytest.mark.parametrize("g_idx,match", [
+    (lambda k: general_g_idx(k, 32), r"g_idx whose sorted values are not k // group_size \(a general g_idx\)"),
+    (lambda k: desc_act_g_idx(k, 32), r"the projections of one expert that share an input \(gate and up\) have "
+                                      r"different g_idx"),
+])
+def test_act_order_experts_refused(tmp_path, g_idx, match):
+    """Act-order the grouped kernel cannot take: a general g_idx (not a permutation of
+    k // group_size) or a gate and up of different g_idx, refused naming the expert's tensor."""
+    write_moe_checkpoint(tmp_path, "mixtral", "gptq", 32, False, g_idx=lambda k: desc_act_g_idx(k, 32))
+    _edit(tmp_path, lambda t: t.__setitem__(f"{P}.2.w3.g_idx", g_idx(H)))
+    with pytest.raises(ValueError, match=rf"{P}.2.w1 \(experts model.layers.1.mlp.experts\): .*{match}"):
+        load_quantized(str(tmp_path))
 
 
 # ----------------------------------------------------------------------------------
@@ -375,22 +428,21 @@ def test_pack_into():
     out = PackedExperts(torch.zeros_like(ref.qweight), torch.zeros_like(ref.scales), torch.zeros_like(ref.zeros),
                         H, 32)
     for e, w in enumerate(weights):  # gate rows, then up rows, as the loader fills them
-        pack_into(out, e, 0, slice_weight(w, 0, 0, I))
-        pack_into(out, e, I, slice_weight(w, 0, I, 2 * I))
+        pack_into(out, e, [(0, slice_weight(w, 0, 0, I)), (I, slice_weight(w, 0, I, 2 * I))])
     for part in ("qweight", "scales", "zeros"):
         assert torch.equal(getattr(out, part), getattr(ref, part)), part
     sym = quantize(torch.randn(2 * I, H), group_size=32, sym=True)
-    pack_into(out, 1, 0, sym)
+    pack_into(out, 1, [(0, sym)])
     eights = stack([replace(sym, zeros=torch.full_like(sym.scales, 8, dtype=torch.uint8))])
     assert torch.equal(out.zeros[1], eights.zeros[0]) and torch.equal(out.qweight[1], eights.qweight[0])
-    with pytest.raises(ValueError, match=r"act-order weight \(g_idx\) cannot be stacked"):
-        pack_into(out, 0, 0, replace(sym, g_idx=desc_act_g_idx(H, 32)))
+    with pytest.raises(ValueError, match=r"act-order weight .* cannot go into a stack without permutations"):
+        pack_into(out, 0, [(0, replace(sym, g_idx=desc_act_g_idx(H, 32)))])
     with pytest.raises(ValueError, match=r"weight \(K=32, group_size=32, torch.float16\) does not fit the stack "
                                          r"\(K=64, group_size=32, torch.float16\)"):
-        pack_into(out, 0, 0, quantize(torch.randn(8, 32), group_size=32))
+        pack_into(out, 0, [(0, quantize(torch.randn(8, 32), group_size=32))])
     sym_stack = PackedExperts(out.qweight, out.scales, None, H, 32)
     with pytest.raises(ValueError, match="an asymmetric weight .* cannot go into a symmetric stack"):
-        pack_into(sym_stack, 0, 0, weights[0])
+        pack_into(sym_stack, 0, [(0, weights[0])])
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq"])

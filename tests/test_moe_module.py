@@ -145,6 +145,32 @@ def test_quant_experts_state_dict_round_trip(device):
         QuantExperts(E, H, I, group_size=64, sym=False, dtype=F16, device=device).load_state_dict(layer.state_dict())
 
 
+def test_quant_experts_act_order_state_dict(device):
+    """act_order=True: w13_perm (E, H) / w2_perm (E, I) buffers, in the state dict; loaded only
+    if each row is a permutation (the kernel reads x at them unchecked); from_packed checks too."""
+    from dataclasses import replace
+
+    from test_moe import random_experts
+    from sailfish.formats.experts import stack
+
+    w13, w2 = (stack(random_experts(E, n, k, 32, False, F16, act_order=True)) for n, k in ((2 * I, H), (H, I)))
+    layer = QuantExperts.from_packed(w13, w2).to(device)
+    assert layer.act_order and torch.equal(layer.w13_perm.cpu(), w13.perm)
+    fresh = QuantExperts(E, H, I, group_size=32, sym=False, act_order=True, dtype=F16, device=device)
+    fresh.load_state_dict(layer.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(fresh.dequantize(), layer.dequantize()))
+    x, ids = torch.randn(4, H, device=device).half(), torch.randint(0, E, (4, TOPK), device=device)
+    weights = torch.softmax(torch.randn(4, TOPK, device=device), -1)
+    check_against_transformers(tiny_block("qwen3_moe").experts.float(), layer, x, ids, weights)
+    state = layer.state_dict()
+    state["w2_perm"] = state["w2_perm"].clone()
+    state["w2_perm"][3, 0] = state["w2_perm"][3, 1]
+    with pytest.raises(RuntimeError, match=r"w2_perm\[3\] is not a permutation of 0 .. 47"):
+        fresh.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"w13.perm\[0\] is not a permutation of 0 .. 63"):
+        QuantExperts.from_packed(replace(w13, perm=torch.zeros_like(w13.perm)), w2)
+
+
 def test_quantize_model_tiny_qwen3_moe_model(device):
     """A whole (tiny, random) Qwen3MoeForCausalLM: every layer's experts become QuantExperts, and
     the quantized model's logits stay close to those of the same model with each layer's

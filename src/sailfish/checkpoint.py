@@ -300,7 +300,8 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
     per-expert GPTQ / AWQ / compressed-tensors tensors ({experts}.{e}.gate_proj / up_proj /
     down_proj, Mixtral's block_sparse_moe.experts.{e}.w1 / w3 / w2) load, expert by expert,
     into a QuantExperts (model.sailfish_report["experts"] lists them); act-order experts
-    are refused; 16-bit per-expert weights stack into the module's own parameters.
+    (GPTQ desc_act) load with a permutation per expert, a general g_idx is refused
+    (checkpoint_moe.read_experts); 16-bit per-expert weights stack into the module's own parameters.
     fuse (default True): q/k/v and gate/up then run as one layer each where exact
     (sailfish.fuse; model.sailfish_report says which).
     device_mesh (a 1-D torch DeviceMesh): tensor parallelism. Each rank reads only its shard
@@ -496,7 +497,7 @@ def save_quantized(model: nn.Module, path: str, *, format: str = "gptq",
     zero_0 = [n for n, qw in weights.items() if getattr(qw, "zeros", None) is not None and bool((qw.zeros == 0).any())]
     checkpoint_format = "gptq_v2" if zero_0 else "gptq"
     sym = all(getattr(m, "sym", True) for m in layers.values()) and all(m.w13_zeros is None for m in experts.values())
-    act_order = any(getattr(m, "act_order", False) for m in layers.values())
+    act_order = any(getattr(m, "act_order", False) for m in (*layers.values(), *experts.values()))
     write = {"gptq": lambda qw: to_gptq(qw, checkpoint_format), "awq": to_awq, "qqq": to_qqq,
              CT: lambda qw: to_compressed_tensors(qw, symmetric=sym, actorder=act_order)}[format]
     tensors, float_experts = float_experts_weights(model, naming)  # 16-bit experts, per expert too

@@ -196,34 +196,39 @@ def read_float_experts(read, name: str, plan: ExpertsPlan, module: nn.Module, de
 def read_experts(read, spec, name: str, plan: ExpertsPlan, dtype: torch.dtype, device, *,
                  allow_lossy_scales: bool, how: str) -> Tuple[QuantExperts, float]:
     """The QuantExperts of `name`, read expert by expert into its preallocated stacked buffers
-    (peak memory: the stack plus one expert; zero points are allocated up front, the size of
-    the scales, and dropped at the end if every expert is symmetric), and the largest relative change of a weight
-    that casting the scales to `dtype` made (0.0: exact). Act-order experts (a g_idx other
-    than k // group_size) raise ValueError: the grouped MoE kernel has no act-order."""
+    (peak memory: the stack plus one expert; zero points and act-order permutations are
+    allocated up front, the size of the scales and less, and dropped at the end if every expert
+    is symmetric / has none), and the largest relative change of a weight that casting the
+    scales to `dtype` made (0.0: exact). Act-order experts (GPTQ desc_act: a g_idx that sorts
+    to k // group_size) take a permutation of their input channels (formats/experts.py); a
+    general g_idx, or a gate and up with different g_idx, raise ValueError naming the tensor."""
     layer = QuantExperts(plan.num_experts, plan.hidden, plan.inter, group_size=spec.group_size, sym=False,
-                         dtype=dtype, device=device)
+                         act_order=True, dtype=dtype, device=device)
     w13, w2 = layer.packed()
     gate, up, down = plan.projections
     dims = plan.dims()
     asym, change = False, 0.0
     for e in range(plan.num_experts):
-        for proj, stacked, row in ((gate, w13, 0), (up, w13, plan.inter), (down, w2, 0)):
-            base = f"{name}.{e}.{proj}"
+        for stacked, parts in ((w13, ((gate, 0), (up, plan.inter))), (w2, ((down, 0),))):
+            weights = []
+            for proj, row in parts:
+                base = f"{name}.{e}.{proj}"
+                try:
+                    qw, _ = _read_layer(read, spec, base, dims[proj], device)
+                    qw, c = cast_scales(qw, dtype, allow_lossy_scales=allow_lossy_scales, how=how)
+                except (ValueError, TypeError) as err:
+                    raise type(err)(f"{read.entries.stored(base)} (experts {name}): {err}") from err
+                change = max(change, c)
+                asym |= qw.zeros is not None
+                weights.append((row, qw))
             try:
-                qw, _ = _read_layer(read, spec, base, dims[proj], device)
-                if qw.g_idx is not None:
-                    raise ValueError("act-order (a g_idx other than k // group_size) is not supported for MoE "
-                                     "experts (the grouped kernel has none); allowed: desc_act false (GPTQ), "
-                                     "actorder none or \"weight\" (compressed-tensors), or a g_idx equal to "
-                                     "k // group_size")
-                qw, c = cast_scales(qw, dtype, allow_lossy_scales=allow_lossy_scales, how=how)
-            except (ValueError, TypeError) as err:
-                raise type(err)(f"{read.entries.stored(base)} (experts {name}): {err}") from err
-            change = max(change, c)
-            asym |= qw.zeros is not None
-            pack_into(stacked, e, row, qw)
+                pack_into(stacked, e, weights)
+            except ValueError as err:
+                raise ValueError(f"{read.entries.stored(f'{name}.{e}.{parts[0][0]}')} (experts {name}): {err}") from err
     if not asym:  # every expert symmetric: the layer is too
         layer.w13_zeros = layer.w2_zeros = None
+    if all(p.expert(e).perm is None for p in (w13, w2) for e in range(plan.num_experts)):
+        layer.w13_perm = layer.w2_perm = None  # no act-order at all: the kernels without the gather
     return layer, change
 
 

@@ -21,7 +21,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from .formats.experts import PackedExperts, padded_k_experts, quantize_experts
+from .formats.experts import PackedExperts, check_perms, padded_k_experts, quantize_experts
 from .formats.int4 import GROUP_SIZES, HALF_DTYPES, check_flag, check_half_dtype, check_int_choice
 
 
@@ -58,10 +58,15 @@ class QuantExperts(nn.Module):
     """E 4-bit experts (W4A16, formats/experts.PackedExperts) run by one grouped kernel per GEMM
     (sailfish::moe_w4a16). forward(hidden_states (M, H), top_k_index (M, k), top_k_weights
     (M, k)) -> (M, H) in the layer dtype, as transformers' experts modules; hidden_states may
-    have leading dims (..., H) with index / weights (..., k)."""
+    have leading dims (..., H) with index / weights (..., k).
+
+    Buffers: w13_* (gate_up, (E, 2I, H)) and w2_* (down, (E, H, I)) qweight / scales / zeros in
+    the stacked layout; act_order=True (GPTQ desc_act checkpoints: their per-expert g_idx) adds
+    w13_perm int32 (E, H) and w2_perm (E, I), each expert's permutation of its input channels
+    (formats/experts.py), loaded only if every row is a permutation."""
 
     def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, *, group_size: int = 128,
-                 sym: bool = True, dtype: torch.dtype = torch.float16, device=None):
+                 sym: bool = True, act_order: bool = False, dtype: torch.dtype = torch.float16, device=None):
         super().__init__()
         for name, v in (("num_experts", num_experts), ("hidden_dim", hidden_dim),
                         ("intermediate_dim", intermediate_dim)):
@@ -69,6 +74,7 @@ class QuantExperts(nn.Module):
                 raise ValueError(f"{name}={v!r} must be a positive int")
         check_int_choice("group_size", group_size, GROUP_SIZES)
         check_flag("sym", sym)
+        check_flag("act_order", act_order)
         check_half_dtype(dtype)
         self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_dim, intermediate_dim
         self.group_size = group_size
@@ -80,6 +86,8 @@ class QuantExperts(nn.Module):
             self.register_buffer(f"{name}_scales", torch.zeros((num_experts, n, gp), dtype=dtype, device=device))
             self.register_buffer(f"{name}_zeros", None if sym else torch.zeros((num_experts, n, gp), dtype=dtype,
                                                                                device=device))
+            perm = torch.arange(k, dtype=torch.int32, device=device).repeat(num_experts, 1) if act_order else None
+            self.register_buffer(f"{name}_perm", perm)
 
     @classmethod
     def from_packed(cls, w13: PackedExperts, w2: PackedExperts) -> "QuantExperts":
@@ -91,10 +99,13 @@ class QuantExperts(nn.Module):
         if (w13.group_size, w13.dtype, w13.sym) != (w2.group_size, w2.dtype, w2.sym):
             raise ValueError(f"w13 and w2 must share group_size, dtype and sym, got {(w13.group_size, w13.dtype, w13.sym)} "
                              f"and {(w2.group_size, w2.dtype, w2.sym)}")
-        layer = cls(E, H, two_i // 2, group_size=w13.group_size, sym=w13.sym, dtype=w13.dtype,
+        act_order = w13.perm is not None or w2.perm is not None
+        layer = cls(E, H, two_i // 2, group_size=w13.group_size, sym=w13.sym, act_order=act_order, dtype=w13.dtype,
                     device=w13.qweight.device)
         for name, p in (("w13", w13), ("w2", w2)):
-            for part in ("qweight", "scales", "zeros"):
+            if p.perm is not None:
+                check_perms(f"{name}.perm", p.perm, E, p.in_features)
+            for part in ("qweight", "scales", "zeros", "perm"):  # (a perm of None: the identity)
                 t = getattr(p, part)
                 if t is not None:
                     getattr(layer, f"{name}_{part}").copy_(t)
@@ -123,6 +134,23 @@ class QuantExperts(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.w13_scales.dtype
 
+    @property
+    def act_order(self) -> bool:
+        return self.w13_perm is not None
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        # the kernel reads x at the perms' indices without bounds checks: refuse any other values
+        error_msgs = args[-1]
+        for name, k in (("w13_perm", self.hidden_dim), ("w2_perm", self.intermediate_dim)):
+            t = state_dict.get(prefix + name)
+            if isinstance(t, torch.Tensor) and getattr(self, name) is not None:
+                try:
+                    check_perms(prefix + name, t, self.num_experts, k)
+                except ValueError as e:
+                    error_msgs.append(str(e))
+                    return
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
     def _apply(self, fn, recurse=True):
         # Follow device moves; a dtype change would re-round the scales (as QuantLinear, refused,
         # with the buffers restored first so the layer is unchanged)
@@ -136,8 +164,10 @@ class QuantExperts(nn.Module):
         return self
 
     def packed(self) -> Tuple[PackedExperts, PackedExperts]:
-        return (PackedExperts(self.w13_qweight, self.w13_scales, self.w13_zeros, self.hidden_dim, self.group_size),
-                PackedExperts(self.w2_qweight, self.w2_scales, self.w2_zeros, self.intermediate_dim, self.group_size))
+        return (PackedExperts(self.w13_qweight, self.w13_scales, self.w13_zeros, self.hidden_dim, self.group_size,
+                              self.w13_perm),
+                PackedExperts(self.w2_qweight, self.w2_scales, self.w2_zeros, self.intermediate_dim, self.group_size,
+                              self.w2_perm))
 
     def dequantize(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """float32 (gate_up_proj (E, 2I, H), down_proj (E, H, I)): the effective weights."""
@@ -159,10 +189,10 @@ class QuantExperts(nn.Module):
         y = torch.ops.sailfish.moe_w4a16(
             x, top_k_index.reshape(x.shape[0], k), top_k_weights.reshape(x.shape[0], k),
             self.w13_qweight, self.w13_scales, self.w13_zeros, self.w2_qweight, self.w2_scales, self.w2_zeros,
-            self.group_size)
+            self.group_size, self.w13_perm, self.w2_perm)
         return y.reshape(*lead, self.hidden_dim)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
                 f"intermediate_dim={self.intermediate_dim}, bits=4, group_size={self.group_size}, "
-                f"sym={self.w13_zeros is None}")
+                f"sym={self.w13_zeros is None}, act_order={self.act_order}")

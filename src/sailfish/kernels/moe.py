@@ -30,6 +30,9 @@ the few rows of a block the MMA's N dimension).
   only pick which program sums; no atomic touches a value.
 - ROUTE (decode, few slots): every program computes its own block's expert and slots from the
   expert ids with the routing kernels' arithmetic (`_route_block`): no routing launch at all.
+- HAS_PERM (act-order experts, GPTQ desc_act): x (h) is gathered along K through the expert's
+  permutation of its input channels (formats/experts.py); without it the kernels compile as
+  before (the same sm_90a PTX instructions).
 Rows of padding read slot 0 (unmasked loads) and are dropped at the store; K tiles past K
 are masked on x (the weight codes there are 0 with scale 0).
 """
@@ -112,14 +115,14 @@ def _arrive(cnt_ptr, count):
 
 @triton.jit
 def _moe_w4a16_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, sorted_ptr, bexp_ptr, tw_ptr, y_ptr, ws_ptr, ids_ptr, out_ptr, sync_ptr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, sorted_ptr, bexp_ptr, tw_ptr, y_ptr, ws_ptr, ids_ptr, out_ptr, sync_ptr, perm_ptr,
     T, N, K, E, num_blocks, stride_xm, stride_ym, stride_qe, stride_qn, stride_se, stride_sn,
     TOPK: tl.constexpr, GATED: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr,
     EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ACC_FENCE: tl.constexpr = False, FUSED: tl.constexpr = False, ROUTE: tl.constexpr = False,
     E_POW2: tl.constexpr = 16, T_POW2: tl.constexpr = 16, PDL_EARLY: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, HAS_PERM: tl.constexpr = False,
 ):
     """One GEMM of a MoE block over all experts (module docstring). N: output columns (GATED:
     I, the weight has 2I rows); K: input channels (x / h row length). qweight (E, N_w, Kp // 8),
@@ -134,7 +137,10 @@ def _moe_w4a16_kernel(
     the down GEMM's programs launch while gate_up's last wave runs, route themselves and set up,
     and wait for h (and for the counters to be back at zero) before their K loop.
     Grid: (num_blocks * cdiv(N, BLOCK_N), SPLIT_K), GROUP_M blocks in a row sharing each weight
-    tile while it is in L2 (blocks of one expert are adjacent)."""
+    tile while it is in L2 (blocks of one expert are adjacent).
+    HAS_PERM (act-order experts): perm_ptr int32 (E, K), each expert's permutation of its input
+    channels (the weight's K rows were sorted by group, formats/experts.py): the x tile is
+    gathered through it, A[slot, k] = x[row(slot), perm_e[k]]; else perm_ptr is unread (None)."""
     pdl_release(PDL_EARLY)
     DTYPE = x_ptr.dtype.element_ty
     TOPK_SUM: tl.constexpr = FUSED and not GATED
@@ -166,6 +172,9 @@ def _moe_w4a16_kernel(
     w_ptrs = wq + rn[:, None] * stride_qn
     u_ptrs = wq + (rn + N)[:, None] * stride_qn  # GATED: the up rows I + n of the same expert
     offs_k = tl.arange(0, BLOCK_K)
+    if HAS_PERM:  # act-order: x's channels of a K tile through the expert's permutation
+        x_rows = x_ptr + rows[None, :] * stride_xm
+        p_ptrs = perm_ptr + e64 * K + kt0 * BLOCK_K + offs_k
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if GATED:
         up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -173,7 +182,14 @@ def _moe_w4a16_kernel(
     # one K loop for both tiles of a gated program: x is loaded once per K tile
     for kt in range(kt0, kt1):
         k0 = kt * BLOCK_K
-        if EVEN_K:
+        if HAS_PERM:
+            if EVEN_K:
+                xt = tl.load(x_rows + tl.load(p_ptrs)[:, None])
+            else:
+                kin = (k0 + offs_k) < K
+                xt = tl.load(x_rows + tl.load(p_ptrs, mask=kin, other=0)[:, None], mask=kin[:, None], other=0.0)
+            p_ptrs += BLOCK_K
+        elif EVEN_K:
             xt = tl.load(x_ptrs)
         else:
             xt = tl.load(x_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0)

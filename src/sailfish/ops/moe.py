@@ -2,12 +2,15 @@
 launcher and op.
 
     sailfish::moe_w4a16(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros,
-                        w2_qweight, w2_scales, w2_zeros, group_size) -> y
+                        w2_qweight, w2_scales, w2_zeros, group_size, w13_perm=None, w2_perm=None) -> y
 
 y[m] = sum_k topk_weights[m, k] * down_e(silu(gate_e(x[m])) * up_e(x[m])), e = topk_ids[m, k],
 the experts in formats/experts.PackedExperts layout: w13 (E, 2I, H) holds gate rows [0, I)
 and up rows [I, 2I) of each expert (transformers' gate_up_proj), w2 (E, H, I) the down
-projection. Expert ids outside [0, E) contribute nothing (transformers passes E for a token
+projection. Act-order experts (GPTQ desc_act): w13_perm int32 (E, H) / w2_perm (E, I), each
+expert's permutation of its input channels (formats/experts.py: the weight's K channels sorted by
+group), so the expert multiplies x[:, perm[e]] (h[:, perm[e]]); None: no act-order.
+Expert ids outside [0, E) contribute nothing (transformers passes E for a token
 slot that no local expert takes). The routing (softmax, top-k, renormalisation) is the
 caller's: the op takes its result.
 
@@ -25,7 +28,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..formats.experts import PackedExperts, padded_k_experts
+from ..formats.experts import PackedExperts, check_perms, padded_k_experts
 from ..formats.int4 import GROUP_SIZES, K_CHUNK, check_int_choice, unpack
 from ..runtime.device import check_devices, device_of, has_bf16x2, pdl, sms_for, use_triton
 from ..runtime.dispatch import define_op
@@ -58,12 +61,13 @@ ROUTE_TILE = 4096
 # Reference (pure PyTorch): the op's math, and its CPU path without the interpreter
 # ----------------------------------------------------------------------------------
 def moe_w4a16_reference(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales,
-                        w2_zeros, group_size):
+                        w2_zeros, group_size, w13_perm=None, w2_perm=None):
     M, H = x.shape
     topk = topk_ids.shape[1]
     E, I = w13_qweight.shape[0], w13_qweight.shape[1] // 2
-    w13 = PackedExperts(w13_qweight, w13_scales, w13_zeros, H, group_size)
-    w2 = PackedExperts(w2_qweight, w2_scales, w2_zeros, I, group_size)
+    # (act-order: unpack puts each expert's channels back in x's order)
+    w13 = PackedExperts(w13_qweight, w13_scales, w13_zeros, H, group_size, w13_perm)
+    w2 = PackedExperts(w2_qweight, w2_scales, w2_zeros, I, group_size, w2_perm)
     ids = topk_ids.reshape(-1).long()
     tw = topk_weights.reshape(-1).float()
     rows = torch.zeros((M * topk, H), dtype=torch.float32, device=x.device)
@@ -332,7 +336,8 @@ class MoEPlan(Plan):
     takes_tensors = True
 
     def __init__(self, cfg13: Config, cfg2: Config, device: torch.device, dtype: torch.dtype, M: int, topk: int,
-                 E: int, I: int, H: int, group_size: int, z13: bool, z2: bool):
+                 E: int, I: int, H: int, group_size: int, z13: bool, z2: bool, p13: bool = False,
+                 p2: bool = False):
         from ..kernels.moe import _gated_reduce_kernel, _moe_w4a16_kernel, _topk_sum_kernel
 
         self.config, self.cfg2, self.kind = cfg13, cfg2, "moe"
@@ -348,8 +353,10 @@ class MoEPlan(Plan):
         # the decode path's down GEMM a programmatic dependent of gate_up (sm_90+, SAILFISH_PDL)
         chained = _fused(cfg2) and pdl(dev)
 
-        def gemm(cfg: Config, gated: bool, zeros: bool, K: int) -> Launch:
+        def gemm(cfg: Config, gated: bool, zeros: bool, K: int, perm: bool) -> Launch:
             link = {} if not chained else dict(PDL_EARLY=True) if gated else dict(PDL=True, launch_pdl=True)
+            # (act-order only where there is a perm: the other kernels compile as before)
+            link.update(dict(HAS_PERM=True) if perm else {})
             return Launch(_moe_w4a16_kernel, dict(
                 TOPK=topk, GATED=gated, GROUP_SIZE=gs, HAS_ZEROS=zeros, EVEN_K=K % cfg.BLOCK_K == 0,
                 SPLIT_K=cfg.SPLIT_K, EMU_BF16=emu, USE_ASM=asm, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
@@ -358,8 +365,8 @@ class MoEPlan(Plan):
 
         self.router = None if route else Router(E, cfg13.BLOCK_M, dev)
         self.nb = max_blocks(M * topk, E, cfg13.BLOCK_M)
-        self.gemm = gemm(cfg13, True, z13, H)  # gate_up
-        self.down = gemm(cfg2, False, z2, I)
+        self.gemm = gemm(cfg13, True, z13, H, p13)  # gate_up
+        self.down = gemm(cfg2, False, z2, I, p2)
         self.reduce = None  # (Plan's split-K reduce: the MoE plan's are gated_reduce and topk_sum)
         self.gated_reduce = None if cfg13.SPLIT_K == 1 or _fused(cfg13) else Launch(
             _gated_reduce_kernel, dict(SPLIT_K=cfg13.SPLIT_K, EMU_BF16=emu, BLOCK=_REDUCE_BLOCK, num_warps=4), dev)
@@ -375,7 +382,7 @@ class MoEPlan(Plan):
                 and all(k is None or k.run is not None for k in (self.gated_reduce, self.topk_sum)))
 
     def __call__(self, y, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales,
-                 w2_zeros) -> None:
+                 w2_zeros, w13_perm=None, w2_perm=None) -> None:
         """y (M, H) = the block; operands contiguous (topk_ids too)."""
         M, topk, I, H = self.M, self.topk, self.I, self.H
         T = M * topk
@@ -393,7 +400,7 @@ class MoEPlan(Plan):
         self.gemm((nb * -(-I // c13.BLOCK_N), c13.SPLIT_K), x, w13_qweight, w13_scales, z13, sorted_slots,
                   block_expert, None, h if ws is None or self.gated_reduce is None else None, ws,
                   topk_ids if self.router is None else None, None,
-                  sync if _fused(c13) else None, T, I, H, self.E, nb, H, I,
+                  sync if _fused(c13) else None, w13_perm, T, I, H, self.E, nb, H, I,
                   w13_qweight.stride(0), w13_qweight.stride(1), w13_scales.stride(0), w13_scales.stride(1))
         if self.gated_reduce is not None:
             self.gated_reduce((-(-T * I // _REDUCE_BLOCK), 1), ws, h, T, I)
@@ -404,7 +411,7 @@ class MoEPlan(Plan):
         self.down((nb * -(-H // c2.BLOCK_N), split), h, w2_qweight, w2_scales, z2, sorted_slots, block_expert,
                   tw, rows if split == 1 else None, None if split == 1 else rows,
                   topk_ids if sum_inside or self.router is None else None,
-                  y if sum_inside else None, sync if sum_inside else None, T, H, I, self.E, nb, I, H,
+                  y if sum_inside else None, sync if sum_inside else None, w2_perm, T, H, I, self.E, nb, I, H,
                   w2_qweight.stride(0), w2_qweight.stride(1), w2_scales.stride(0), w2_scales.stride(1))
         if not sum_inside:
             self.topk_sum((-(-M * H // _REDUCE_BLOCK), 1), rows, topk_ids, None if split == 1 else tw, y, M, H,
@@ -412,7 +419,8 @@ class MoEPlan(Plan):
 
 
 def moe_w4a16_launch(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales,
-                     w2_zeros, group_size, configs: Optional[Tuple[Config, Config]] = None) -> torch.Tensor:
+                     w2_zeros, group_size, w13_perm=None, w2_perm=None,
+                     configs: Optional[Tuple[Config, Config]] = None) -> torch.Tensor:
     """Run the MoE block's kernels (validated operands). configs: (gate_up, down) to force
     (tests), checked; their BLOCK_M must agree (one routing serves both GEMMs).
 
@@ -426,12 +434,14 @@ def moe_w4a16_launch(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zer
     x, topk_ids = x.contiguous(), topk_ids.contiguous()
     topk, (E, two_i, kw13) = topk_ids.shape[1], w13_qweight.shape
     I = two_i // 2
-    operands = (x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales, w2_zeros)
+    operands = (x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales, w2_zeros,
+                w13_perm, w2_perm)
+    perms = (w13_perm is not None, w2_perm is not None)
     key = None
     if configs is None and x.is_cuda:
         dev = x.get_device()
         key = (dev, x.dtype, M, topk, E, I, H, group_size, w13_zeros is not None, w2_zeros is not None,
-               topk_ids.dtype)
+               topk_ids.dtype, perms)
         if run_steady(MOE_TUNER, key, dev, x, y, operands, ()):
             return y
     plans = None if key is None else MOE_TUNER.plans_for_build()  # before the config lookup
@@ -439,7 +449,7 @@ def moe_w4a16_launch(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zer
 
     def build(cfg13: Config, cfg2: Config) -> MoEPlan:
         return MoEPlan(cfg13, cfg2, x.device, x.dtype, M, topk, E, I, H, group_size, w13_zeros is not None,
-                       w2_zeros is not None)
+                       w2_zeros is not None, *perms)
 
     def make_run(gated: bool, chosen: list):
         """The tuner's run(cfg) for one GEMM: the whole block, the other GEMM at the chosen
@@ -466,8 +476,10 @@ def moe_w4a16_launch(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zer
 # torch.library op
 # ----------------------------------------------------------------------------------
 def validate(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales, w2_zeros,
-             group_size, fake: bool = False) -> None:
-    """TypeError / ValueError naming the argument, its value and what is allowed."""
+             group_size, w13_perm=None, w2_perm=None, fake: bool = False) -> None:
+    """TypeError / ValueError naming the argument, its value and what is allowed. The perms'
+    values (each row a permutation) are checked where that needs no device sync: on the CPU;
+    QuantExperts checks them when it is built or loaded."""
     if x.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"x dtype {x.dtype} is not supported; allowed: float16, bfloat16")
     if x.dim() != 2:
@@ -508,15 +520,18 @@ def validate(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_q
         for part, t in (("qweight", q), ("scales", s), ("zeros", z)):
             if t is not None and not t.is_contiguous():
                 raise ValueError(f"{name}_{part} must be contiguous")
+    for name, perm, k in (("w13_perm", w13_perm, H), ("w2_perm", w2_perm, I)):
+        if perm is not None:
+            check_perms(name, perm, E, k, values=not fake and perm.device.type == "cpu")
     check_devices(fake, x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13_qweight=w13_qweight,
                   w13_scales=w13_scales, w13_zeros=w13_zeros, w2_qweight=w2_qweight, w2_scales=w2_scales,
-                  w2_zeros=w2_zeros)
+                  w2_zeros=w2_zeros, w13_perm=w13_perm, w2_perm=w2_perm)
 
 
 def moe_w4a16_impl(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales,
-                   w2_zeros, group_size):
+                   w2_zeros, group_size, w13_perm=None, w2_perm=None):
     args = (x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales, w2_zeros,
-            group_size)
+            group_size, w13_perm, w2_perm)
     validate(*args)
     if use_triton(x):
         return moe_w4a16_launch(*args)
@@ -524,14 +539,15 @@ def moe_w4a16_impl(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros
 
 
 def _moe_w4a16_fake(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales,
-                    w2_zeros, group_size):
+                    w2_zeros, group_size, w13_perm=None, w2_perm=None):
     validate(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales, w2_zeros,
-             group_size, fake=True)
+             group_size, w13_perm, w2_perm, fake=True)
     return x.new_empty(x.shape)
 
 
 moe_w4a16 = define_op(
     "moe_w4a16",
     "(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_qweight, Tensor w13_scales, Tensor? w13_zeros, "
-    "Tensor w2_qweight, Tensor w2_scales, Tensor? w2_zeros, SymInt group_size) -> Tensor",
+    "Tensor w2_qweight, Tensor w2_scales, Tensor? w2_zeros, SymInt group_size, Tensor? w13_perm=None, "
+    "Tensor? w2_perm=None) -> Tensor",
     moe_w4a16_impl, _moe_w4a16_fake)
