@@ -74,6 +74,16 @@ def test_split_combine(splits):
         decode_attention_launch(q, k, v, mask, 0.125, splits=33)
 
 
+@pytest.mark.parametrize("block_n, num_warps, splits", [(16, 1, 7), (32, 2, 3), (128, 8, 2)])
+def test_other_tiles(block_n, num_warps, splits):
+    """The tiles benchmarks/probes/decode_attention_sweep.py tries compute the same thing."""
+    q, k, v, mask = _operands(2, 8, 2, 300, 64, torch.float16, "bool", seed=block_n)
+    got = decode_attention_launch(q, k, v, mask, 0.125, splits=splits, block_n=block_n, num_warps=num_warps)
+    assert_within_bound(got, q, k, v, mask, 0.125)
+    with pytest.raises(ValueError, match="block_n=48"):
+        decode_attention_launch(q, k, v, mask, 0.125, block_n=48)
+
+
 def test_combine_in_chunks():
     """32 splits of a group of 8 heads of 128: the combine loads the partial outputs in 8 chunks
     (ops/attention.py COMBINE_TILE), against the one-program result and the reference."""

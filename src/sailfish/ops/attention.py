@@ -127,9 +127,14 @@ def _splits(programs: int, L: int, device: torch.device) -> int:
     return max(1, min(-(-L // BLOCK_N), -(-2 * sms // programs), MAX_SPLITS))
 
 
-def decode_attention_launch(q, k, v, mask, scale: float, splits: Optional[int] = None) -> torch.Tensor:
-    """The kernel on checked operands; splits: the number of cache chunks (default _splits's;
-    tests pass others)."""
+def decode_attention_launch(q, k, v, mask, scale: float, splits: Optional[int] = None, block_n: int = BLOCK_N,
+                            num_warps: int = 4) -> torch.Tensor:
+    """The kernel on checked operands; splits: the number of cache chunks (default _splits's),
+    block_n / num_warps: the loop's tile and the program's warps (tests and
+    benchmarks/probes/decode_attention_sweep.py pass others)."""
+    if block_n not in (16, 32, 64, 128) or num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"block_n={block_n} / num_warps={num_warps} not supported; allowed: block_n 16, 32, 64, 128 "
+                         "and num_warps 1, 2, 4, 8")
     B, hq, _, D = q.shape
     hkv, L = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -140,7 +145,7 @@ def decode_attention_launch(q, k, v, mask, scale: float, splits: Optional[int] =
         raise ValueError(f"splits={splits} needs one counter per (sequence, KV head): {programs} > {SYNC_CAP}")
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits={splits} is not supported; allowed: 1..{MAX_SPLITS}")
-    chunk = -(-(-(-L // splits)) // BLOCK_N) * BLOCK_N  # whole BLOCK_N steps per split
+    chunk = -(-(-(-L // splits)) // block_n) * block_n  # whole block_n steps per split
     splits = -(-L // chunk)
     out = q.new_empty((B, 1, hq, D))
     if splits > 1:
@@ -162,13 +167,13 @@ def decode_attention_launch(q, k, v, mask, scale: float, splits: Optional[int] =
     key = None
     if q.is_cuda:
         dev = q.get_device()
-        key = (dev, q.dtype, m.dtype, kind, g, D, grid, ints)
+        key = (dev, q.dtype, m.dtype, kind, g, D, grid, ints, block_n, num_warps)
         if run_steady(_AttnPlans, key, dev, q, grid, operands, ints):
             return out
     g_p2, s_p2 = 1 << (g - 1).bit_length(), 1 << (splits - 1).bit_length()
-    meta = dict(G=g, BLOCK_G=max(16, g_p2), D=D, BLOCK_N=BLOCK_N, SPLITS=splits, MASK=kind,
+    meta = dict(G=g, BLOCK_G=max(16, g_p2), D=D, BLOCK_N=block_n, SPLITS=splits, MASK=kind,
                 EMU_BF16=q.dtype is torch.bfloat16 and not q.is_cuda, SPLITS_P2=s_p2, G_P2=g_p2,
-                CS=max(1, min(s_p2, COMBINE_TILE // (g_p2 * D))), num_warps=4, num_stages=3)
+                CS=max(1, min(s_p2, COMBINE_TILE // (g_p2 * D))), num_warps=num_warps, num_stages=3)
     launch = Launch(_kernel(), meta, q.get_device())
     with device_of(q):
         launch(grid, *operands, *ints)
