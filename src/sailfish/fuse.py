@@ -50,7 +50,7 @@ from .ops.rowwise import (quantize_per_token_torch, rms_norm, rms_norm_impl, rms
                           rms_norm_quant_fp8_impl, rms_norm_quant_impl, rms_norm_torch, silu_mul, silu_mul_impl,
                           silu_mul_quant, silu_mul_quant_fp8, silu_mul_quant_fp8_impl, silu_mul_quant_impl,
                           silu_mul_torch)
-from .ops.attention import HEAD_DIMS, decode_attention, decode_attention_impl
+from .ops.attention import decode_attention, decode_attention_launch, decode_attention_problem
 from .runtime.device import use_triton
 from .runtime.dispatch import direct_call_ok
 
@@ -694,24 +694,18 @@ ATTENTION_MODELS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe"
 _NOT_DECODE = ("softcap", "s_aux", "sinks", "position_bias", "head_mask")  # sdpa's own path, or its error
 
 
-def _decode_ok(query, key, value, mask, dropout: float, kwargs) -> bool:
-    """Whether sailfish::decode_attention computes what transformers' sdpa path would: one query
-    token, half-precision q / k / v of one dtype on a GPU (or the interpreter), a supported head
-    dim, a boolean or additive mask of sdpa's shape, no dropout, gradient, or extra term."""
-    if query.shape[2] != 1 or query.dtype not in (torch.float16, torch.bfloat16) or key.dtype != query.dtype \
-            or value.dtype != query.dtype or query.shape[-1] not in HEAD_DIMS or key.shape != value.shape \
-            or key.shape[-1] != query.shape[-1] or query.shape[1] % key.shape[1] or dropout:
+def _decode_ok(query, key, value, mask, dropout: float, scale: float, kwargs) -> bool:
+    """Whether sailfish::decode_attention computes what transformers' sdpa path would: operands
+    the kernel takes (ops/attention.decode_attention_problem: one query token, half precision, a
+    supported head dim, a boolean or additive mask of sdpa's shape) on one GPU (or the
+    interpreter), and no dropout, gradient, or extra term."""
+    if dropout or kwargs.get("output_attentions") or any(kwargs.get(k) is not None for k in _NOT_DECODE):
         return False
     if not use_triton(query) or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)):
         return False
-    if kwargs.get("output_attentions") or any(kwargs.get(k) is not None for k in _NOT_DECODE):
+    if any(t is not None and t.device != query.device for t in (key, value, mask)):
         return False
-    if mask is not None and (mask.dim() != 4 or mask.shape[0] not in (1, query.shape[0])
-                             or mask.shape[1] not in (1, query.shape[1]) or mask.shape[2] != 1
-                             or mask.shape[3] != key.shape[2]
-                             or not (mask.dtype == torch.bool or mask.dtype.is_floating_point)):
-        return False
-    return all(t.stride(-1) == 1 for t in (query, key, value))
+    return decode_attention_problem(query, key, value, mask, scale) is None
 
 
 def sailfish_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -720,10 +714,10 @@ def sailfish_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     """transformers' attention function "sailfish": a decode step (one query token) in one launch
     of sailfish::decode_attention over the cache (no repeat_kv copy of it), everything else
     (prefill, or what _decode_ok refuses) through transformers' sdpa_attention_forward."""
-    if _decode_ok(query, key, value, attention_mask, dropout, kwargs):
-        scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-        if direct_call_ok(query):
-            return decode_attention_impl(query, key, value, attention_mask, scale), None
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    if _decode_ok(query, key, value, attention_mask, dropout, scale, kwargs):
+        if direct_call_ok(query):  # (checked above: the launch itself, as the op's implementation would run it)
+            return decode_attention_launch(query, key, value, attention_mask, scale), None
         return decode_attention(query, key, value, attention_mask, scale), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from ..formats.int4 import HALF_DTYPES
-from ..runtime.device import check_devices, device_of, sm_count, use_triton
+from ..runtime.device import check_devices, device_of, sms_for, use_triton
 from ..runtime.dispatch import define_op
 from ..runtime.launch import Launch
 from ..runtime.plan import keep, run_steady
@@ -76,41 +76,51 @@ def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 # ----------------------------------------------------------------------------------
 # Checks (shared by the op and its fake implementation)
 # ----------------------------------------------------------------------------------
-def check_decode_attention(q, k, v, mask, scale, fake: bool = False) -> None:
+def decode_attention_problem(q, k, v, mask, scale) -> Optional[Exception]:
+    """What is wrong with the operands (the TypeError / ValueError check_decode_attention raises),
+    or None: the one list of what the kernel takes, also asked by the model's attention function
+    (fuse.sailfish_attention), which runs sdpa instead where there is a problem. Devices aside."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            return TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (batch, heads, tokens, head_dim), got shape {tuple(t.shape)}")
+            return ValueError(f"{name} must be 4-D (batch, heads, tokens, head_dim), got shape {tuple(t.shape)}")
         if t.dtype not in HALF_DTYPES:
-            raise TypeError(f"{name} dtype {t.dtype} is not supported; allowed: float16, bfloat16")
+            return TypeError(f"{name} dtype {t.dtype} is not supported; allowed: float16, bfloat16")
         if t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {tuple(t.stride())}")
+            return ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {tuple(t.stride())}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        return TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     B, hq, sq, D = q.shape
     if sq != 1:
-        raise ValueError(f"q must hold one token per sequence (decode): q.shape[2] must be 1, got {sq}")
+        return ValueError(f"q must hold one token per sequence (decode): q.shape[2] must be 1, got {sq}")
     if D not in HEAD_DIMS:
-        raise ValueError(f"head_dim {D} is not supported; allowed: {HEAD_DIMS}")
+        return ValueError(f"head_dim {D} is not supported; allowed: {HEAD_DIMS}")
     if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"k and v must have shape ({B}, Hkv, L, {D}) alike, got {tuple(k.shape)} and {tuple(v.shape)}")
+        return ValueError(f"k and v must have shape ({B}, Hkv, L, {D}) alike, got {tuple(k.shape)} and {tuple(v.shape)}")
     hkv, L = k.shape[1], k.shape[2]
     if hkv == 0 or hq % hkv:
-        raise ValueError(f"q's {hq} heads must be a multiple of k's {hkv} heads")
+        return ValueError(f"q's {hq} heads must be a multiple of k's {hkv} heads")
     if L == 0:
-        raise ValueError("k and v must hold at least one token (L > 0)")
+        return ValueError("k and v must hold at least one token (L > 0)")
     if mask is not None:
         if not isinstance(mask, torch.Tensor):
-            raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+            return TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
         if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
-            raise TypeError(f"mask dtype {mask.dtype} is not supported; allowed: bool (True: attend) or a float dtype "
-                            "(added to the scores)")
+            return TypeError(f"mask dtype {mask.dtype} is not supported; allowed: bool (True: attend) or a float dtype "
+                             "(added to the scores)")
         if (mask.dim() != 4 or mask.shape[0] not in (1, B) or mask.shape[1] not in (1, hq) or mask.shape[2] != 1
                 or mask.shape[3] != L):
-            raise ValueError(f"mask must have shape ({B} or 1, 1 or {hq}, 1, {L}), got {tuple(mask.shape)}")
+            return ValueError(f"mask must have shape ({B} or 1, 1 or {hq}, 1, {L}), got {tuple(mask.shape)}")
     if not isinstance(scale, (float, int)) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite float, got {scale!r}")
+        return ValueError(f"scale must be a finite float, got {scale!r}")
+    return None
+
+
+def check_decode_attention(q, k, v, mask, scale, fake: bool = False) -> None:
+    problem = decode_attention_problem(q, k, v, mask, scale)
+    if problem is not None:
+        raise problem
     check_devices(fake, q=q, k=k, v=v, mask=mask)
 
 
@@ -120,11 +130,11 @@ def check_decode_attention(q, k, v, mask, scale, fake: bool = False) -> None:
 def _splits(programs: int, L: int, device: torch.device) -> int:
     """Splits of the cache per (sequence, KV head): enough programs for two per SM (an H100 at
     batch 1 with 8 KV heads: 16 splits of 64 tokens over a 1024-token cache), at least one
-    BLOCK_N step each; 1 when the counters would not cover the programs."""
+    BLOCK_N step each; 1 when the counters would not cover the programs. (The interpreter counts
+    an H100's SMs, runtime/device.sms_for, so it runs the splits a GPU would.)"""
     if programs > SYNC_CAP:
         return 1
-    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 4
-    return max(1, min(-(-L // BLOCK_N), -(-2 * sms // programs), MAX_SPLITS))
+    return max(1, min(-(-L // BLOCK_N), -(-2 * sms_for(device) // programs), MAX_SPLITS))
 
 
 def decode_attention_launch(q, k, v, mask, scale: float, splits: Optional[int] = None, block_n: int = BLOCK_N,
