@@ -415,16 +415,10 @@ def test_fused_moe_model_compiles_without_graph_breaks(arch, monkeypatch):
     """torch.compile(fullgraph=True) traces the routers through the op's fake implementation (a
     graph break raises) and the compiled model gives the eager model's logits."""
     import sailfish
+    from helpers import assert_compiles_to_eager_logits
     from sailfish.fuse import SailfishTopKRouter
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     model = sailfish.quantize_model(tiny_moe_model(arch), group_size=32)
     assert isinstance(model.model.layers[0].mlp.gate, SailfishTopKRouter)
-    ids = torch.randint(1, 128, (2, 5))
-    torch._dynamo.reset()
-    try:
-        with torch.no_grad():
-            got = torch.compile(model, fullgraph=True, backend="aot_eager")(ids).logits
-            assert torch.equal(got, model(ids).logits)
-    finally:
-        torch._dynamo.reset()
+    assert_compiles_to_eager_logits(model, torch.randint(1, 128, (2, 5)), backend="aot_eager")
