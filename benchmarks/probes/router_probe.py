@@ -33,7 +33,6 @@ and the argument parsing work without it.
 import argparse
 import copy
 import json
-import statistics
 
 import torch
 from torch import nn
@@ -102,7 +101,7 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
-    from sailfish.bench.timing import graph_time_us
+    from sailfish.bench.timing import interleaved_graph_times_us
 
     dtype = torch.float16 if a.dtype == "fp16" else torch.bfloat16
     rows = []
@@ -121,13 +120,7 @@ def main(argv=None) -> None:
                 check(router, fused, h)
                 paths = {"linear": lambda: F.linear(h, router.weight), "compiled": lambda: compiled(h),
                          "sailfish": lambda: fused(h), "sailfish_compiled": lambda: fused_compiled(h)}
-                for fn in paths.values():
-                    fn()
-                times = {n: [] for n in paths}
-                for _ in range(a.rounds):
-                    for n, fn in paths.items():
-                        times[n].append(graph_time_us([fn] * a.graph_calls))
-            t = {n: statistics.median(v) for n, v in times.items()}
+                t = interleaved_graph_times_us(paths, a.graph_calls, a.rounds)
             whole = t["compiled"] / t["sailfish"]
             tail = (t["compiled"] - t["linear"]) / max(t["sailfish"] - t["linear"], 1e-3)
             rows.append({"model": name, "T": T, "dtype": a.dtype, **{f"{n}_us": x for n, x in t.items()},
