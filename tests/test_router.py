@@ -445,3 +445,39 @@ def test_load_quantized_fuses_the_routers(tmp_path, monkeypatch):
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
         assert torch.equal(plain(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("arch,cls_name,cfg_name,flags", [
+    ("olmoe", "OlmoeTopKRouter", "OlmoeConfig", (True, False)),
+    ("minimax", "MiniMaxTopKRouter", "MiniMaxConfig", (True, True)),
+    ("qwen3_vl_moe", "Qwen3VLMoeTextTopKRouter", "Qwen3VLMoeTextConfig", (True, False)),
+])
+def test_routers_of_other_models_sharing_a_formula(arch, cls_name, cfg_name, flags, device):
+    """Routers of other architectures whose forward is one of the formulas (by source, whatever
+    the class name) are replaced with that formula's flags: the router's own outputs are the
+    reference's bit for bit, and the fused router's are the op's."""
+    import copy
+    import importlib
+
+    from sailfish.fuse import SailfishTopKRouter, fuse_row_ops
+
+    mod = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
+    cfg = getattr(mod, cfg_name)(hidden_size=64, num_experts=8, num_local_experts=8, num_experts_per_tok=2,
+                                 norm_topk_prob=True)
+    router = getattr(mod, cls_name)(cfg)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.5)
+    router = router.to(device, torch.bfloat16)
+    holder = torch.nn.Module()
+    holder.gate = copy.deepcopy(router)
+    assert fuse_row_ops(holder)["routers"] == ["gate"]
+    gate = holder.gate
+    assert isinstance(gate, SailfishTopKRouter) and (gate.renormalize, gate.fp32_weights) == flags
+    h = torch.randn(5, 64, device=device).bfloat16()
+    with torch.no_grad():
+        logits, w, ids = router(h)
+        f_logits, f_w, f_ids = gate(h)
+    w_ref, ids_ref = router_topk_reference(logits, 2, *flags)
+    assert torch.equal(w, w_ref) and torch.equal(ids, ids_ref) and torch.equal(f_logits, logits)
+    w_op, ids_op = router_topk(logits, 2, *flags)
+    assert torch.equal(f_w, w_op) and torch.equal(f_ids, ids_op)

@@ -700,8 +700,9 @@ def _deferred(layer: nn.Module, attr: str, norm: nn.Module) -> Optional[Deferred
 # ----------------------------------------------------------------------------------
 # transformers 5's TopKRouter forwards, by formula: (renormalize, fp32_weights) of each, None for
 # "the router's norm_topk_prob". A transformers class whose forward is one of them, statement for
-# statement (_same_forward), is replaced whatever its name (Qwen3-MoE, Qwen2-MoE, OLMoE, Qwen3-Next,
-# ... share the first; Mixtral, MiniMax the second).
+# statement (_same_forward), is replaced whatever its name (transformers 5.24: Qwen3-MoE, Qwen2-MoE,
+# OLMoE, Qwen3-Next, FlexOlmo, ... share the first; Mixtral, MiniMax the second; Qwen3.5-MoE,
+# Qwen3-VL-MoE the third, which always renormalizes).
 _ROUTER_FORWARDS = {
     """
 def forward(self, hidden_states):
@@ -725,6 +726,17 @@ def forward(self, hidden_states):
     router_scores = router_top_value
     return router_logits, router_scores, router_indices
 """: (True, True),
+    """
+def forward(self, hidden_states):
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight)
+    router_probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
+    router_top_value, router_indices = torch.topk(router_probs, self.top_k, dim=-1)
+    router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
+    router_top_value = router_top_value.to(router_logits.dtype)
+    router_scores = router_top_value
+    return router_logits, router_scores, router_indices
+""": (True, False),
 }
 
 
