@@ -34,6 +34,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     import sailfish.kernels.w4a8  # noqa: E402,F401
     import sailfish.kernels.w4a16  # noqa: E402,F401
     import sailfish.kernels.rowwise  # noqa: E402,F401
+    import sailfish.kernels.router  # noqa: E402,F401
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/helpers.py
 

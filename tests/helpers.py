@@ -211,3 +211,15 @@ def loop_problems(rep, text, body):
         why.append("local memory in the K loop")
     return why
 """
+
+
+def assert_compiles_to_eager_logits(model, ids, backend: str = "eager") -> None:
+    """torch.compile(model, fullgraph=True) (a graph break raises) gives the eager model's logits
+    on ids (no gradient); dynamo's caches are reset before and after."""
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            got = torch.compile(model, fullgraph=True, backend=backend)(ids).logits
+            assert torch.equal(got, model(ids).logits)
+    finally:
+        torch._dynamo.reset()

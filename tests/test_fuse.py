@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from helpers import assert_close_per_element, make_g_idx, random_quantized
+from helpers import assert_close_per_element, assert_compiles_to_eager_logits, make_g_idx, random_quantized
 import sailfish
 from sailfish import QuantLinear, QuantLinearW4A8
 from sailfish.formats.qqq import quantize_activations, quantize_qqq
@@ -353,14 +353,7 @@ def test_fused_model_compiles_without_graph_breaks(quant, reference_ops):
     compiled model gives the eager model's logits (W4A8: its norms and silu * up stay the
     quantizing ops under compile, the W4A16 norms run the formula)."""
     model = sailfish.quantize_model(tiny_model("qwen3"), **quant)
-    ids = torch.randint(1, VOCAB, (2, 6))
-    torch._dynamo.reset()
-    try:
-        with torch.no_grad():
-            got = torch.compile(model, fullgraph=True, backend="eager")(ids).logits
-            assert torch.equal(got, model(ids).logits)
-    finally:
-        torch._dynamo.reset()
+    assert_compiles_to_eager_logits(model, torch.randint(1, VOCAB, (2, 6)))
 
 
 def test_fuse_false_and_flag_errors():
@@ -557,7 +550,7 @@ def test_row_ops_report_and_modules(reference_ops):
                                   for n in ("input_layernorm", "post_attention_layernorm"))
     # idempotent: fusing again changes nothing
     from sailfish.fuse import fuse_row_ops
-    assert fuse_row_ops(w4a8) == {"norms": [], "gated_mlp": [], "deferred_norms": [], "attention": []}
+    assert fuse_row_ops(w4a8) == {"norms": [], "gated_mlp": [], "deferred_norms": [], "attention": [], "routers": []}
 
 
 @pytest.mark.parametrize("act_bits", [16, 8])

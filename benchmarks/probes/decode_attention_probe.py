@@ -25,11 +25,10 @@ stops if the kernel's max error exceeds 2 ** -8 of max |v|). Needs CUDA.
 """
 import argparse
 import json
-import statistics
 
 import torch
 
-from sailfish.bench.timing import graph_time_us, hbm_ceiling_gbps
+from sailfish.bench.timing import hbm_ceiling_gbps, interleaved_graph_times_us
 from sailfish.ops.attention import decode_attention, decode_attention_reference
 
 
@@ -89,14 +88,7 @@ def main() -> None:
             def ours():
                 return decode_attention(q, k, v, mask, scale)
 
-            paths = {"sdpa": sdpa, "eager": eager, "sailfish": ours}
-            for fn in paths.values():
-                fn()
-            times = {n: [] for n in paths}
-            for _ in range(a.rounds):
-                for n, fn in paths.items():
-                    times[n].append(graph_time_us([fn] * a.graph_calls))
-            t = {n: statistics.median(v_) for n, v_ in times.items()}
+            t = interleaved_graph_times_us({"sdpa": sdpa, "eager": eager, "sailfish": ours}, a.graph_calls, a.rounds)
             limit = 2 * k.numel() * k.element_size() / (gbps * 1e3)
             row = {"batch": B, "context": L, "heads": [hq, hkv], "head_dim": D, "dtype": a.dtype, "limit_us": limit,
                    "max_err": err, **{f"{n}_us": x for n, x in t.items()}}

@@ -111,7 +111,9 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
     naming the module (the modules before it stay converted).
 
     fuse (default True): then run q/k/v and gate/up of supported transformers models as one
-    layer each (sailfish.fuse.fuse_projections; report keys "fused" and "not_fused").
+    layer each (sailfish.fuse.fuse_projections; report keys "fused" and "not_fused"), and the
+    row-wise ops, decode attention and MoE routers of known formulas in one launch each
+    (sailfish.fuse.fuse_row_ops; report key "row_ops").
     """
     check_fuse_flag(fuse)
     _check_bits(bits)

@@ -38,11 +38,13 @@ import ast
 import functools
 import inspect
 import logging
+import sys
 import textwrap
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from .formats.shard import concat_weight, shard_bias, shard_quantized, slice_weight
 from .nn import QuantLinear, QuantLinearW4A8
@@ -51,6 +53,7 @@ from .ops.rowwise import (quantize_per_token_torch, rms_norm, rms_norm_impl, rms
                           silu_mul_quant, silu_mul_quant_fp8, silu_mul_quant_fp8_impl, silu_mul_quant_impl,
                           silu_mul_torch)
 from .ops.attention import decode_attention, decode_attention_launch, decode_attention_problem
+from .ops.router import ROUTER_MAX_EXPERTS, router_topk, router_topk_impl, router_topk_reference
 from .runtime.device import use_triton
 from .runtime.dispatch import direct_call_ok
 
@@ -627,12 +630,20 @@ def _norm_ok(module: nn.Module) -> bool:
 def fuse_row_ops(model: nn.Module) -> Dict[str, List[str]]:
     """Swap, in place, the model's Llama-formula RMSNorms for SailfishRMSNorm, every fused
     gate/up MLP of the checked form for a GatedMLP, and for W4A8 fused layers
-    defer the norm that feeds them into their input quantization (DeferredRMSNorm); and run
-    its decode attention through sailfish::decode_attention (use_decode_attention). Returns
-    {"norms": [...], "gated_mlp": [...], "deferred_norms": [...], "attention": [...]} (module names)."""
+    defer the norm that feeds them into their input quantization (DeferredRMSNorm); run
+    its decode attention through sailfish::decode_attention (use_decode_attention); and its MoE
+    routers of a known formula through sailfish::router_topk (SailfishTopKRouter). Returns
+    {"norms": [...], "gated_mlp": [...], "deferred_norms": [...], "attention": [...],
+    "routers": [...]} (module names)."""
     done: Dict[str, List[str]] = {"norms": [], "gated_mlp": [], "deferred_norms": [],
-                                  "attention": use_decode_attention(model)}
+                                  "attention": use_decode_attention(model), "routers": []}
     mods = list(model.named_modules())
+    for name, module in mods:
+        for attr, child in list(module._modules.items()):
+            flags = None if child is None else _router_flags(child)
+            if flags is not None:
+                module._modules[attr] = SailfishTopKRouter.replacing(child, *flags)
+                done["routers"].append(f"{name}.{attr}" if name else attr)
     for name, module in mods:  # gated MLPs first: a decoder layer's norm may be deferred into them
         for attr, child in list(module._modules.items()):
             if child is not None and _gated_ok(child):
@@ -682,6 +693,132 @@ def _deferred(layer: nn.Module, attr: str, norm: nn.Module) -> Optional[Deferred
         target.register_forward_pre_hook(functools.partial(_feed_fused_norm, "qkv_proj", param, new), with_kwargs=True)
         return new
     return None
+
+
+# ----------------------------------------------------------------------------------
+# MoE routers: softmax + top-k (+ renormalisation) in one launch (ops/router.py; issue 41)
+# ----------------------------------------------------------------------------------
+# transformers 5's TopKRouter forwards, by formula: (renormalize, fp32_weights) of each, None for
+# "the router's norm_topk_prob". A transformers class whose forward is one of them, statement for
+# statement (_same_forward), is replaced whatever its name (transformers 5.24: Qwen3-MoE, Qwen2-MoE,
+# OLMoE, Qwen3-Next, FlexOlmo, ... share the first; Mixtral, MiniMax the second; Qwen3.5-MoE,
+# Qwen3-VL-MoE the third, which always renormalizes).
+_ROUTER_FORWARDS = {
+    """
+def forward(self, hidden_states):
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight)
+    router_probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
+    router_top_value, router_indices = torch.topk(router_probs, self.top_k, dim=-1)
+    if self.norm_topk_prob:
+        router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
+    router_top_value = router_top_value.to(router_logits.dtype)
+    router_scores = router_top_value
+    return router_logits, router_scores, router_indices
+""": (None, False),
+    """
+def forward(self, hidden_states):
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight)
+    router_probs = torch.nn.functional.softmax(router_logits.float(), dim=-1)
+    router_top_value, router_indices = torch.topk(router_probs, self.top_k, dim=-1)
+    router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
+    router_scores = router_top_value
+    return router_logits, router_scores, router_indices
+""": (True, True),
+    """
+def forward(self, hidden_states):
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight)
+    router_probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
+    router_top_value, router_indices = torch.topk(router_probs, self.top_k, dim=-1)
+    router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
+    router_top_value = router_top_value.to(router_logits.dtype)
+    router_scores = router_top_value
+    return router_logits, router_scores, router_indices
+""": (True, False),
+}
+
+
+def _router_flags(module: nn.Module) -> Optional[Tuple[bool, bool]]:
+    """(renormalize, fp32_weights) if `module` is a transformers router of a known formula that
+    sailfish::router_topk can compute (class forward checked, the names it reads bound to torch's,
+    its attributes in range, no hooks), else None."""
+    cls = type(module)
+    if not cls.__module__.startswith("transformers.models.") or not _plain(module) or "forward" in module.__dict__:
+        return None
+    flags = next((f for src, f in _ROUTER_FORWARDS.items() if _same_forward(cls, src)), None)
+    scope = vars(sys.modules.get(cls.__module__, object))
+    if flags is None or scope.get("F") is not F or scope.get("torch") is not torch:
+        return None
+    renormalize = module.__dict__.get("norm_topk_prob") if flags[0] is None else flags[0]
+    w, k, h = module._parameters.get("weight"), module.__dict__.get("top_k"), module.__dict__.get("hidden_dim")
+    if not (isinstance(renormalize, bool) and isinstance(w, torch.Tensor) and w.dim() == 2 and type(h) is int
+            and w.shape[1] == h and 1 <= w.shape[0] <= ROUTER_MAX_EXPERTS and type(k) is int
+            and 1 <= k <= w.shape[0]):
+        return None
+    return renormalize, flags[1]
+
+
+class SailfishTopKRouter(nn.Module):
+    """Stands where a transformers TopKRouter was: the same F.linear (its `weight`, under its
+    state_dict key), then softmax + top-k (+ renormalisation) in one launch of
+    sailfish::router_topk instead of the softmax, sort, gather and division kernels, returning
+    (router_logits, weights, ids) as the router did (ids: the same; weights: within a few fp32
+    ulps before their cast, ops/router.py). Under torch.compile it stays the op (the point: it
+    replaces inductor's softmax and torch.topk's two kernels); with a gradient to compute it
+    runs the formula (the op has no derivative).
+
+    Each instance is of a subclass of the router's own class (SailfishTopKRouter.replacing), so
+    isinstance checks on the router class (transformers' output_router_logits recorder, weight
+    init) still find it."""
+
+    renormalize: bool
+    fp32_weights: bool
+
+    @classmethod
+    def replacing(cls, router: nn.Module, renormalize: bool, fp32_weights: bool) -> "SailfishTopKRouter":
+        sub = _router_class(cls, type(router))
+        new = sub.__new__(sub)
+        nn.Module.__init__(new)  # (not the router class's __init__: it builds from a config)
+        for k, v in vars(router).items():
+            if not k.startswith("_"):
+                setattr(new, k, v)
+        new.weight = router.weight
+        new.renormalize, new.fp32_weights = renormalize, fp32_weights
+        return new
+
+    def forward(self, hidden_states: torch.Tensor):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        router_logits = F.linear(hidden_states, self.weight)
+        args = (router_logits, self.top_k, self.renormalize, self.fp32_weights)
+        if torch.is_grad_enabled() and router_logits.requires_grad:
+            weights, ids = router_topk_reference(*args)
+        else:
+            weights, ids = _row_op(router_topk, router_topk_impl, *args)
+        return router_logits, weights, ids
+
+    def __reduce_ex__(self, protocol):
+        # pickle (torch.save of the whole model, copy.deepcopy) by the router class, not by the
+        # generated subclass, which a fresh process has not made yet
+        return _rebuild_router, (type(self).__bases__[1], self.__getstate__())
+
+    def extra_repr(self) -> str:
+        return (f"{tuple(self.weight.shape)}, top_k={self.top_k}, renormalize={self.renormalize}, "
+                f"fp32_weights={self.fp32_weights}: softmax + top-k in one launch")
+
+
+@functools.lru_cache(maxsize=None)
+def _router_class(base: type, router_cls: type) -> type:
+    """SailfishTopKRouter's subclass of router_cls (one per class, so repeated fusing reuses it)."""
+    return type(f"Sailfish{router_cls.__name__}", (base, router_cls), {"__module__": __name__})
+
+
+def _rebuild_router(router_cls: type, state: dict) -> SailfishTopKRouter:
+    sub = _router_class(SailfishTopKRouter, router_cls)
+    new = sub.__new__(sub)
+    new.__setstate__(state)
+    return new
 
 
 # ----------------------------------------------------------------------------------
@@ -774,4 +911,4 @@ def unfused_layers(model: nn.Module) -> Dict[str, nn.Module]:
 
 __all__ = ["check_fuse_flag", "FusedQuantLinear", "FusedQuantLinearW4A8", "FusedOutput", "fuse_projections", "unfused_layers",
            "shard_fused", "SUPPORTED", "ARCHITECTURES", "fuse_row_ops", "SailfishRMSNorm", "DeferredRMSNorm",
-           "GatedMLP", "NORMS", "sailfish_attention", "use_decode_attention", "ATTENTION_MODELS"]
+           "GatedMLP", "NORMS", "SailfishTopKRouter", "sailfish_attention", "use_decode_attention", "ATTENTION_MODELS"]

@@ -5,8 +5,10 @@ Qwen2MoeExperts, Qwen3MoeExperts, DeepseekV2Experts, DeepseekV3Experts, ...) wit
 parameters, `gate_up_proj` (E, 2I, H; gate rows before up rows) and `down_proj` (E, H, I),
 called as experts(hidden_states (M, H), top_k_index (M, k), top_k_weights (M, k)) and
 computing sum_k w_k * down_e(act(gate_e(x)) * up_e(x)). The router (softmax, top-k,
-renormalisation, norm_topk_prob, grouped top-k) runs before it in the MoE block and stays in
-16 bits, untouched; shared experts are ordinary MLPs of nn.Linear layers, which
+renormalisation, norm_topk_prob, grouped top-k) runs before it in the MoE block and keeps its
+16-bit weight (sailfish.fuse's SailfishTopKRouter runs the known softmax + top-k formulas in one
+launch, sailfish::router_topk, the rest is left as it is); shared experts are ordinary MLPs of
+nn.Linear layers, which
 quantize_model turns into QuantLinears like any other. QuantExperts replaces the experts
 module only, so every architecture's routing semantics stay transformers' own.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -32,6 +32,20 @@ def graph_time_us(calls: Sequence[Callable[[], object]], replays: int = 20, warm
     t = replay_time_us(graph, replays, warmup) / len(calls)
     del graph
     return t
+
+
+def interleaved_graph_times_us(paths: Dict[str, Callable[[], object]], graph_calls: int,
+                               rounds: int) -> Dict[str, float]:
+    """{name: us per call} for competing paths: each run once (compilation), then `rounds`
+    interleaved rounds of graph_time_us over `graph_calls` calls of each path, the median per path
+    (interleaving spreads clock and thermal drift over all paths alike)."""
+    for fn in paths.values():
+        fn()
+    times: Dict[str, List[float]] = {n: [] for n in paths}
+    for _ in range(rounds):
+        for n, fn in paths.items():
+            times[n].append(graph_time_us([fn] * graph_calls))
+    return {n: statistics.median(v) for n, v in times.items()}
 
 
 def capture_graph(calls: Sequence[Callable[[], object]], capture_error_mode: str = "global"):
