@@ -339,6 +339,27 @@ def test_fused_model_equals_unfused(arch, reference_ops, per_segment):
     assert all(torch.equal(x, y) for x, y in zip(g_f.logits, g_u.logits))
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_fused_moe_model_equals_unfused(arch, reference_ops, per_segment):
+    """The MoE models' attention (and Qwen2-MoE's shared expert) fuse like the dense models'; the
+    experts are QuantExperts either way."""
+    from test_router import tiny_moe_model
+
+    model = tiny_moe_model(arch, dtype=F16)
+    fused = sailfish.quantize_model(copy.deepcopy(model))
+    unfused = sailfish.quantize_model(model, fuse=False)
+    want = [f"model.layers.{i}.self_attn.qkv_proj" for i in range(2)]
+    if arch == "qwen2_moe":
+        want += [f"model.layers.{i}.mlp.shared_expert.gate_up_proj" for i in range(2)]
+    assert sorted(fused.sailfish_report["fused"]) == sorted(want)
+    assert fused.sailfish_report["not_fused"] == {}
+    a, b = fused.state_dict(), unfused.state_dict()
+    assert_same_state(dict(sorted(a.items())), dict(sorted(b.items())))
+    ids = torch.randint(1, 128, (2, 6))
+    with torch.no_grad():
+        assert torch.equal(fused(ids).logits, unfused(ids).logits)
+
+
 def test_fused_w4a8_model_equals_unfused(reference_ops, per_segment):
     fused, unfused = fused_and_unfused("qwen2", act_bits=8, group_size=128)
     assert type(fused.model.layers[1].mlp.gate_up_proj) is FusedQuantLinearW4A8

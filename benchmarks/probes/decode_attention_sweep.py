@@ -1,5 +1,5 @@
 """Tile sweep of sailfish::decode_attention: block_n x num_warps x splits per (heads, batch,
-context), against the launcher's defaults (BLOCK_N 64, 4 warps, ops/attention._splits).
+context), against the launcher's defaults (ops/attention BLOCK_N, 4 warps, _splits).
 
 Why (docs/perf_log.md v44): the tile and split rule were set on Llama-3-8B's 32 / 8 heads only.
 There the kernel reaches 0.71 of its limit at batch 16 and takes 9 us at batch 1 (4 MB); in the
@@ -25,7 +25,7 @@ import statistics
 import torch
 
 from sailfish.bench.timing import graph_time_us, hbm_ceiling_gbps
-from sailfish.ops.attention import MAX_SPLITS, _splits, decode_attention_launch, decode_attention_reference
+from sailfish.ops.attention import BLOCK_N, MAX_SPLITS, _splits, decode_attention_launch, decode_attention_reference
 
 
 def main() -> None:
@@ -52,7 +52,7 @@ def main() -> None:
                 v = torch.randn(B, hkv, L, D, device="cuda", dtype=dtype)
                 mask = torch.ones(B, 1, 1, L, device="cuda", dtype=torch.bool)
                 ref = decode_attention_reference(q, k, v, mask, D ** -0.5).float()
-                base = _splits(B * hkv, L, q.device)
+                base = _splits(B * hkv, L, hq // hkv, q.device)
                 split_set = sorted({s for s in (1, max(1, base // 4), max(1, base // 2), base, base * 2)
                                     if 1 <= s <= MAX_SPLITS})
                 cands = [(bn, w, s) for bn, w, s in itertools.product((32, 64, 128), (4, 8), split_set)
@@ -66,13 +66,14 @@ def main() -> None:
                         raise SystemExit(f"({bn}, {w}, {s}) off the reference at {heads} batch {B} context {L}")
                     times[(bn, w, s)] = statistics.median(graph_time_us([call] * a.graph_calls)
                                                           for _ in range(a.rounds))
-                default = times[(64, 4, base)]
+                dbn = BLOCK_N if D <= 128 else 64  # the launcher's default tile
+                default = times[(dbn, 4, base)]
                 best = min(times, key=times.get)
                 limit = 2 * k.numel() * k.element_size() / (gbps * 1e3)
                 rows.append({"heads": [hq, hkv], "batch": B, "context": L, "limit_us": limit, "default_us": default,
                              "default_splits": base, "best": list(best), "best_us": times[best],
                              "all": {f"{bn}/{w}/{s}": t for (bn, w, s), t in times.items()}})
-                print(f"{heads:>5} b{B:<3} L{L:<5} limit {limit:6.1f}  default (64/4/{base}) {default:7.2f} us "
+                print(f"{heads:>5} b{B:<3} L{L:<5} limit {limit:6.1f}  default ({dbn}/4/{base}) {default:7.2f} us "
                       f"({limit / default:.2f})  best {best} {times[best]:7.2f} us ({limit / times[best]:.2f})")
     if a.json:
         with open(a.json, "w") as f:

@@ -68,8 +68,13 @@ SUPPORTED = {
     "transformers.models.mistral.modeling_mistral": ("MistralAttention", "MistralMLP"),
     "transformers.models.qwen2.modeling_qwen2": ("Qwen2Attention", "Qwen2MLP"),
     "transformers.models.qwen3.modeling_qwen3": ("Qwen3Attention", "Qwen3MLP"),
+    # mixtures of experts: the attention, and the dense MLPs (Qwen2-MoE's shared expert, Qwen3-MoE's
+    # mlp_only_layers); the experts are QuantExperts (moe.py)
+    "transformers.models.mixtral.modeling_mixtral": ("MixtralAttention",),
+    "transformers.models.qwen2_moe.modeling_qwen2_moe": ("Qwen2MoeAttention", "Qwen2MoeMLP"),
+    "transformers.models.qwen3_moe.modeling_qwen3_moe": ("Qwen3MoeAttention", "Qwen3MoeMLP"),
 }
-ARCHITECTURES = "Llama, Mistral, Qwen2, Qwen3"
+ARCHITECTURES = "Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE"
 
 
 def _parent_prefix(prefix: str) -> str:

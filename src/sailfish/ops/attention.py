@@ -33,7 +33,11 @@ from ..runtime.launch import Launch
 from ..runtime.plan import keep, run_steady
 from .common import SYNC_CAP, sync_buffer
 
-BLOCK_N = 64  # cached tokens per step of a program's loop
+# Cached tokens per step of a program's loop: 128 (64 for head dims > 128, whose 128-token
+# tiles at 4 warps the sweep left out for their registers). H100 sweep (docs/perf_log.md v45,
+# benchmarks/probes/decode_attention_sweep.py): 128 with 4 warps was the best tile at every
+# point of 32/8 and 32/4 heads, batch 1 and 16, 1024 and 4096 tokens.
+BLOCK_N = 128
 MAX_SPLITS = 32  # cache chunks per (sequence, KV head) at most (the combine reads them all at once)
 COMBINE_TILE = 4096  # fp32 partial-output values the combine loads at once (32 registers a thread)
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -127,21 +131,27 @@ def check_decode_attention(q, k, v, mask, scale, fake: bool = False) -> None:
 # ----------------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------------
-def _splits(programs: int, L: int, device: torch.device) -> int:
-    """Splits of the cache per (sequence, KV head): enough programs for two per SM (an H100 at
-    batch 1 with 8 KV heads: 16 splits of 64 tokens over a 1024-token cache), at least one
-    BLOCK_N step each; 1 when the counters would not cover the programs. (The interpreter counts
-    an H100's SMs, runtime/device.sms_for, so it runs the splits a GPU would.)"""
+def _splits(programs: int, L: int, g: int, device: torch.device) -> int:
+    """Splits of the cache per (sequence, KV head): up to one program per SM, each split at
+    least 128 tokens a KV head with up to 4 query heads on it (256 at 8, 512 at 16: the partial
+    outputs and the combine grow with the heads); 1 when the counters would not cover the
+    programs. H100 sweep (docs/perf_log.md v45): at batch 1 and 1024 tokens 8 splits for 32/8
+    heads (7.7 us, the old rule's 16 took 8.9) and 4 for 32/4 (10.3 us; 16 took 15.2); at batch 16
+    1-2. (The interpreter counts an H100's SMs, runtime/device.sms_for, so it runs the splits a
+    GPU would.)"""
     if programs > SYNC_CAP:
         return 1
-    return max(1, min(-(-L // BLOCK_N), -(-2 * sms_for(device) // programs), MAX_SPLITS))
+    floor = 128 * max(1, g // 4)
+    return max(1, min(L // floor, sms_for(device) // programs, MAX_SPLITS))
 
 
-def decode_attention_launch(q, k, v, mask, scale: float, splits: Optional[int] = None, block_n: int = BLOCK_N,
-                            num_warps: int = 4) -> torch.Tensor:
+def decode_attention_launch(q, k, v, mask, scale: float, splits: Optional[int] = None,
+                            block_n: Optional[int] = None, num_warps: int = 4) -> torch.Tensor:
     """The kernel on checked operands; splits: the number of cache chunks (default _splits's),
-    block_n / num_warps: the loop's tile and the program's warps (tests and
-    benchmarks/probes/decode_attention_sweep.py pass others)."""
+    block_n / num_warps: the loop's tile (default BLOCK_N, 64 for head dims > 128) and the
+    program's warps (tests and benchmarks/probes/decode_attention_sweep.py pass others)."""
+    if block_n is None:
+        block_n = BLOCK_N if q.shape[-1] <= 128 else 64
     if block_n not in (16, 32, 64, 128) or num_warps not in (1, 2, 4, 8):
         raise ValueError(f"block_n={block_n} / num_warps={num_warps} not supported; allowed: block_n 16, 32, 64, 128 "
                          "and num_warps 1, 2, 4, 8")
@@ -150,7 +160,7 @@ def decode_attention_launch(q, k, v, mask, scale: float, splits: Optional[int] =
     g = hq // hkv
     programs = B * hkv
     if splits is None:
-        splits = _splits(programs, L, q.device)
+        splits = _splits(programs, L, g, q.device)
     if splits > 1 and programs > SYNC_CAP:
         raise ValueError(f"splits={splits} needs one counter per (sequence, KV head): {programs} > {SYNC_CAP}")
     if not 1 <= splits <= MAX_SPLITS:
