@@ -1,6 +1,8 @@
 """Mixture-of-experts with 4-bit experts: the stacked format (formats/experts.py), the routing
 prep, the grouped kernels against a float64 per-element bound (ops/moe.py, kernels/moe.py),
 the op (fake, torch.compile) and bad input. On CPU the kernels run in Triton's interpreter."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -283,6 +285,62 @@ def test_moe_fused_decode_path_matches_separate_launches(M, split13, split2, bk2
     assert sync.shape[0] > SYNC_CAP and not bool(sync.any())
 
 
+#   E  topk M  H    I    gs   sym    dtype  BLOCK_N BLOCK_K split13 split2 stages
+GEMV_CASES = [
+    (4, 2, 1, 256, 128, 128, True, F16, 16, 128, 1, 1, 1),
+    (4, 2, 2, 256, 100, 128, False, BF16, 32, 128, 2, 1, 2),   # ragged I (100 = 6 tiles of 16 + 4)
+    (8, 2, 3, 320, 256, -1, True, F16, 64, 128, 3, 2, 1),      # per channel, K tail of x (320 of 384)
+    (4, 1, 3, 256, 256, 256, False, BF16, 16, 256, 1, 1, 2),   # group 256, BLOCK_K 256
+]
+
+
+@pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: "E{}-k{}-M{}-H{}-I{}-g{}-{}-{}-bn{}-bk{}-s{}{}-st{}".format(
+    *c[:6], "sym" if c[6] else "asym", DTYPE_NAMES[c[7]], *c[8:]))
+def test_moe_gemv_per_element(case, device):
+    """kernel "moe_gemv" (one tensor-core GEMV per slot, kernels/moe._moe_gemv_kernel; on the CPU
+    its portable twin): the block within the bound, with a slot of no local expert (id E), a token
+    whose two slots share an expert's N tiles, split K in either GEMM (the last split sums, as
+    the top-k sum, inside the launch); called again, the same bits (the counters left at zero)."""
+    E, topk, M, H, I, gs, sym, dtype, bn, bk, s13, s2, stages = case
+    args, w13, w2 = make_problem(E, topk, M, H, I, gs, sym, dtype, device)
+    args[1][0, topk - 1] = E  # not routed
+    ref, bound = moe_bound(args[0].cpu(), args[1].cpu(), args[2].cpu(), w13.dequantize().cpu(),
+                           w2.dequantize().cpu(), dtype)
+    cfgs = (Config(1, bn, bk, s13, 8, 4, stages, kernel="moe_gemv", scale_acc=True),
+            Config(1, bn, 128, s2, 8, 4, stages, kernel="moe_gemv", scale_acc=stages == 1))
+    y = moe_w4a16_launch(*args, configs=cfgs)
+    assert_moe_close(y.cpu(), ref, bound)
+    assert torch.equal(moe_w4a16_launch(*args, configs=cfgs), y)
+
+
+def test_moe_gemv_heuristic_and_checks():
+    """The launcher takes "moe_gemv" (BLOCK_M 1, no routing) at decode where the slots are at most
+    half the experts and the format is the dense GEMV's (groups of whole 128-channel chunks, no
+    act-order, even widths); a "moe_gemv" config elsewhere, or mixed with a BLOCK_M 16 one, is
+    refused by name."""
+    from sailfish.ops.moe import moe_config, moe_gemv_applies, moe_gemv_format
+
+    cpu = torch.device("cpu")
+    assert moe_gemv_format(128, 2048, 768, (False, False)) and moe_gemv_format(-1, 2048, 1408, (False, False))
+    assert not moe_gemv_format(64, 2048, 768, (False, False)) and not moe_gemv_format(128, 2048, 768, (True, True))
+    assert not moe_gemv_format(128, 2048, 97, (False, False))
+    assert [moe_gemv_applies(M, 8, 128, True) for M in (1, 4, 8, 16)] == [True, True, True, False]  # Qwen3
+    assert [moe_gemv_applies(M, 2, 8, True) for M in (1, 2, 4)] == [True, True, False]  # Mixtral
+    assert not moe_gemv_applies(1, 8, 128, False)
+    pair = moe_config(cpu, 1, 8, 128, 768, 2048, 2048, 768, gemv_format=True)
+    assert [c.kernel for c in pair] == ["moe_gemv"] * 2 and [c.BLOCK_M for c in pair] == [1, 1]
+    assert [c.kernel for c in moe_config(cpu, 1, 8, 128, 768, 2048, 2048, 768)] == ["moe_fused"] * 2
+    args = zero_problem(H=256, I=256, gs=64)
+    gemv = Config(1, 16, 128, 1, 8, 4, 1, kernel="moe_gemv", scale_acc=True)
+    with pytest.raises(ValueError, match="kernel='moe_gemv' does not take group_size=64"):
+        moe_w4a16_launch(*args, configs=(gemv, gemv))
+    args = zero_problem(H=256, I=256, gs=128)
+    with pytest.raises(ValueError, match="down config BLOCK_M=16 must be the routing's BLOCK_M=1"):
+        moe_w4a16_launch(*args, configs=(gemv, Config(16, 64, 128, 1, kernel="moe")))
+    with pytest.raises(ValueError, match="down config BLOCK_M=1 must be >= 16"):
+        moe_w4a16_launch(*args, configs=(gemv, replace(gemv, kernel="moe")))
+
+
 def test_moe_heuristic_takes_the_fused_decode_path():
     """Decode (BLOCK_M 16, M <= 16): the down GEMM does the top-k sum, a split gate_up its split-K
     sum, inside their launches (and both route themselves at few slots x experts); BLOCK_M 16 at
@@ -533,6 +591,37 @@ for ep, bt in ((128, 64), (16, 128), (1024, 16)):
         triton.compile(ast_source(fn, sig, dict(E_POW2=ep, BLOCK_T=bt, **consts)), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 4})
         n += 1
+# the one-GEMV-per-slot kernel ("moe_gemv") at the heuristic's tiles where the launcher takes it:
+# it compiles, and its mma asm runs in the lane order the fragment layout needs
+from sailfish.kernels.moe import _moe_gemv_kernel
+from sailfish.kernels.w4a16 import gemv_asm
+from sailfish.ops.moe import moe_gemv_applies
+from sailfish.ops.w4a16 import gemv_stages
+from sailfish.tools.ptx import gemv_lane_order
+GINTS = ("T", "N", "K", "E", "stride_xm", "stride_qe", "stride_qn", "stride_se", "stride_sn")
+GALIGNED = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "ids_ptr", "tw_ptr", "y_ptr", "ws_ptr", "out_ptr", "sync_ptr", "N",
+            "K", "stride_xm", "stride_qe", "stride_qn")
+for (H, I, E, topk) in ((2048, 768, 128, 8), (4096, 14336, 8, 2), (2048, 1408, 64, 6)):
+    for gated, N, K in ((True, I, H), (False, H, I)):
+        if not moe_gemv_applies(1, topk, E, True):
+            continue
+        cfg = moe_heuristic(device=cpu, M=1, topk=topk, E=E, N=N, Kp=K, gated=gated, block_m=1)
+        dtype, zeros = ("fp16", False) if gated else ("bf16", True)
+        ty = "*" + dtype
+        text, cons = gemv_asm(dtype == "bf16", zeros, True, 2 if cfg.BLOCK_N >= 32 else 1, cfg.scale_acc)
+        sig = {"x_ptr": ty, "qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "ids_ptr": "*i64", "tw_ptr": "*fp32",
+               "y_ptr": ty, "ws_ptr": "*fp32", "out_ptr": ty, "sync_ptr": "*i32", **{k: "i32" for k in GINTS}}
+        consts = dict(TOPK=topk, GATED=gated, GROUP_SIZE=128, HAS_ZEROS=zeros, EVEN_K=True, SPLIT_K=cfg.SPLIT_K,
+                      EMU_BF16=False, USE_ASM=True, ASM=text, ASM_CONSTRAINTS=cons, BLOCK_N=cfg.BLOCK_N,
+                      BLOCK_K=cfg.BLOCK_K, SCALE_ACC=cfg.scale_acc, **gemv_stages(cfg.num_stages),
+                      **(dict(PDL_EARLY=True) if gated else dict(PDL=True)))
+        names = list(sig)
+        attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in GALIGNED}
+        k = triton.compile(ast_source(_moe_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": cfg.num_warps, "num_stages": 1})
+        n += 1
+        if not gemv_lane_order(k.asm["ttgir"]):
+            bad.append(("moe_gemv", gated, cfg, "lane order"))
 print("checked", n)
 raise SystemExit(f"not wgmma from registers, or a register hazard: {bad}" if bad else 0)
 """
@@ -543,7 +632,8 @@ raise SystemExit(f"not wgmma from registers, or a register hazard: {bad}" if bad
 def test_moe_kernel_compiles_for_hopper(tmp_path):
     """The launcher's configs for the benchmark shapes (the decode path's fused sums and inline
     routing included, and act-order on a few) compile for sm_90a with the dequantized tile
-    fed to wgmma from registers (the fragment-order layout's point) and no wgmma register hazard."""
+    fed to wgmma from registers (the fragment-order layout's point) and no wgmma register hazard;
+    the "moe_gemv" kernel's with its mma asm in the lane order it needs."""
     from helpers import run_compile_child
 
     run_compile_child(_SM90_CHILD, tmp_path)

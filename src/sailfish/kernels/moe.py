@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .common import SYNC_TILES, cast_out, grouped_tile, last_slice, pdl_release, pdl_wait, split_k_range
-from .w4a16 import _load_groups, _tile_operands
+from .w4a16 import _gemv_mma_loop, _gemv_rows, _load_groups, _tile_operands
 
 
 @triton.jit
@@ -99,6 +99,22 @@ def _topk_sum(src_ptr, ids_ptr, tw_ptr, m, n, mask, M, N, E, TOPK: tl.constexpr,
         else:
             acc += part * tl.load(tw_ptr + row, mask=mask, other=0.0)
     return acc
+
+
+@triton.jit
+def _topk_tile(y_ptr, ws_ptr, ids_ptr, tw_ptr, out_ptr, on, T, N, E, TOPK: tl.constexpr, SPLIT_K: tl.constexpr,
+               BLOCK_M: tl.constexpr, DTYPE: tl.constexpr, EMU_BF16: tl.constexpr):
+    """The down GEMM's fused top-k sum over one N tile (columns on, (BLOCK_N, 1) int64), by the
+    tile's last program: every token's out row from its slot rows (y: weighted, rounded; or the
+    fp32 split-K partials in ws), BLOCK_M tokens at a time (_topk_sum)."""
+    M = T // TOPK
+    src = y_ptr if SPLIT_K == 1 else ws_ptr
+    nmask = on < N
+    for m0 in range(0, M, BLOCK_M):
+        m = m0 + tl.arange(0, BLOCK_M).to(tl.int64)[None, :]
+        tmask = nmask & (m < M)
+        v = _topk_sum(src, ids_ptr, tw_ptr, m, on, tmask, M, N, E, TOPK, SPLIT_K, SPLIT_K == 1, False)
+        tl.store(out_ptr + m * N + on, cast_out(v, DTYPE, EMU_BF16), mask=tmask)
 
 
 @triton.jit
@@ -224,14 +240,146 @@ def _moe_w4a16_kernel(
             tl.store(ws_ptr + (pid_k * T + om) * N + on, acc, mask=mask)
         if TOPK_SUM:  # the N tile's last program adds the top-k rows of every token (as _topk_sum_kernel)
             if _arrive(sync_ptr + SYNC_TILES + pid_n, num_blocks * SPLIT_K):
-                M = T // TOPK
-                src = y_ptr if SPLIT_K == 1 else ws_ptr
-                nmask = on < N
-                for m0 in range(0, M, BLOCK_M):
-                    m = m0 + tl.arange(0, BLOCK_M).to(tl.int64)[None, :]
-                    tmask = nmask & (m < M)
-                    v = _topk_sum(src, ids_ptr, tw_ptr, m, on, tmask, M, N, E, TOPK, SPLIT_K, SPLIT_K == 1, False)
-                    tl.store(out_ptr + m * N + on, cast_out(v, DTYPE, EMU_BF16), mask=tmask)
+                _topk_tile(y_ptr, ws_ptr, ids_ptr, tw_ptr, out_ptr, on, T, N, E, TOPK, SPLIT_K, BLOCK_M, DTYPE,
+                           EMU_BF16)
+
+
+# ----------------------------------------------------------------------------------
+# Decode with about one slot per expert: a GEMV per slot on the tensor cores
+# ----------------------------------------------------------------------------------
+# At M = 1-4 of a many-expert model each routed expert gets one slot, so a BLOCK_M 16 tl.dot tile
+# is 1/16 used and the weights pass through the tl.dot dequantization; the dense M = 1 path
+# (kernels/w4a16._w4a16_gemv_mma_kernel: mma.sync straight from the packed words) is the fastest
+# W4A16 code there is. `_moe_gemv_kernel` runs its K loop (_gemv_mma_loop) for one slot per
+# program, on the slot's expert: no routing at all (the ids give the expert), no padding.
+@triton.jit
+def _gemv_slot_rows(pid_n, N, P: tl.constexpr, PAIR: tl.constexpr, HI: tl.constexpr, BLOCK_N: tl.constexpr,
+                    GATED: tl.constexpr):
+    """(weight rows, output columns) of _gemv_rows' entries (PAIR, HI), (RB * 8,) each. GATED: a
+    program holds BLOCK_N // 2 output columns, their gate rows at HI 0 and up rows (N + column) at
+    HI 1, so one lane ends with a column's gate and up sums; else BLOCK_N columns, rows = columns.
+    Rows wrapped into the weight (columns past N are dropped at the store)."""
+    r = _gemv_rows(0, P, PAIR, HI, BLOCK_N)  # the program's local rows
+    if GATED:
+        col = pid_n * (BLOCK_N // 2) + 8 * (r // 16) + r % 8
+        return col % N + HI * N, col
+    else:
+        col = pid_n * BLOCK_N + r
+        return col % N, col
+
+
+@triton.jit
+def _slot_sum(acc, C: tl.constexpr):
+    """A (V, 4) accumulator of a one-row GEMV summed over its C chunk slots: (RB * 8, 4), the
+    product in lane t = 0 (kernels/w4a16._gemv_store's M = 1 case)."""
+    return tl.sum(tl.reshape(acc, (C, acc.shape[0] // C, 4)), axis=0)
+
+
+@triton.jit
+def _gated_store(g, u, col, slot, t, T, N, y_ptr, ws_ptr, pid_k, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr,
+                 DTYPE: tl.constexpr):
+    """A gated GEMV's (RB * 8, 4) gate and up sums of columns col: h = silu(g) * u (fp32, rounded
+    once) to y[slot], or with split-K the partials to ws (SPLIT_K, T, 2N) as _gated_sum reads them."""
+    c = col.to(tl.int64)[:, None] + (t * 0)[None, :]  # ((RB * 8, 4): the accumulators' shape)
+    mask = (t == 0)[None, :] & (c < N)
+    if SPLIT_K == 1:
+        h = g / (1.0 + tl.exp(-g)) * u
+        tl.store(y_ptr + slot * N + c, cast_out(h, DTYPE, EMU_BF16), mask=mask)
+    else:
+        base = ws_ptr + (pid_k * T + slot) * (2 * N) + c
+        tl.store(base, g, mask=mask)
+        tl.store(base + N, u, mask=mask)
+
+
+@triton.jit
+def _down_store(acc, col, slot, wt, t, T, N, y_ptr, ws_ptr, pid_k, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr,
+                DTYPE: tl.constexpr):
+    """A down GEMV's (RB * 8, 4) sums of columns col: the slot's row times its routing weight wt,
+    rounded once, to y (T, N), or with split-K the fp32 partial to ws (SPLIT_K, T, N)."""
+    c = col.to(tl.int64)[:, None] + (t * 0)[None, :]  # ((RB * 8, 4): the accumulators' shape)
+    mask = (t == 0)[None, :] & (c < N)
+    if SPLIT_K == 1:
+        tl.store(y_ptr + slot * N + c, cast_out(acc * wt, DTYPE, EMU_BF16), mask=mask)
+    else:
+        tl.store(ws_ptr + (pid_k * T + slot) * N + c, acc, mask=mask)
+
+
+@triton.jit
+def _moe_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, ids_ptr, tw_ptr, y_ptr, ws_ptr, out_ptr, sync_ptr,
+    T, N, K, E, stride_xm, stride_qe, stride_qn, stride_se, stride_sn,
+    TOPK: tl.constexpr, GATED: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr,
+    ASM: tl.constexpr, ASM_CONSTRAINTS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SCALE_ACC: tl.constexpr = False, RING: tl.constexpr = 1,
+    PDL_EARLY: tl.constexpr = False, PDL: tl.constexpr = False,
+):
+    """One GEMM of a MoE block as one GEMV per slot (the comment above). Grid (T, N tiles,
+    SPLIT_K): program (slot, pid_n, pid_k); slot-major, so the slots of one N tile run side by side
+    (two slots of one expert read its tile once from HBM). Expert e = ids[slot]; an id outside
+    [0, E) computes nothing.
+    - GATED (gate_up; N = I, the weight (E, 2I, Kp // 8)): BLOCK_N // 2 columns of h = silu(gate) *
+      up for the slot, x row slot // TOPK; SPLIT_K > 1: fp32 partials to ws (SPLIT_K, T, 2I), and
+      the (slot, N tile)'s last split sums them (_gated_sum; counters sync_ptr, SYNC_TILES +
+      slot * N tiles + pid_n).
+    - down (N = H): x is h, row slot; the slot's row times its routing weight tw[slot] to y (T, H)
+      (or fp32 partials to ws), and the N tile's last of its T * SPLIT_K programs adds every token's
+      top-k rows in the fixed order to out (M, H) (_topk_tile, counter SYNC_TILES + pid_n).
+    The values are kernel "moe_fused"'s (ops/moe.py's numerics) up to the K summation order.
+    ASM, ASM_CONSTRAINTS, PREFETCH, RING, SCALE_ACC: kernels/w4a16._w4a16_gemv_mma_kernel's."""
+    pdl_release(PDL_EARLY)
+    DTYPE = x_ptr.dtype.element_ty
+    slot = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    e = tl.load(ids_ptr + slot).to(tl.int64)
+    live = (e >= 0) & (e < E)
+    if GATED:
+        if not live:  # (h's row is never read: the down GEMM skips the slot too)
+            return
+    P: tl.constexpr = 2 if BLOCK_N >= 32 else 1
+    C: tl.constexpr = BLOCK_K // 128
+    t = tl.arange(0, 4)
+    r0l, c0 = _gemv_slot_rows(pid_n, N, P, 0, 0, BLOCK_N, GATED)
+    r0h, c0h = _gemv_slot_rows(pid_n, N, P, 0, 1, BLOCK_N, GATED)
+    r1l, c1 = _gemv_slot_rows(pid_n, N, P, P - 1, 0, BLOCK_N, GATED)  # (pair 1 if P == 2)
+    r1h, c1h = _gemv_slot_rows(pid_n, N, P, P - 1, 1, BLOCK_N, GATED)
+    kt0, kt1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
+    e = tl.maximum(e, 0)
+    pdl_wait(PDL)  # (down: h, and the counters back at zero)
+    if live:
+        row = slot // TOPK if GATED else slot
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gemv_mma_loop(
+            x_ptr + row * stride_xm, qw_ptr + e * stride_qe, s_ptr + e * stride_se, z_ptr + e * stride_se,
+            r0l, r0h, r1l, r1h, kt0, kt1, 1, K, stride_xm, stride_qn, stride_sn, GROUP_SIZE, HAS_ZEROS, EVEN_K,
+            EMU_BF16, USE_ASM, ASM, ASM_CONSTRAINTS, PREFETCH, 1, BLOCK_N, BLOCK_K, SCALE_ACC, RING)
+        # (one row: the I = 1 accumulators acc1, acc3, acc5, acc7 hold nothing)
+        if GATED:
+            _gated_store(_slot_sum(acc0, C), _slot_sum(acc2, C), c0, slot, t, T, N, y_ptr, ws_ptr, pid_k, SPLIT_K,
+                         EMU_BF16, DTYPE)
+            if P == 2:
+                _gated_store(_slot_sum(acc4, C), _slot_sum(acc6, C), c1, slot, t, T, N, y_ptr, ws_ptr, pid_k,
+                             SPLIT_K, EMU_BF16, DTYPE)
+        else:
+            wt = tl.load(tw_ptr + slot)  # the slot's routing weight (fp32)
+            _down_store(_slot_sum(acc0, C), c0, slot, wt, t, T, N, y_ptr, ws_ptr, pid_k, SPLIT_K, EMU_BF16, DTYPE)
+            _down_store(_slot_sum(acc2, C), c0h, slot, wt, t, T, N, y_ptr, ws_ptr, pid_k, SPLIT_K, EMU_BF16, DTYPE)
+            if P == 2:
+                _down_store(_slot_sum(acc4, C), c1, slot, wt, t, T, N, y_ptr, ws_ptr, pid_k, SPLIT_K, EMU_BF16,
+                            DTYPE)
+                _down_store(_slot_sum(acc6, C), c1h, slot, wt, t, T, N, y_ptr, ws_ptr, pid_k, SPLIT_K, EMU_BF16,
+                            DTYPE)
+    if GATED:
+        if SPLIT_K > 1:  # the (slot, N tile)'s last split: h from the partials
+            if _arrive(sync_ptr + SYNC_TILES + slot * tl.num_programs(1) + pid_n, SPLIT_K):
+                n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2).to(tl.int64)
+                mask = n < N
+                h = _gated_sum(ws_ptr, slot + n * 0, n, mask, T, N, SPLIT_K, False)
+                tl.store(y_ptr + slot * N + n, cast_out(h, DTYPE, EMU_BF16), mask=mask)
+    else:  # every program counts in (dead slots too): the N tile's last does the top-k sum
+        if _arrive(sync_ptr + SYNC_TILES + pid_n, T * SPLIT_K):
+            on = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
+            _topk_tile(y_ptr, ws_ptr, ids_ptr, tw_ptr, out_ptr, on, T, N, E, TOPK, SPLIT_K, 16, DTYPE, EMU_BF16)
 
 
 @triton.jit

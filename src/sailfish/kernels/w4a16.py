@@ -914,61 +914,31 @@ def _gemv_pair_words(wl, wh, ql, qh, dt, PREFETCH: tl.constexpr):
 
 
 @triton.jit
-def _w4a16_gemv_mma_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
-    M, N, K, stride_xm, stride_ym, stride_qn, stride_sn, sync_ptr,
-    GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr, ASM: tl.constexpr,
-    ASM_CONSTRAINTS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PDL_EARLY: tl.constexpr = False, SCALE_ACC: tl.constexpr = False,
-    RING: tl.constexpr = 1, FIXUP: tl.constexpr = False,
-):
-    """y (M, N) = x (M, K) @ W^T for M <= BLOCK_M <= 8, on the tensor cores (mma.sync
-    m16n8k16, fp32 accumulators) with the weights read straight into registers: see the
-    block comment above. A program owns BLOCK_N rows, in RB blocks of 16 P rows (P =
-    gemv_pairs(BLOCK_N) row pairs per asm element), and walks its K range in tiles of
-    C = BLOCK_K // 128 chunks. Every tensor is 2-D, (V, 16) words or (V, 4) lanes, over
-    V = C * RB * 8 "virtual rows" v = (chunk slot, row block, g): with only two dims the
-    16-byte word loads can only be laid out as 4 lanes along a row's 16 words and 8 along g
-    (lane = 4 g + t, the mma fragment order); 3-D tiles got lanes along the chunk slots from
-    Triton 3.6. GROUP_SIZE is 0 (per channel) or a multiple of 128; K is even and x's rows
-    4-byte aligned (x is read as channel pairs). ASM, ASM_CONSTRAINTS: gemv_asm(...) for
-    this dtype / zeros / EVEN_K / P (unused without USE_ASM). PREFETCH: load the next K
-    tile's words one iteration ahead (registers; Triton does not pipeline a loop without a
-    dot). RING (> 1, instead of PREFETCH): the K loop is software-pipelined by Triton
-    (tl.range num_stages): RING - 1 tiles of words in flight through a cp.async ring in shared
-    memory, read back in the same lane order (tools/ptx.gemv_lane_order checks it), at no
-    register cost; ncu (H100, 8192x8192 M = 1) put 46% of the loop's stalls on the first use of
-    a tile's words with one tile in flight per warp (docs/perf_log.md v24); measured (H100, v26)
-    6-12% slower than RING = 1 on the 8 Llama shapes at M = 1-2, so only the offline tuner's
-    --experimental offers it. SCALE_ACC: each chunk's fp32 product is scaled once per row (ASM must be the
-    gemv_asm(..., scale_acc=True) text). Split-K as _w4a16_kernel; FIXUP (sync_ptr: the
-    stream's tile counters) adds the slices in the kernel (_gemv_fixup). Accumulator acc_{4p + i} (V, 4): lane (v, t) holds
-    y[2t + i % 2] of row 16 (P rb + p) + g + 8 (i // 2) over chunk slot c."""
-    pdl_release(PDL_EARLY)
+def _gemv_mma_loop(x_ptr, qw_ptr, s_ptr, z_ptr, n0l, n0h, n1l, n1h, kt0, kt1, M, K, stride_xm, stride_qn, stride_sn,
+                   GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, EVEN_K: tl.constexpr, EMU_BF16: tl.constexpr,
+                   USE_ASM: tl.constexpr, ASM: tl.constexpr, ASM_CONSTRAINTS: tl.constexpr, PREFETCH: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ACC: tl.constexpr,
+                   RING: tl.constexpr):
+    """The K loop of _w4a16_gemv_mma_kernel (see there) over K tiles [kt0, kt1): the 8 (V, 4)
+    accumulators of a program whose weight rows are n0l, n0h, n1l, n1h ((RB * 8,) each, as
+    _gemv_rows lays them out, already inside the weight: the caller wraps or remaps them; the
+    MoE GEMV, kernels/moe.py, puts gate rows at HI 0 and up rows at HI 1)."""
     DTYPE = x_ptr.dtype.element_ty
     C: tl.constexpr = BLOCK_K // 128
     P: tl.constexpr = 2 if BLOCK_N >= 32 else 1
     RB: tl.constexpr = BLOCK_N // (16 * P)
     V: tl.constexpr = C * RB * 8
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    kt0, kt1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
     v = tl.arange(0, V)
     t = tl.arange(0, 4)
     cw = v // (RB * 8)  # chunk slot of each virtual row
     g = v % 8
     w16 = tl.arange(0, 16)
-    n0l = _gemv_rows(pid_n, P, 0, 0, BLOCK_N)
-    n0h = _gemv_rows(pid_n, P, 0, 1, BLOCK_N)
-    n1l = _gemv_rows(pid_n, P, P - 1, 0, BLOCK_N)  # (pair 1 if P == 2)
-    n1h = _gemv_rows(pid_n, P, P - 1, 1, BLOCK_N)
-    # per virtual row: its row (wrapped into [0, N): unmasked loads, results dropped at the
-    # store) and word offset in the K tile kt0
-    r0l = (tl.reshape(tl.broadcast_to(n0l[None, :], (C, RB * 8)), (V,)) % N).to(tl.int64)
-    r0h = (tl.reshape(tl.broadcast_to(n0h[None, :], (C, RB * 8)), (V,)) % N).to(tl.int64)
-    r1l = (tl.reshape(tl.broadcast_to(n1l[None, :], (C, RB * 8)), (V,)) % N).to(tl.int64)
-    r1h = (tl.reshape(tl.broadcast_to(n1h[None, :], (C, RB * 8)), (V,)) % N).to(tl.int64)
+    # per virtual row: its row and word offset in the K tile kt0 (rows wrapped into the weight
+    # by the caller: unmasked loads, results dropped at the store)
+    r0l = tl.reshape(tl.broadcast_to(n0l[None, :], (C, RB * 8)), (V,)).to(tl.int64)
+    r0h = tl.reshape(tl.broadcast_to(n0h[None, :], (C, RB * 8)), (V,)).to(tl.int64)
+    r1l = tl.reshape(tl.broadcast_to(n1l[None, :], (C, RB * 8)), (V,)).to(tl.int64)
+    r1h = tl.reshape(tl.broadcast_to(n1h[None, :], (C, RB * 8)), (V,)).to(tl.int64)
     wo = ((kt0 * C + cw) * 16)[:, None] + w16[None, :]
     w0l = qw_ptr + r0l[:, None] * stride_qn + wo
     w0h = qw_ptr + r0h[:, None] * stride_qn + wo
@@ -1055,6 +1025,57 @@ def _w4a16_gemv_mma_kernel(
         w1h += 16 * C
         xo += 64 * C
         pk += 64 * C
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@triton.jit
+def _w4a16_gemv_mma_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
+    M, N, K, stride_xm, stride_ym, stride_qn, stride_sn, sync_ptr,
+    GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr, ASM: tl.constexpr,
+    ASM_CONSTRAINTS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL_EARLY: tl.constexpr = False, SCALE_ACC: tl.constexpr = False,
+    RING: tl.constexpr = 1, FIXUP: tl.constexpr = False,
+):
+    """y (M, N) = x (M, K) @ W^T for M <= BLOCK_M <= 8, on the tensor cores (mma.sync
+    m16n8k16, fp32 accumulators) with the weights read straight into registers: see the
+    block comment above. A program owns BLOCK_N rows, in RB blocks of 16 P rows (P =
+    gemv_pairs(BLOCK_N) row pairs per asm element), and walks its K range in tiles of
+    C = BLOCK_K // 128 chunks. Every tensor is 2-D, (V, 16) words or (V, 4) lanes, over
+    V = C * RB * 8 "virtual rows" v = (chunk slot, row block, g): with only two dims the
+    16-byte word loads can only be laid out as 4 lanes along a row's 16 words and 8 along g
+    (lane = 4 g + t, the mma fragment order); 3-D tiles got lanes along the chunk slots from
+    Triton 3.6. GROUP_SIZE is 0 (per channel) or a multiple of 128; K is even and x's rows
+    4-byte aligned (x is read as channel pairs). ASM, ASM_CONSTRAINTS: gemv_asm(...) for
+    this dtype / zeros / EVEN_K / P (unused without USE_ASM). PREFETCH: load the next K
+    tile's words one iteration ahead (registers; Triton does not pipeline a loop without a
+    dot). RING (> 1, instead of PREFETCH): the K loop is software-pipelined by Triton
+    (tl.range num_stages): RING - 1 tiles of words in flight through a cp.async ring in shared
+    memory, read back in the same lane order (tools/ptx.gemv_lane_order checks it), at no
+    register cost; ncu (H100, 8192x8192 M = 1) put 46% of the loop's stalls on the first use of
+    a tile's words with one tile in flight per warp (docs/perf_log.md v24); measured (H100, v26)
+    6-12% slower than RING = 1 on the 8 Llama shapes at M = 1-2, so only the offline tuner's
+    --experimental offers it. SCALE_ACC: each chunk's fp32 product is scaled once per row (ASM must be the
+    gemv_asm(..., scale_acc=True) text). Split-K as _w4a16_kernel; FIXUP (sync_ptr: the
+    stream's tile counters) adds the slices in the kernel (_gemv_fixup). Accumulator acc_{4p + i} (V, 4): lane (v, t) holds
+    y[2t + i % 2] of row 16 (P rb + p) + g + 8 (i // 2) over chunk slot c."""
+    pdl_release(PDL_EARLY)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    kt0, kt1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
+    P: tl.constexpr = 2 if BLOCK_N >= 32 else 1
+    C: tl.constexpr = BLOCK_K // 128
+    t = tl.arange(0, 4)
+    n0l = _gemv_rows(pid_n, P, 0, 0, BLOCK_N)
+    n0h = _gemv_rows(pid_n, P, 0, 1, BLOCK_N)
+    n1l = _gemv_rows(pid_n, P, P - 1, 0, BLOCK_N)  # (pair 1 if P == 2)
+    n1h = _gemv_rows(pid_n, P, P - 1, 1, BLOCK_N)
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gemv_mma_loop(
+        x_ptr, qw_ptr, s_ptr, z_ptr, n0l % N, n0h % N, n1l % N, n1h % N, kt0, kt1, M, K, stride_xm, stride_qn,
+        stride_sn, GROUP_SIZE, HAS_ZEROS, EVEN_K, EMU_BF16, USE_ASM, ASM, ASM_CONSTRAINTS, PREFETCH, BLOCK_M,
+        BLOCK_N, BLOCK_K, SCALE_ACC, RING)
+    DTYPE = x_ptr.dtype.element_ty
     _gemv_store(acc0, n0l, 0, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, C, HAS_BIAS, SPLIT_K, EMU_BF16,
                 DTYPE)
     _gemv_store(acc1, n0l, 1, t, M, N, y_ptr, ws_ptr, bias_ptr, stride_ym, pid_k, C, HAS_BIAS, SPLIT_K, EMU_BF16,

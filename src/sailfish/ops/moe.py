@@ -49,7 +49,11 @@ _REDUCE_BLOCK = 1024
 # every token's rows: the heuristic takes it up to this many tokens (H100, v42: at M = 1-4 it
 # gains up to 15% on Qwen3-30B-A3B, at M = 16 it lost 2-4% on all three benchmark shapes).
 FUSED_MAX_M = 4
-KINDS = ("moe", "moe_fused")
+KINDS = ("moe", "moe_fused", "moe_gemv")
+# Decode with about one slot per routed expert: config kernel "moe_gemv" (BLOCK_M 1), one
+# tensor-core GEMV per slot (kernels/moe._moe_gemv_kernel), no routing: where the slots are at
+# most this fraction of the experts (docs/perf_log.md v45).
+GEMV_SLOTS_PER_EXPERT = 0.5
 # ... and where a (slots x experts) one-hot tile of at most this many entries (powers of two,
 # >= 16 each) holds the routing, both GEMMs' programs route themselves (kernels/moe._route_block:
 # 32 int32 a thread at 4 warps, before the K loop): routing + 2 launches become 2. Qwen3-30B-A3B
@@ -178,6 +182,20 @@ def moe_block_m(M: int, topk: int, num_experts: int) -> int:
     return 16 if per <= 16 else 32 if per <= 48 else 64 if per < 96 else 128
 
 
+def moe_gemv_format(group_size: int, H: int, I: int, perms: Tuple[bool, bool]) -> bool:
+    """Whether the experts' format takes kernel "moe_gemv" (the dense tensor-core GEMV's:
+    ops/w4a16.gemv_on_tensor_cores): groups of whole 128-channel chunks or per channel, no
+    act-order permutation, x and h readable as 4-byte channel pairs (H and I even)."""
+    return (group_size == -1 or group_size % K_CHUNK == 0) and not any(perms) and H % 2 == 0 and I % 2 == 0
+
+
+def moe_gemv_applies(M: int, topk: int, E: int, gemv_format: bool) -> bool:
+    """The "moe_gemv" path (BLOCK_M 1, no routing) for this many tokens: a format it takes and at
+    most GEMV_SLOTS_PER_EXPERT slots per expert, so that few experts get two slots (each slot
+    reads its expert's tile; the second read mostly from L2)."""
+    return gemv_format and M * topk <= GEMV_SLOTS_PER_EXPERT * E
+
+
 def _blocks(M: int, topk: int, E: int, bm: int) -> int:
     """The blocks a uniform routing fills."""
     T = M * topk
@@ -200,6 +218,9 @@ def moe_heuristic(*, device, M, topk, E, N, Kp, gated, block_m) -> Config:
     the same rules."""
     sms = sms_for(device)
     bm = block_m
+    if bm == 1:  # one GEMV per slot ("moe_gemv")
+        return _gemv_config(sms, M * topk, N, Kp, gated, 16, max(bk for bk in (K_CHUNK, 256, 512, 1024)
+                                                                if Kp % bk == 0))
     blocks = _blocks(M, topk, E, bm)
     bk256 = 256 if Kp % 256 == 0 else K_CHUNK
     if bm == 16:  # decode
@@ -221,6 +242,16 @@ def moe_heuristic(*, device, M, topk, E, N, Kp, gated, block_m) -> Config:
     return Config(bm, bn, bk, split, 8, warps, 3, kernel=moe_kind(M, gated, bm, split))
 
 
+def _gemv_config(sms: int, T: int, N: int, Kp: int, gated: bool, bn: int, bk: int, stages: int = 1) -> Config:
+    """A "moe_gemv" config: BLOCK_N bn rows (gated: bn // 2 columns of gate and up), BLOCK_K bk,
+    K split until the T slots' programs fill the SMs twice; SCALE_ACC (the dense M = 1 GEMV's
+    choice on every H100 table entry). Warps: one per (chunk slot, row block) unit, at most 8."""
+    tiles = T * -(-N // (bn // 2 if gated else bn))
+    split = _decode_split(tiles, Kp, bk, 2 * sms)
+    units = (bk // K_CHUNK) * max(1, bn // 32)
+    return Config(1, bn, bk, split, 8, min(8, units), stages, kernel="moe_gemv", scale_acc=True)
+
+
 def moe_kind(M: int, gated: bool, block_m: int, split: int) -> str:
     """The decode path ("moe_fused") at BLOCK_M 16 and M <= FUSED_MAX_M where it saves a launch:
     gate_up only when split (else there is no reduce to fold), down always (the top-k sum)."""
@@ -236,6 +267,14 @@ def moe_candidates(*, device, M, topk, E, N, Kp, gated, block_m):
     sms = sms_for(device)
     first = moe_heuristic(device=device, M=M, topk=topk, E=E, N=N, Kp=Kp, gated=gated, block_m=block_m)
     yield first
+    if block_m == 1:  # "moe_gemv": BLOCK_N 16-64, BLOCK_K 128-1024, words prefetched or not
+        for bn in (16, 32, 64):
+            for bk in (K_CHUNK, 256, 512, 1024):
+                for stages in (1, 2):
+                    cfg = _gemv_config(sms, M * topk, N, Kp, gated, bn, bk, stages)
+                    if Kp % bk == 0 and cfg != first:
+                        yield cfg
+        return
     if first.kernel != "moe":
         yield replace(first, kernel="moe")
     blocks = _blocks(M, topk, E, block_m)
@@ -268,7 +307,15 @@ def check_moe_config(cfg: Config, *, M: int, topk: int, E: int, N: int, Kp: int,
         if tiles > SYNC_CAP:
             raise ValueError(f"{what} config kernel='moe_fused' with BLOCK_N={cfg.BLOCK_N} needs {tiles} tile "
                              f"counters for M={M}, more than the {SYNC_CAP} there are; use kernel='moe'")
-    if cfg.BLOCK_M < 16:
+    if cfg.kernel == "moe_gemv":
+        tiles = (M * topk if gated and cfg.SPLIT_K > 1 else 1) * -(-N // (cfg.BLOCK_N // 2 if gated else cfg.BLOCK_N))
+        if tiles > SYNC_CAP:
+            raise ValueError(f"{what} config kernel='moe_gemv' with BLOCK_N={cfg.BLOCK_N} needs {tiles} tile "
+                             f"counters for M={M}, more than the {SYNC_CAP} there are")
+        if cfg.BLOCK_M != 1 or block_m != 1:
+            raise ValueError(f"{what} config kernel='moe_gemv' needs BLOCK_M=1 in both GEMMs' configs (one "
+                             f"slot a program), got BLOCK_M={cfg.BLOCK_M} and the other's {block_m}")
+    elif cfg.BLOCK_M < 16:
         raise ValueError(f"{what} config BLOCK_M={cfg.BLOCK_M} must be >= 16 (the smallest tl.dot tile)")
     if cfg.BLOCK_M != block_m:
         raise ValueError(f"{what} config BLOCK_M={cfg.BLOCK_M} must be the routing's BLOCK_M={block_m}: "
@@ -286,14 +333,15 @@ def moe_key(M: int, topk: int, E: int, N: int, Kp: int, gated: bool, block_m: in
 
 
 def moe_config(device: torch.device, M: int, topk: int, E: int, I: int, H: int, kp13: int, kp2: int,
-               make_run=None) -> Tuple[Config, Config]:
+               make_run=None, gemv_format: bool = False) -> Tuple[Config, Config]:
     """The (gate_up, down) configs moe_w4a16_launch runs when given none: per GEMM the cached
     one, else on a problem's first call the tuner's answer (table entry, autotuning with
-    make_run(gated) where enabled, the heuristic), checked. M is exact (BLOCK_M follows it)."""
-    bm = moe_block_m(M, topk, E)
+    make_run(gated) where enabled, the heuristic), checked. M is exact (BLOCK_M follows it:
+    1, kernel "moe_gemv", where moe_gemv_applies with gemv_format, moe_gemv_format's answer)."""
+    bm = 1 if moe_gemv_applies(M, topk, E, gemv_format) else moe_block_m(M, topk, E)
     out = []
     for gated, N, Kp in ((True, I, kp13), (False, H, kp2)):
-        memo = (M, topk, E, N, Kp, gated)
+        memo = (M, topk, E, N, Kp, gated, bm)
         cfg = MOE_TUNER.lookup(device, memo)
         if cfg is None:  # first call of this problem on this device
             cfg = MOE_TUNER.get(moe_key(M, topk, E, N, Kp, gated, bm), device,
@@ -347,6 +395,29 @@ class MoEPlan(Plan):
         gs = 0 if group_size == -1 else group_size
         dev = device.index if device.type == "cuda" else -1
 
+        self.sync_at = (device, dev)  # sync_buffer's arguments: the counters live on the plan's device
+        self.nb = 0
+        if cfg13.kernel == "moe_gemv":  # one GEMV per slot: no routing, no reduce launches
+            from ..kernels.moe import _moe_gemv_kernel
+            from ..kernels.w4a16 import gemv_asm
+            from .w4a16 import gemv_stages
+
+            self.router = self.gated_reduce = self.topk_sum = self.reduce = None
+            chained = pdl(dev)
+
+            def gemv(cfg: Config, gated: bool, zeros: bool, K: int) -> Launch:
+                even_k = K % cfg.BLOCK_K == 0
+                text, cons = gemv_asm(dtype == torch.bfloat16, zeros, even_k, 2 if cfg.BLOCK_N >= 32 else 1,
+                                      cfg.scale_acc) if asm else ("", "")
+                link = {} if not chained else dict(PDL_EARLY=True) if gated else dict(PDL=True, launch_pdl=True)
+                return Launch(_moe_gemv_kernel, dict(
+                    TOPK=topk, GATED=gated, GROUP_SIZE=gs, HAS_ZEROS=zeros, EVEN_K=even_k, SPLIT_K=cfg.SPLIT_K,
+                    EMU_BF16=emu, USE_ASM=asm, ASM=text, ASM_CONSTRAINTS=cons, BLOCK_N=cfg.BLOCK_N,
+                    BLOCK_K=cfg.BLOCK_K, SCALE_ACC=cfg.scale_acc, **gemv_stages(cfg.num_stages), **link,
+                    num_warps=cfg.num_warps, num_stages=1), dev)
+
+            self.gemm, self.down = gemv(cfg13, True, z13, H), gemv(cfg2, False, z2, I)
+            return
         route = route_inline(M, topk, E, cfg2)
         # (the routing tile's constexprs only where it is used: one compile serves every M otherwise)
         routing = dict(ROUTE=True, **route_tile(M * topk, E)) if route else {}
@@ -373,8 +444,6 @@ class MoEPlan(Plan):
         self.topk_sum = None if _fused(cfg2) else Launch(
             _topk_sum_kernel, dict(TOPK=topk, SPLIT_K=cfg2.SPLIT_K, WEIGHTED=cfg2.SPLIT_K == 1, EMU_BF16=emu,
                                    BLOCK=_REDUCE_BLOCK, num_warps=4), dev)
-        # sync_buffer's arguments: the counters live on the plan's device
-        self.sync_at = (device, dev)
 
     def bound(self) -> bool:
         return ((self.router is None or self.router.bound()) and self.gemm.run is not None
@@ -387,6 +456,10 @@ class MoEPlan(Plan):
         M, topk, I, H = self.M, self.topk, self.I, self.H
         T = M * topk
         c13, c2 = self.config, self.cfg2
+        if c13.kernel == "moe_gemv":
+            self._gemv_call(y, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales,
+                            w2_zeros)
+            return
         nb = self.nb
         sorted_slots = block_expert = None  # (route_inline: the GEMMs' programs route themselves)
         if self.router is not None:
@@ -416,6 +489,31 @@ class MoEPlan(Plan):
         if not sum_inside:
             self.topk_sum((-(-M * H // _REDUCE_BLOCK), 1), rows, topk_ids, None if split == 1 else tw, y, M, H,
                           self.E)
+
+
+    def _gemv_call(self, y, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales,
+                   w2_zeros) -> None:
+        """The "moe_gemv" block: gate_up then down, one GEMV per slot each (kernels/moe._moe_gemv_kernel),
+        their split-K sums and the top-k sum inside the two launches."""
+        M, topk, I, H, E = self.M, self.topk, self.I, self.H, self.E
+        T = M * topk
+        c13, c2 = self.config, self.cfg2
+        ids = topk_ids.reshape(-1)
+        tw = topk_weights.reshape(-1).float().contiguous()
+        h = x.new_empty((T, I))
+        f32 = torch.float32
+        sync = sync_buffer(*self.sync_at)
+        ws13 = None if c13.SPLIT_K == 1 else x.new_empty((c13.SPLIT_K, T, 2 * I), dtype=f32)
+        z13 = w13_scales if w13_zeros is None else w13_zeros  # symmetric: an unread pointer
+        self.gemm((T, -(-I // (c13.BLOCK_N // 2)), c13.SPLIT_K), x, w13_qweight, w13_scales, z13, ids, None, h, ws13,
+                  None, sync if c13.SPLIT_K > 1 else None, T, I, H, E, H, w13_qweight.stride(0),
+                  w13_qweight.stride(1), w13_scales.stride(0), w13_scales.stride(1))
+        split = c2.SPLIT_K
+        rows = x.new_empty((T, H)) if split == 1 else None
+        ws2 = None if split == 1 else x.new_empty((split, T, H), dtype=f32)
+        z2 = w2_scales if w2_zeros is None else w2_zeros
+        self.down((T, -(-H // c2.BLOCK_N), split), h, w2_qweight, w2_scales, z2, ids, tw, rows, ws2, y, sync, T, H, I,
+                  E, I, w2_qweight.stride(0), w2_qweight.stride(1), w2_scales.stride(0), w2_scales.stride(1))
 
 
 def moe_w4a16_launch(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales,
@@ -460,13 +558,21 @@ def moe_w4a16_launch(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zer
             (build(cfg, other) if gated else build(other, cfg))(x.new_empty((M, H)), *operands)
         return run
 
+    gemv_format = moe_gemv_format(group_size, H, I, perms)
     with device_of(x):
         if configs is None:
-            configs = moe_config(x.device, M, topk, E, I, H, kp13, kp2, make_run)
+            configs = moe_config(x.device, M, topk, E, I, H, kp13, kp2, make_run, gemv_format)
         else:
             bm = configs[0].BLOCK_M
             for cfg, gated, N, Kp in ((configs[0], True, I, kp13), (configs[1], False, H, kp2)):
                 check_moe_config(cfg, M=M, topk=topk, E=E, N=N, Kp=Kp, block_m=bm, gated=gated)
+            if configs[0].kernel == "moe_gemv" and not gemv_format:
+                raise ValueError(f"config kernel='moe_gemv' does not take group_size={group_size}, hidden={H}, "
+                                 f"I={I}, act-order={any(perms)}: it needs groups of whole {K_CHUNK}-channel "
+                                 "chunks or per channel, even hidden and I, no act-order")
+        if configs[0].kernel == "moe_gemv" and x.data_ptr() % 4:  # (the GEMV reads 4-byte channel pairs)
+            x = x.clone()
+            operands = (x,) + operands[1:]
         plan = run_built(lambda: build(*configs), lambda p: p(y, *operands), (), "MoE W4A16")
     keep(plans, key, plan, *operands)
     return y
