@@ -1,8 +1,9 @@
 """Where the MoE block's decode time goes (GPU), and the decode launch chain before / after
 (docs/perf_log.md v42), and the one-GEMV-per-slot path (kernel "moe_gemv", v45), in one process.
 
-v45: rows "moe" (separate reduce launches), "moe_fused" (the v42 decode path) and, where the
-format and M take it (ops/moe.moe_gemv_applies), "moe_gemv" at the heuristic's tiles; --sweep
+v45: rows "moe" (separate reduce launches), "moe_fused" (the v42 decode path) and "moe_gemv" at
+its heuristic's tiles (at every M, also where the launcher's rule, ops/moe.moe_gemv_applies, would
+not take it); --sweep
 also times every "moe_gemv" candidate of gate_up (down at the heuristic's) and then of down (gate_up
 at the best), cold, and prints the best pair. Prediction (before any GPU run): Qwen3-30B-A3B M = 1
 25.4 -> ~14 us (two GEMVs on 12.6 + 6.3 MB at the dense GEMV's ~1.3-1.5 TB/s, plus ~2 us of tails),
@@ -28,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from sailfish.bench.moe import MODELS, _shared, limit_us, make_experts, routing
 from sailfish.bench.timing import copies_needed, graph_time_us, hbm_ceiling_gbps, tensor_core_peaks
-from sailfish.ops.moe import moe_candidates, moe_config, moe_gemv_applies, moe_w4a16_launch
+from sailfish.ops.moe import moe_candidates, moe_config, moe_gemv_applies, moe_heuristic, moe_w4a16_launch
 
 
 def block(x, ids, w, ex, configs):
@@ -65,8 +66,10 @@ def main():
             after = moe_config(dev, M, topk, E, I, H, kp13, kp2)
             before = tuple(replace(c, kernel="moe") for c in after)
             rows = [("before", before), ("after", after)]
-            if moe_gemv_applies(M, topk, E, True):
-                rows.append(("gemv", moe_config(dev, M, topk, E, I, H, kp13, kp2, gemv_format=True)))
+            # "moe_gemv" at its heuristic's tiles, also past the launcher's rule (to place the rule)
+            rows.append(("gemv", tuple(moe_heuristic(device=dev, M=M, topk=topk, E=E, N=N, Kp=Kp, gated=g, block_m=1)
+                                       for g, N, Kp in ((True, I, kp13), (False, H, kp2)))))
+            print(f"  the launcher's rule takes moe_gemv: {moe_gemv_applies(M, topk, E, True)}")
             lim = limit_us(M, H, I, E, topk, shared, ids, "sailfish-moe-w4a16", 2, 128, hbm, peak)
             print(f"\n{name} M={M}: {int(torch.unique(ids).numel())} experts routed, {n_copies} weight copies; "
                   f"limit {lim:.1f} us\n  after's configs: {after}")

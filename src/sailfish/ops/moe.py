@@ -218,9 +218,13 @@ def moe_heuristic(*, device, M, topk, E, N, Kp, gated, block_m) -> Config:
     the same rules."""
     sms = sms_for(device)
     bm = block_m
-    if bm == 1:  # one GEMV per slot ("moe_gemv")
-        return _gemv_config(sms, M * topk, N, Kp, gated, 16, max(bk for bk in (K_CHUNK, 256, 512, 1024)
-                                                                if Kp % bk == 0))
+    if bm == 1:  # one GEMV per slot ("moe_gemv"): BLOCK_N 16, BLOCK_K the largest that leaves >= 3 K tiles
+        # (gate_up at most 512). H100 sweep (moe_decode_probe.py --sweep, docs/perf_log.md v45): at M = 1
+        # Qwen3-30B-A3B gate_up 16/512, down 16/256; DeepSeek-V2-Lite 16/512, 16/128; Mixtral down 16/1024
+        # best or within 2%
+        cap = 512 if gated else 1024
+        bk = max([bk for bk in (256, 512, 1024) if bk <= cap and Kp % bk == 0 and Kp // bk >= 3], default=K_CHUNK)
+        return _gemv_config(sms, M * topk, N, Kp, gated, 16, bk)
     blocks = _blocks(M, topk, E, bm)
     bk256 = 256 if Kp % 256 == 0 else K_CHUNK
     if bm == 16:  # decode
