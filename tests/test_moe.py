@@ -315,7 +315,7 @@ def test_moe_gemv_per_element(case, device):
 
 def test_moe_gemv_heuristic_and_checks():
     """The launcher takes "moe_gemv" (BLOCK_M 1, no routing) at decode where the slots are at most
-    half the experts and the format is the dense GEMV's (groups of whole 128-channel chunks, no
+    3/4 of the experts (1/4 for experts too large for L2 to serve a second read) and the format is the dense GEMV's (groups of whole 128-channel chunks, no
     act-order, even widths); a "moe_gemv" config elsewhere, or mixed with a BLOCK_M 16 one, is
     refused by name."""
     from sailfish.ops.moe import moe_config, moe_gemv_applies, moe_gemv_format
@@ -324,9 +324,10 @@ def test_moe_gemv_heuristic_and_checks():
     assert moe_gemv_format(128, 2048, 768, (False, False)) and moe_gemv_format(-1, 2048, 1408, (False, False))
     assert not moe_gemv_format(64, 2048, 768, (False, False)) and not moe_gemv_format(128, 2048, 768, (True, True))
     assert not moe_gemv_format(128, 2048, 97, (False, False))
-    assert [moe_gemv_applies(M, 8, 128, True) for M in (1, 4, 8, 16)] == [True, True, True, False]  # Qwen3
-    assert [moe_gemv_applies(M, 2, 8, True) for M in (1, 2, 4)] == [True, True, False]  # Mixtral
-    assert not moe_gemv_applies(1, 8, 128, False)
+    assert [moe_gemv_applies(M, 8, 128, 2048, 768, True) for M in (1, 8, 12, 13)] == [True] * 3 + [False]  # Qwen3
+    assert [moe_gemv_applies(M, 6, 64, 2048, 1408, True) for M in (1, 8, 9)] == [True, True, False]  # DeepSeek
+    assert [moe_gemv_applies(M, 2, 8, 4096, 14336, True) for M in (1, 2)] == [True, False]  # Mixtral: large experts
+    assert not moe_gemv_applies(1, 8, 128, 2048, 768, False)
     pair = moe_config(cpu, 1, 8, 128, 768, 2048, 2048, 768, gemv_format=True)
     assert [c.kernel for c in pair] == ["moe_gemv"] * 2 and [c.BLOCK_M for c in pair] == [1, 1]
     assert [c.kernel for c in moe_config(cpu, 1, 8, 128, 768, 2048, 2048, 768)] == ["moe_fused"] * 2
@@ -603,7 +604,7 @@ GALIGNED = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "ids_ptr", "tw_ptr", "y_ptr", "
             "K", "stride_xm", "stride_qe", "stride_qn")
 for (H, I, E, topk) in ((2048, 768, 128, 8), (4096, 14336, 8, 2), (2048, 1408, 64, 6)):
     for gated, N, K in ((True, I, H), (False, H, I)):
-        if not moe_gemv_applies(1, topk, E, True):
+        if not moe_gemv_applies(1, topk, E, H, I, True):
             continue
         cfg = moe_heuristic(device=cpu, M=1, topk=topk, E=E, N=N, Kp=K, gated=gated, block_m=1)
         dtype, zeros = ("fp16", False) if gated else ("bf16", True)

@@ -69,7 +69,7 @@ def main():
             # "moe_gemv" at its heuristic's tiles, also past the launcher's rule (to place the rule)
             rows.append(("gemv", tuple(moe_heuristic(device=dev, M=M, topk=topk, E=E, N=N, Kp=Kp, gated=g, block_m=1)
                                        for g, N, Kp in ((True, I, kp13), (False, H, kp2)))))
-            print(f"  the launcher's rule takes moe_gemv: {moe_gemv_applies(M, topk, E, True)}")
+            print(f"  the launcher's rule takes moe_gemv: {moe_gemv_applies(M, topk, E, H, I, True)}")
             lim = limit_us(M, H, I, E, topk, shared, ids, "sailfish-moe-w4a16", 2, 128, hbm, peak)
             print(f"\n{name} M={M}: {int(torch.unique(ids).numel())} experts routed, {n_copies} weight copies; "
                   f"limit {lim:.1f} us\n  after's configs: {after}")

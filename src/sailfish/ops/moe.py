@@ -51,9 +51,14 @@ _REDUCE_BLOCK = 1024
 FUSED_MAX_M = 4
 KINDS = ("moe", "moe_fused", "moe_gemv")
 # Decode with about one slot per routed expert: config kernel "moe_gemv" (BLOCK_M 1), one
-# tensor-core GEMV per slot (kernels/moe._moe_gemv_kernel), no routing: where the slots are at
-# most this fraction of the experts (docs/perf_log.md v45).
-GEMV_SLOTS_PER_EXPERT = 0.5
+# tensor-core GEMV per slot (kernels/moe._moe_gemv_kernel), no routing. Each slot reads its
+# expert's tiles, so an expert routed twice is read twice: from L2 when the expert is small, from
+# HBM when it is large. Taken at most at these slots per expert (H100, docs/perf_log.md v45:
+# Qwen3-30B-A3B / DeepSeek-V2-Lite (2.4 / 4.3 MiB experts) won up to 0.75 slots per expert and
+# broke even at 1.0-1.5; Mixtral (84 MiB experts) won at 0.25 and lost at 0.5).
+GEMV_SLOTS_PER_EXPERT = 0.75
+GEMV_SLOTS_PER_LARGE_EXPERT = 0.25
+GEMV_SMALL_EXPERT = 16 << 20  # bytes of an expert's 4-bit weights below which a second read is an L2 hit
 # ... and where a (slots x experts) one-hot tile of at most this many entries (powers of two,
 # >= 16 each) holds the routing, both GEMMs' programs route themselves (kernels/moe._route_block:
 # 32 int32 a thread at 4 warps, before the K loop): routing + 2 launches become 2. Qwen3-30B-A3B
@@ -189,11 +194,13 @@ def moe_gemv_format(group_size: int, H: int, I: int, perms: Tuple[bool, bool]) -
     return (group_size == -1 or group_size % K_CHUNK == 0) and not any(perms) and H % 2 == 0 and I % 2 == 0
 
 
-def moe_gemv_applies(M: int, topk: int, E: int, gemv_format: bool) -> bool:
+def moe_gemv_applies(M: int, topk: int, E: int, H: int, I: int, gemv_format: bool) -> bool:
     """The "moe_gemv" path (BLOCK_M 1, no routing) for this many tokens: a format it takes and at
-    most GEMV_SLOTS_PER_EXPERT slots per expert, so that few experts get two slots (each slot
-    reads its expert's tile; the second read mostly from L2)."""
-    return gemv_format and M * topk <= GEMV_SLOTS_PER_EXPERT * E
+    most GEMV_SLOTS_PER_EXPERT slots per expert (GEMV_SLOTS_PER_LARGE_EXPERT where an expert's
+    3 H I / 2 bytes pass GEMV_SMALL_EXPERT): few experts get two slots, or their second read is
+    an L2 hit."""
+    small = 3 * H * I // 2 <= GEMV_SMALL_EXPERT
+    return gemv_format and M * topk <= (GEMV_SLOTS_PER_EXPERT if small else GEMV_SLOTS_PER_LARGE_EXPERT) * E
 
 
 def _blocks(M: int, topk: int, E: int, bm: int) -> int:
@@ -342,7 +349,7 @@ def moe_config(device: torch.device, M: int, topk: int, E: int, I: int, H: int, 
     one, else on a problem's first call the tuner's answer (table entry, autotuning with
     make_run(gated) where enabled, the heuristic), checked. M is exact (BLOCK_M follows it:
     1, kernel "moe_gemv", where moe_gemv_applies with gemv_format, moe_gemv_format's answer)."""
-    bm = 1 if moe_gemv_applies(M, topk, E, gemv_format) else moe_block_m(M, topk, E)
+    bm = 1 if moe_gemv_applies(M, topk, E, H, I, gemv_format) else moe_block_m(M, topk, E)
     out = []
     for gated, N, Kp in ((True, I, kp13), (False, H, kp2)):
         memo = (M, topk, E, N, Kp, gated, bm)
