@@ -39,7 +39,7 @@ are masked on x (the weight codes there are 0 with scale 0).
 import triton
 import triton.language as tl
 
-from .common import SYNC_TILES, cast_out, grouped_tile, last_slice, pdl_release, pdl_wait, split_k_range
+from .common import SYNC_TILES, arrive_last, cast_out, grouped_tile, pdl_release, pdl_wait, split_k_range
 from .w4a16 import _load_groups, _tile_operands
 
 
@@ -99,18 +99,6 @@ def _topk_sum(src_ptr, ids_ptr, tw_ptr, m, n, mask, M, N, E, TOPK: tl.constexpr,
         else:
             acc += part * tl.load(tw_ptr + row, mask=mask, other=0.0)
     return acc
-
-
-@triton.jit
-def _arrive(cnt_ptr, count):
-    """Count this program in at its counter (after a CTA barrier: every thread's stores come
-    before it; acq_rel: the last one sees them all) and return whether it is the last of `count`;
-    the last zeroes the counter for the next launch (kernels/common.last_slice's protocol)."""
-    last = last_slice(cnt_ptr, count)
-    if last:
-        tl.debug_barrier()
-        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
-    return last
 
 
 @triton.jit
@@ -213,7 +201,7 @@ def _moe_w4a16_kernel(
             tl.store(base, acc, mask=mask)
             tl.store(base + N, up, mask=mask)
             if FUSED:  # the tile's last K split sums the splits (as _gated_reduce_kernel)
-                if _arrive(sync_ptr + SYNC_TILES + tl.program_id(0), SPLIT_K):
+                if arrive_last(sync_ptr + SYNC_TILES + tl.program_id(0), SPLIT_K):
                     h = _gated_sum(ws_ptr, om, on, mask, T, N, SPLIT_K, False)
                     tl.store(y_ptr + om * stride_ym + on, cast_out(h, DTYPE, EMU_BF16), mask=mask)
     else:
@@ -223,7 +211,7 @@ def _moe_w4a16_kernel(
         else:
             tl.store(ws_ptr + (pid_k * T + om) * N + on, acc, mask=mask)
         if TOPK_SUM:  # the N tile's last program adds the top-k rows of every token (as _topk_sum_kernel)
-            if _arrive(sync_ptr + SYNC_TILES + pid_n, num_blocks * SPLIT_K):
+            if arrive_last(sync_ptr + SYNC_TILES + pid_n, num_blocks * SPLIT_K):
                 M = T // TOPK
                 src = y_ptr if SPLIT_K == 1 else ws_ptr
                 nmask = on < N
