@@ -422,6 +422,7 @@ def test_linear_kept_plans_and_cuda_graphs():
         assert torch.equal(got, want)
     assert len(R._RouterLinearPlans.plans) == 1
     static = x[:1].clone()
+    R.router_linear_topk(static, w, 8, True)  # (T = 1's plan bound before the capture)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = R.router_linear_topk(static, w, 8, True)
