@@ -97,16 +97,15 @@ def router_topk_reference(logits: torch.Tensor, top_k: int, renormalize: bool,
     return (values if fp32_weights else values.to(logits.dtype)), ids
 
 
-def _check_rows(name: str, t, allowed=LOGIT_DTYPES) -> None:
-    """t: a (T, N) tensor of a dtype in `allowed`, rows of unit stride (N <= ROUTER_MAX_EXPERTS
-    for logits; any N for x)."""
+def _check_rows(name: str, t, max_cols: int = 0) -> None:
+    """t: a 2-D tensor of a dtype in LOGIT_DTYPES with unit-stride rows; max_cols: the logits'
+    (T, E), 1 <= E <= max_cols."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in allowed:
-        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
-        raise TypeError(f"{name} dtype {t.dtype} is not supported; allowed: {names}")
-    if name == "logits" and (t.dim() != 2 or not 1 <= t.shape[1] <= ROUTER_MAX_EXPERTS):
-        raise ValueError(f"logits must have shape (T, E) with 1 <= E <= {ROUTER_MAX_EXPERTS}, got {tuple(t.shape)}")
+    if t.dtype not in LOGIT_DTYPES:
+        raise TypeError(f"{name} dtype {t.dtype} is not supported; allowed: float16, bfloat16, float32")
+    if max_cols and (t.dim() != 2 or not 1 <= t.shape[1] <= max_cols):
+        raise ValueError(f"{name} must have shape (T, E) with 1 <= E <= {max_cols}, got {tuple(t.shape)}")
     if t.dim() != 2:
         raise ValueError(f"{name} must have shape (T, H), got {tuple(t.shape)}")
     if t.shape[1] > 1 and t.shape[0] > 0 and t.stride(1) != 1:
@@ -123,7 +122,7 @@ def _check_topk(top_k, E: int, renormalize, fp32_weights) -> None:
 
 def _check(logits, top_k, renormalize, fp32_weights, fake: bool = False) -> int:
     """Returns E."""
-    _check_rows("logits", logits)
+    _check_rows("logits", logits, ROUTER_MAX_EXPERTS)
     E = logits.shape[1]
     _check_topk(top_k, E, renormalize, fp32_weights)
     if fake or not (logits.is_cuda or logits.device.type == "cpu"):
@@ -228,14 +227,15 @@ def router_linear_topk_reference(x: torch.Tensor, weight: torch.Tensor, top_k: i
 def _linear_tile(T: int, E: int, H: int, top_k: int) -> dict:
     """The fused kernel's constexprs: BLOCK_T tokens a program (16 at most: the product tile stays
     in registers), SLICE_E experts a program so that ~LINEAR_PROGRAMS programs share the weight's
-    rows (one row each for Qwen3-MoE's 128 experts at T <= 16), BLOCK_H channels a K step (the
+    rows (one row each for Qwen3-MoE's 128 experts at T <= 16; fewer where the K step would fall
+    below 64 channels), BLOCK_H channels a K step (the
     product tile LINEAR_TILE values; STAGES: the K loop pipelined where it has several steps); the
     top-k's row tiling is router_topk's (_tile), no more rows than the token block. First
     guesses, to be measured (benchmarks/probes/router_probe.py)."""
     block_t = min(16, next_pow2(T))
     blocks = -(-T // block_t)
-    slice_e = max(1, min(next_pow2(E), next_pow2(-(-E * blocks // LINEAR_PROGRAMS))))
-    block_h = max(16, min(next_pow2(H), LINEAR_TILE // (block_t * slice_e)))
+    slice_e = max(1, min(next_pow2(E), next_pow2(-(-E * blocks // LINEAR_PROGRAMS)), LINEAR_TILE // (block_t * 64)))
+    block_h = min(next_pow2(H), LINEAR_TILE // (block_t * slice_e))  # (64 at least: K steps of 128 bytes)
     top = _tile(E, top_k)
     return dict(BLOCK_E=top["BLOCK_E"], BLOCK_K=top["BLOCK_K"], ROWS=min(top["ROWS"], block_t), SLICE_E=slice_e,
                 BLOCK_T=block_t, BLOCK_H=block_h, STAGES=1 if block_h >= H else 3, num_warps=4)
