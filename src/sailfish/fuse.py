@@ -696,7 +696,7 @@ def _deferred(layer: nn.Module, attr: str, norm: nn.Module) -> Optional[Deferred
 
 
 # ----------------------------------------------------------------------------------
-# MoE routers: softmax + top-k (+ renormalisation) in one launch (ops/router.py; issue 41)
+# MoE routers: linear, softmax + top-k (+ renormalisation) in one launch (ops/router.py; issue 41)
 # ----------------------------------------------------------------------------------
 # transformers 5's TopKRouter forwards, by formula: (renormalize, fp32_weights) of each, None for
 # "the router's norm_topk_prob". A transformers class whose forward is one of them, statement for
