@@ -362,6 +362,30 @@ def test_linear_topk_token_counts(T, device):
     check_linear_topk(x, weight, 3, True, False)
 
 
+def test_linear_topk_strided_rows(device):
+    """x and weight rows further apart than H (views into wider tensors): read through their strides."""
+    x = torch.randn(6, 80, device=device).bfloat16()[:, 8:56]
+    weight = torch.randn(60, 64, device=device).bfloat16()[:, 16:]
+    assert x.stride(0) == 80 and weight.stride(0) == 64
+    got = check_linear_topk(x, weight, 6, True, False)
+    for a, b in zip(got, R.router_linear_topk(x.contiguous(), weight.contiguous(), 6, True)):
+        assert torch.equal(a, b)
+
+
+def test_fused_router_takes_a_strided_input(device):
+    """SailfishTopKRouter hands the op unit-stride rows (F.linear took any input)."""
+    from sailfish.fuse import fuse_row_ops
+
+    holder = torch.nn.Module()
+    holder.gate = tiny_moe_model("qwen3_moe").model.layers[0].mlp.gate.to(device)
+    assert fuse_row_ops(holder)["routers"] == ["gate"]
+    h = torch.randn(64, 5, device=device).bfloat16().t()  # (5, 64), strides (1, 5)
+    with torch.no_grad():
+        logits, w, ids = holder.gate(h)
+    check_logits(logits, h, holder.gate.weight)
+    check_topk_of(logits, w, ids, 2, True, False)
+
+
 def test_linear_topk_reference_is_the_formula():
     """The reference (and the CPU path without the interpreter): F.linear, then router_topk_reference."""
     x = torch.randn(3, 32).bfloat16()
