@@ -53,7 +53,7 @@ from .ops.rowwise import (quantize_per_token_torch, rms_norm, rms_norm_impl, rms
                           silu_mul_quant, silu_mul_quant_fp8, silu_mul_quant_fp8_impl, silu_mul_quant_impl,
                           silu_mul_torch)
 from .ops.attention import decode_attention, decode_attention_launch, decode_attention_problem
-from .ops.router import ROUTER_MAX_EXPERTS, router_topk, router_topk_impl, router_topk_reference
+from .ops.router import ROUTER_MAX_EXPERTS, router_linear_topk, router_linear_topk_impl, router_topk_reference
 from .runtime.device import use_triton
 from .runtime.dispatch import direct_call_ok
 
@@ -637,7 +637,7 @@ def fuse_row_ops(model: nn.Module) -> Dict[str, List[str]]:
     gate/up MLP of the checked form for a GatedMLP, and for W4A8 fused layers
     defer the norm that feeds them into their input quantization (DeferredRMSNorm); run
     its decode attention through sailfish::decode_attention (use_decode_attention); and its MoE
-    routers of a known formula through sailfish::router_topk (SailfishTopKRouter). Returns
+    routers of a known formula through sailfish::router_linear_topk (SailfishTopKRouter). Returns
     {"norms": [...], "gated_mlp": [...], "deferred_norms": [...], "attention": [...],
     "routers": [...]} (module names)."""
     done: Dict[str, List[str]] = {"norms": [], "gated_mlp": [], "deferred_norms": [],
@@ -701,7 +701,7 @@ def _deferred(layer: nn.Module, attr: str, norm: nn.Module) -> Optional[Deferred
 
 
 # ----------------------------------------------------------------------------------
-# MoE routers: softmax + top-k (+ renormalisation) in one launch (ops/router.py; issue 41)
+# MoE routers: linear, softmax + top-k (+ renormalisation) in one launch (ops/router.py; issue 41)
 # ----------------------------------------------------------------------------------
 # transformers 5's TopKRouter forwards, by formula: (renormalize, fp32_weights) of each, None for
 # "the router's norm_topk_prob". A transformers class whose forward is one of them, statement for
@@ -747,7 +747,7 @@ def forward(self, hidden_states):
 
 def _router_flags(module: nn.Module) -> Optional[Tuple[bool, bool]]:
     """(renormalize, fp32_weights) if `module` is a transformers router of a known formula that
-    sailfish::router_topk can compute (class forward checked, the names it reads bound to torch's,
+    sailfish::router_linear_topk can compute (class forward checked, the names it reads bound to torch's,
     its attributes in range, no hooks), else None."""
     cls = type(module)
     if not cls.__module__.startswith("transformers.models.") or not _plain(module) or "forward" in module.__dict__:
@@ -766,13 +766,14 @@ def _router_flags(module: nn.Module) -> Optional[Tuple[bool, bool]]:
 
 
 class SailfishTopKRouter(nn.Module):
-    """Stands where a transformers TopKRouter was: the same F.linear (its `weight`, under its
-    state_dict key), then softmax + top-k (+ renormalisation) in one launch of
-    sailfish::router_topk instead of the softmax, sort, gather and division kernels, returning
-    (router_logits, weights, ids) as the router did (ids: the same; weights: within a few fp32
-    ulps before their cast, ops/router.py). Under torch.compile it stays the op (the point: it
-    replaces inductor's softmax and torch.topk's two kernels); with a gradient to compute it
-    runs the formula (the op has no derivative).
+    """Stands where a transformers TopKRouter was: its F.linear (its `weight`, under its
+    state_dict key), softmax + top-k (+ renormalisation) in one launch of
+    sailfish::router_linear_topk instead of cuBLAS's GEMM and the softmax, sort, gather and
+    division kernels, returning (router_logits, weights, ids) as the router did (logits: fp32
+    sums rounded once, as F.linear's; ids: the same; weights: within a few fp32 ulps before their
+    cast, ops/router.py). Under torch.compile it stays the op (the point: it replaces the GEMM,
+    inductor's softmax and torch.topk's two kernels); with a gradient to compute it runs the
+    formula (the op has no derivative).
 
     Each instance is of a subclass of the router's own class (SailfishTopKRouter.replacing), so
     isinstance checks on the router class (transformers' output_router_logits recorder, weight
@@ -795,13 +796,14 @@ class SailfishTopKRouter(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-        router_logits = F.linear(hidden_states, self.weight)
-        args = (router_logits, self.top_k, self.renormalize, self.fp32_weights)
-        if torch.is_grad_enabled() and router_logits.requires_grad:
-            weights, ids = router_topk_reference(*args)
-        else:
-            weights, ids = _row_op(router_topk, router_topk_impl, *args)
-        return router_logits, weights, ids
+        if torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad):
+            router_logits = F.linear(hidden_states, self.weight)
+            weights, ids = router_topk_reference(router_logits, self.top_k, self.renormalize, self.fp32_weights)
+            return router_logits, weights, ids
+        if hidden_states.stride(-1) != 1:  # (the op takes unit-stride rows; F.linear took any)
+            hidden_states = hidden_states.contiguous()
+        return _row_op(router_linear_topk, router_linear_topk_impl, hidden_states, self.weight, self.top_k,
+                       self.renormalize, self.fp32_weights)
 
     def __reduce_ex__(self, protocol):
         # pickle (torch.save of the whole model, copy.deepcopy) by the router class, not by the
@@ -810,7 +812,7 @@ class SailfishTopKRouter(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{tuple(self.weight.shape)}, top_k={self.top_k}, renormalize={self.renormalize}, "
-                f"fp32_weights={self.fp32_weights}: softmax + top-k in one launch")
+                f"fp32_weights={self.fp32_weights}: linear + softmax + top-k in one launch")
 
 
 @functools.lru_cache(maxsize=None)

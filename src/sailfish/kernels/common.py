@@ -80,6 +80,17 @@ def last_slice(cnt_ptr, count):
 
 
 @triton.jit
+def arrive_last(cnt_ptr, count):
+    """last_slice, and the last of the `count` programs zeroes the counter for the next launch
+    (the MoE kernels' fused sums, the router's top-k after its logits)."""
+    last = last_slice(cnt_ptr, count)
+    if last:
+        tl.debug_barrier()
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
+    return last
+
+
+@triton.jit
 def sum_slices(total, ws_ptr, offs, cnt_ptr, mn, mask, SPLIT_K: tl.constexpr):
     """The last slice (last_slice): total (zeros, the tile's shape and dtype) plus the SPLIT_K
     slices of the workspace at offs (the tile's offsets within a slice, 32-bit: the launchers take

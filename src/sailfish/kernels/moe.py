@@ -39,7 +39,7 @@ are masked on x (the weight codes there are 0 with scale 0).
 import triton
 import triton.language as tl
 
-from .common import SYNC_TILES, cast_out, grouped_tile, last_slice, pdl_release, pdl_wait, split_k_range
+from .common import SYNC_TILES, arrive_last, cast_out, grouped_tile, pdl_release, pdl_wait, split_k_range
 from .w4a16 import _gemv_mma_loop, _gemv_rows, _load_groups, _tile_operands
 
 
@@ -115,18 +115,6 @@ def _topk_tile(y_ptr, ws_ptr, ids_ptr, tw_ptr, out_ptr, on, T, N, E, TOPK: tl.co
         tmask = nmask & (m < M)
         v = _topk_sum(src, ids_ptr, tw_ptr, m, on, tmask, M, N, E, TOPK, SPLIT_K, SPLIT_K == 1, False)
         tl.store(out_ptr + m * N + on, cast_out(v, DTYPE, EMU_BF16), mask=tmask)
-
-
-@triton.jit
-def _arrive(cnt_ptr, count):
-    """Count this program in at its counter (after a CTA barrier: every thread's stores come
-    before it; acq_rel: the last one sees them all) and return whether it is the last of `count`;
-    the last zeroes the counter for the next launch (kernels/common.last_slice's protocol)."""
-    last = last_slice(cnt_ptr, count)
-    if last:
-        tl.debug_barrier()
-        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
-    return last
 
 
 @triton.jit
@@ -229,7 +217,7 @@ def _moe_w4a16_kernel(
             tl.store(base, acc, mask=mask)
             tl.store(base + N, up, mask=mask)
             if FUSED:  # the tile's last K split sums the splits (as _gated_reduce_kernel)
-                if _arrive(sync_ptr + SYNC_TILES + tl.program_id(0), SPLIT_K):
+                if arrive_last(sync_ptr + SYNC_TILES + tl.program_id(0), SPLIT_K):
                     h = _gated_sum(ws_ptr, om, on, mask, T, N, SPLIT_K, False)
                     tl.store(y_ptr + om * stride_ym + on, cast_out(h, DTYPE, EMU_BF16), mask=mask)
     else:
@@ -239,7 +227,7 @@ def _moe_w4a16_kernel(
         else:
             tl.store(ws_ptr + (pid_k * T + om) * N + on, acc, mask=mask)
         if TOPK_SUM:  # the N tile's last program adds the top-k rows of every token (as _topk_sum_kernel)
-            if _arrive(sync_ptr + SYNC_TILES + pid_n, num_blocks * SPLIT_K):
+            if arrive_last(sync_ptr + SYNC_TILES + pid_n, num_blocks * SPLIT_K):
                 _topk_tile(y_ptr, ws_ptr, ids_ptr, tw_ptr, out_ptr, on, T, N, E, TOPK, SPLIT_K, BLOCK_M, DTYPE,
                            EMU_BF16)
 
@@ -371,13 +359,13 @@ def _moe_gemv_kernel(
                             DTYPE)
     if GATED:
         if SPLIT_K > 1:  # the (slot, N tile)'s last split: h from the partials
-            if _arrive(sync_ptr + SYNC_TILES + slot * tl.num_programs(1) + pid_n, SPLIT_K):
+            if arrive_last(sync_ptr + SYNC_TILES + slot * tl.num_programs(1) + pid_n, SPLIT_K):
                 n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2).to(tl.int64)
                 mask = n < N
                 h = _gated_sum(ws_ptr, slot + n * 0, n, mask, T, N, SPLIT_K, False)
                 tl.store(y_ptr + slot * N + n, cast_out(h, DTYPE, EMU_BF16), mask=mask)
     else:  # every program counts in (dead slots too): the N tile's last does the top-k sum
-        if _arrive(sync_ptr + SYNC_TILES + pid_n, T * SPLIT_K):
+        if arrive_last(sync_ptr + SYNC_TILES + pid_n, T * SPLIT_K):
             on = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
             _topk_tile(y_ptr, ws_ptr, ids_ptr, tw_ptr, out_ptr, on, T, N, E, TOPK, SPLIT_K, 16, DTYPE, EMU_BF16)
 

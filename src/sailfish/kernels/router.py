@@ -25,11 +25,22 @@ Design (why):
 - T is not specialized (do_not_specialize): one bound kernel per (device, dtype, E, k, flags,
   row stride) whatever the number of tokens (ops/router.py keeps it as rowwise's plans).
 - bf16 under the interpreter: loaded with w4a8.to_f32, stored with integer rounding (EMU_BF16).
+
+router_linear_topk_kernel adds the router's F.linear (ops/router.py router_linear_topk):
+- The weight (E x H, 512 KB for Qwen3-MoE) is too much for one program to stream at decode, so
+  the logits are spread over a grid of (expert slices, token blocks): each program a SLICE_E x
+  BLOCK_T tile of logits, a K loop over H in fixed BLOCK_H steps with fp32 sums of exact
+  products (CUDA cores: at T <= 16 a tensor-core tile would be mostly padding), stored rounded
+  to the logits' dtype.
+- The last program of a token block to finish (kernels/common.arrive_last, one counter per
+  token block from SYNC_TILES on, in the stream's ops/common.sync_buffer) reads the block's
+  rounded logits back past L1 (.cg: other SMs wrote them) and ranks them with router_topk's code
+  (_topk_rows), ROWS rows at a time. No atomics on values: the same bits run to run.
 """
 import triton
 import triton.language as tl
 
-from .common import cast_out
+from .common import SYNC_TILES, arrive_last, cast_out
 from .w4a8 import to_f32
 
 INT64_MIN = tl.constexpr(-2**63)
@@ -50,19 +61,19 @@ def _unkey(k):
     return (k ^ ((k >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
-@triton.jit(do_not_specialize=["T"])
-def router_topk_kernel(x_ptr, w_ptr, id_ptr, T, E, stride_xt,
-                       K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-                       RENORM: tl.constexpr, EMU_BF16: tl.constexpr):
-    """x (T, E) logits, rows stride_xt apart -> w (T, K) the top-K softmax probabilities in
-    descending order (RENORM: over their sum) in w's dtype, id (T, K) int64 their columns."""
+@triton.jit
+def _topk_rows(x_ptr, rows, w_ptr, id_ptr, T, E, stride_xt,
+               K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+               RENORM: tl.constexpr, EMU_BF16: tl.constexpr, CACHE: tl.constexpr):
+    """The rows `rows` (ROWS of them, those >= T skipped) of x (T, E) logits, rows stride_xt apart,
+    loaded with CACHE (".cg": logits other programs of the launch wrote) -> their top-K softmax
+    probabilities in descending order (RENORM: over their sum) in w's dtype and int64 columns."""
     OUT: tl.constexpr = w_ptr.dtype.element_ty
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < T
     rows = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_E)[None, :]
     mask = row_ok[:, None] & (cols < E)
-    x = to_f32(tl.load(x_ptr + rows[:, None] * stride_xt + cols, mask=mask, other=0.0))
+    x = to_f32(tl.load(x_ptr + rows[:, None] * stride_xt + cols, mask=mask, other=0.0, cache_modifier=CACHE))
     x = tl.where(mask, x, float("-inf"))
     m = tl.max(x, axis=1)[:, None]
     s = tl.sum(tl.where(mask, tl.exp(x - m), 0.0), axis=1)[:, None]
@@ -81,3 +92,53 @@ def router_topk_kernel(x_ptr, w_ptr, id_ptr, T, E, stride_xt,
     out = row_ok[:, None] & (kcols < K)
     tl.store(w_ptr + rows[:, None] * K + kcols, cast_out(p, OUT, EMU_BF16), mask=out)
     tl.store(id_ptr + rows[:, None] * K + kcols, ids, mask=out)
+
+
+@triton.jit(do_not_specialize=["T"])
+def router_topk_kernel(x_ptr, w_ptr, id_ptr, T, E, stride_xt,
+                       K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+                       RENORM: tl.constexpr, EMU_BF16: tl.constexpr):
+    """x (T, E) logits, rows stride_xt apart -> w (T, K) the top-K softmax probabilities in
+    descending order (RENORM: over their sum) in w's dtype, id (T, K) int64 their columns."""
+    _topk_rows(x_ptr, tl.program_id(0) * ROWS + tl.arange(0, ROWS), w_ptr, id_ptr, T, E, stride_xt,
+               K, BLOCK_E, BLOCK_K, ROWS, RENORM, EMU_BF16, "")
+
+
+@triton.jit(do_not_specialize=["T"])
+def router_linear_topk_kernel(x_ptr, g_ptr, l_ptr, w_ptr, id_ptr, cnt_ptr, T, E, H, stride_xt, stride_ge,
+                              K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+                              RENORM: tl.constexpr, EMU_BF16: tl.constexpr, SLICE_E: tl.constexpr,
+                              BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, EMU_LOGITS: tl.constexpr,
+                              STAGES: tl.constexpr):
+    """The whole router: l (T, E) = x (T, H) @ g (E, H)^T (fp32 sums, one rounding to l's dtype),
+    then router_topk_kernel's w (T, K) and id (T, K) from l. Program (i, j): experts
+    [i * SLICE_E, (i + 1) * SLICE_E) of tokens [j * BLOCK_T, (j + 1) * BLOCK_T); the last of the
+    token block's programs to finish (its counter: cnt_ptr[SYNC_TILES + j]) ranks the block's rows,
+    ROWS at a time, from the rounded logits read back. EMU_BF16 / EMU_LOGITS: the weights / the
+    logits are bf16 under the interpreter."""
+    L: tl.constexpr = l_ptr.dtype.element_ty
+    t0 = tl.program_id(1) * BLOCK_T
+    t = t0 + tl.arange(0, BLOCK_T)
+    e = tl.program_id(0) * SLICE_E + tl.arange(0, SLICE_E)
+    t_ok = t < T
+    e_ok = e < E
+    t = t.to(tl.int64)
+    e = e.to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    acc = tl.zeros((BLOCK_T, SLICE_E), tl.float32)
+    # Fixed BLOCK_H steps over H, each a fixed-shape sum: the same order run to run. The products
+    # of two fp16 / bf16 values are exact in fp32, so only the sums round. STAGES > 1: the loads
+    # of the next steps in flight (cp.async on sm_90), for the several-step loops of T > 1.
+    for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
+        hh = h0 + h
+        h_ok = hh < H
+        xb = to_f32(tl.load(x_ptr + t[:, None] * stride_xt + hh[None, :], mask=t_ok[:, None] & h_ok[None, :],
+                            other=0.0))
+        gb = to_f32(tl.load(g_ptr + e[:, None] * stride_ge + hh[None, :], mask=e_ok[:, None] & h_ok[None, :],
+                            other=0.0))
+        acc += tl.sum(xb[:, None, :] * gb[None, :, :], axis=2)
+    tl.store(l_ptr + t[:, None] * E + e[None, :], cast_out(acc, L, EMU_LOGITS), mask=t_ok[:, None] & e_ok[None, :])
+    if arrive_last(cnt_ptr + SYNC_TILES + tl.program_id(1), tl.num_programs(0)):
+        for r0 in range(0, BLOCK_T, ROWS):
+            _topk_rows(l_ptr, t0 + r0 + tl.arange(0, ROWS), w_ptr, id_ptr, T, E, E,
+                       K, BLOCK_E, BLOCK_K, ROWS, RENORM, EMU_BF16, ".cg")
