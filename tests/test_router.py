@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from sailfish.ops import router as R
+from sailfish.runtime.device import use_triton
 from sailfish.ops.router import router_topk, router_topk_reference
 
 U = 2.0 ** -24  # fp32 unit roundoff
@@ -292,8 +293,12 @@ def check_linear_topk(x, weight, top_k, renormalize, fp32_weights):
     """The op's logits within check_logits's bound, its ids router_topk's on those logits, its
     weights router_topk's bits under the interpreter (the same @triton.jit code on the same logits
     and tile; on the GPU the two kernels' warps may sum a row in another order: the bound)."""
-    logits, w, ids = R.router_linear_topk(x, weight, top_k, renormalize, fp32_weights)
     T, E = x.shape[0], weight.shape[0]
+    if T > R.LINEAR_MAX_T and T and use_triton(x):  # (the op takes two launches: the kernel's token blocks too)
+        got = R.router_linear_topk_launch(x.contiguous(), weight.contiguous(), top_k, renormalize, fp32_weights)
+        check_logits(got[0], x, weight)
+        check_topk_of(*got, top_k, renormalize, fp32_weights)
+    logits, w, ids = R.router_linear_topk(x, weight, top_k, renormalize, fp32_weights)
     assert logits.shape == (T, E) and w.shape == ids.shape == (T, top_k)
     check_logits(logits, x, weight)
     check_topk_of(logits, w, ids, top_k, renormalize, fp32_weights)
@@ -348,17 +353,17 @@ def test_linear_logits_are_rounded_once(dtype, device):
     assert torch.equal(logits, exact.to(dtype)) and torch.equal(logits, F.linear(x, weight))
 
 
-@pytest.mark.parametrize("T", [0, 64, 65])
+@pytest.mark.parametrize("T", [0, 4, 5, 64])
 def test_linear_topk_token_counts(T, device):
-    """No tokens; LINEAR_MAX_T (four token blocks in the one launch); one more (F.linear, then
-    router_topk's launch): the same contract."""
+    """No tokens; LINEAR_MAX_T (the one launch); more (F.linear, then router_topk's launch): the
+    same contract."""
     x = torch.randn(T, 48, device=device).half()
     weight = torch.randn(24, 48, device=device).half()
     if T == 0:
         logits, w, ids = R.router_linear_topk(x, weight, 3, True)
         assert logits.shape == (0, 24) and w.shape == ids.shape == (0, 3)
         return
-    assert (T > R.LINEAR_MAX_T) == (T == 65)
+    assert (T > R.LINEAR_MAX_T) == (T >= 5)
     check_linear_topk(x, weight, 3, True, False)
 
 

@@ -207,7 +207,11 @@ router_topk = define_op("router_topk", "(Tensor logits, int top_k, bool renormal
 # ----------------------------------------------------------------------------------
 # The router with its F.linear: sailfish::router_linear_topk
 # ----------------------------------------------------------------------------------
-LINEAR_MAX_T = 64  # tokens up to which the kernel computes the logits itself (decode; beyond: cuBLAS's GEMM)
+# tokens up to which the kernel computes the logits itself (decode; beyond: cuBLAS's GEMM, then
+# router_topk). H100 (benchmarks/probes/router_probe.py, docs/perf_log.md v45), whole router per call,
+# this kernel / F.linear + router_topk: Qwen3-30B-A3B T = 1 5.1 / 9.2 us, T = 4 8.1 / 8.0, T = 16 25 / 8.1;
+# Mixtral T = 1 3.4 / 7.8, T = 4 4.7 / 7.5, T = 16 12.3 / 7.6 (its logits on CUDA cores lose from T = 16)
+LINEAR_MAX_T = 4
 LINEAR_PROGRAMS = 128  # programs the logits are spread over at decode (~ an H100's 132 SMs)
 LINEAR_TILE = 4096  # values of one K step's product tile (BLOCK_T x SLICE_E x BLOCK_H): 32 a thread at 4 warps
 
