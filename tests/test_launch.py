@@ -60,6 +60,8 @@ def test_launch_binds_the_compiled_kernel_after_the_first_call(monkeypatch):
     # CompiledKernel.run's arguments: grid, stream, function, metadata, no launch hooks,
     # then every parameter in signature order, constexprs (and their defaults) included
     assert fn.compiled.calls == [(6, 1, 1, 1003, 1234, b"meta", None, None, None, "B", 11, 64, 7)]
+    launch((4, 3, 2), "C", 12)  # a 3-D grid keeps its third side (the MoE GEMV's (slot, N tile, split))
+    assert fn.compiled.calls[-1][:3] == (4, 3, 2)
 
 
 @pytest.mark.parametrize("params,meta", [
@@ -254,12 +256,13 @@ def test_w4a8_plan_hit_matches_the_jit_launch(heuristics, k, n, m, gs):
 
 
 @requires_cuda
-# decode (split-K gate_up: the gated reduce); BLOCK_M 32; act-order experts (perms in the plan key)
+# decode (split-K gate_up: "moe_gemv"'s in-launch sum, or with act-order the gated reduce); BLOCK_M 32;
+# act-order experts (perms in the plan key)
 @pytest.mark.parametrize("M,act_order", [(1, False), (160, False), (1, True)])
 def test_moe_plan_hit_matches_the_jit_launch(heuristics, M, act_order):
     from test_moe import make_problem
 
-    from sailfish.ops.moe import MOE_TUNER, moe_config, moe_w4a16_launch
+    from sailfish.ops.moe import MOE_TUNER, moe_config, moe_gemv_format, moe_w4a16_launch
 
     args, _, _ = make_problem(8, 2, M, 512, 256, 128, False, torch.float16, "cuda", act_order=act_order)
     first = moe_w4a16_launch(*args)  # builds the plan
@@ -268,7 +271,9 @@ def test_moe_plan_hit_matches_the_jit_launch(heuristics, M, act_order):
         moe_w4a16_launch(torch.randn_like(args[0]), *args[1:])
     hit = moe_w4a16_launch(*args)
     assert len(MOE_TUNER.plans) == 1
-    cfgs = moe_config(args[0].device, M, 2, 8, 256, 512, 512, 256)  # (cached: what the plan runs)
+    # (cached: what the plan runs; M = 1 without act-order: "moe_gemv", its split gate_up a 3-D grid)
+    cfgs = moe_config(args[0].device, M, 2, 8, 256, 512, 512, 256,
+                      gemv_format=moe_gemv_format(128, 512, 256, (act_order, act_order)))
     assert (M > 1 or cfgs[0].SPLIT_K > 1) and list(MOE_TUNER.plans.values())[0].bound()
     ref = moe_w4a16_launch(*args, configs=cfgs)  # (explicit configs: the JIT, no plan)
     torch.cuda.synchronize()

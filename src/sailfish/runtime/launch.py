@@ -71,7 +71,7 @@ def stream_getter():
 class Launch:
     """One @triton.jit kernel with its constexpr arguments and launch options bound.
 
-    `launch(grid, *args)`: grid (x, y); args: the kernel's runtime (non-constexpr)
+    `launch(grid, *args)`: grid (x, y) or (x, y, z); args: the kernel's runtime (non-constexpr)
     parameters in signature order, which must come first in the signature. The first call goes through
     the JIT (compiling if needed); it then binds the CompiledKernel, and later calls launch
     it directly on the current stream of `device_index`."""
@@ -86,8 +86,8 @@ class Launch:
 
     def __call__(self, grid: Sequence[int], *args) -> None:
         if self.run is not None:
-            self.run(grid[0], grid[1], 1, self.stream(self.device_index), self.function, self.packed,
-                     None, None, None, *args, *self.tail)
+            self.run(grid[0], grid[1], grid[2] if len(grid) > 2 else 1, self.stream(self.device_index),
+                     self.function, self.packed, None, None, None, *args, *self.tail)
             return
         kernel = self.fn[grid](*args, **self.meta)
         self._bind(kernel, len(args))
