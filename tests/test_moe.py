@@ -359,8 +359,9 @@ def test_moe_heuristic_takes_the_fused_decode_path():
 
     assert kinds(1, 2048, 768, 128, 8) == (("moe_fused", True), ("moe_fused", True))  # Qwen3-30B-A3B
     assert kinds(1, 2048, 1408, 64, 6)[1][0] == "moe_fused"  # DeepSeek-V2-Lite
-    assert kinds(4, 4096, 14336, 8, 2)[1] == ("moe_fused", False)  # Mixtral: the top-k sum only
-    assert kinds(4, 4096, 14336, 8, 2)[0] == ("moe", False)  # (an unsplit gate_up has no reduce)
+    assert kinds(4, 4096, 14336, 8, 2) == (("moe", False), ("moe", False))  # Mixtral: K past FUSED_MAX_K
+    assert kinds(4, 2048, 768, 128, 8) == (("moe", False), ("moe_fused", False))  # (unsplit gate_up: no reduce)
+    assert kinds(1, 4096, 14336, 8, 2)[1] == ("moe_fused", True)  # (split down: its reduce folds)
     assert kinds(16, 2048, 768, 128, 8)[1][0] == "moe"  # past FUSED_MAX_M
     assert kinds(256, 2048, 768, 128, 8) == (("moe", False), ("moe", False))
     assert kinds(1024, 2048, 1408, 64, 6) == (("moe", False), ("moe", False))

@@ -49,6 +49,10 @@ _REDUCE_BLOCK = 1024
 # every token's rows: the heuristic takes it up to this many tokens (H100, v42: at M = 1-4 it
 # gains up to 15% on Qwen3-30B-A3B, at M = 16 it lost 2-4% on all three benchmark shapes).
 FUSED_MAX_M = 4
+# ... and an unsplit down GEMM does its top-k sum inside only up to this K: Mixtral's (K = 14336) lost
+# 15 us at M = 4 with it in two H100 runs (v42: 185 -> 200 us; v45: 186 -> 201), the 768-1408 wide
+# experts of Qwen3-30B-A3B and DeepSeek-V2-Lite gained 2 us
+FUSED_MAX_K = 8192
 KINDS = ("moe", "moe_fused", "moe_gemv")
 # Decode with about one slot per routed expert: config kernel "moe_gemv" (BLOCK_M 1), one
 # tensor-core GEMV per slot (kernels/moe._moe_gemv_kernel), no routing. Each slot reads its
@@ -250,7 +254,7 @@ def moe_heuristic(*, device, M, topk, E, N, Kp, gated, block_m) -> Config:
     tiles = blocks * -(-N // bn)
     if bm == 16 and tiles < sms:  # split K until every SM has a program (twice, for the gate_up)
         split = _decode_split(tiles, Kp, bk, 2 * sms if gated else sms)
-    return Config(bm, bn, bk, split, 8, warps, 3, kernel=moe_kind(M, gated, bm, split))
+    return Config(bm, bn, bk, split, 8, warps, 3, kernel=moe_kind(M, gated, bm, split, Kp))
 
 
 def _gemv_config(sms: int, T: int, N: int, Kp: int, gated: bool, bn: int, bk: int, stages: int = 1) -> Config:
@@ -263,10 +267,11 @@ def _gemv_config(sms: int, T: int, N: int, Kp: int, gated: bool, bn: int, bk: in
     return Config(1, bn, bk, split, 8, min(8, units), stages, kernel="moe_gemv", scale_acc=True)
 
 
-def moe_kind(M: int, gated: bool, block_m: int, split: int) -> str:
+def moe_kind(M: int, gated: bool, block_m: int, split: int, Kp: int) -> str:
     """The decode path ("moe_fused") at BLOCK_M 16 and M <= FUSED_MAX_M where it saves a launch:
-    gate_up only when split (else there is no reduce to fold), down always (the top-k sum)."""
-    fused = block_m == 16 and M <= FUSED_MAX_M and (split > 1 or not gated)
+    gate_up only when split (else there is no reduce to fold), down when split or its K (Kp) is
+    at most FUSED_MAX_K (the top-k sum)."""
+    fused = block_m == 16 and M <= FUSED_MAX_M and (split > 1 or (not gated and Kp <= FUSED_MAX_K))
     return "moe_fused" if fused else "moe"
 
 
@@ -299,7 +304,7 @@ def moe_candidates(*, device, M, topk, E, N, Kp, gated, block_m):
                 splits |= {sp, max(1, sp // 2)}
             for split in sorted(splits):
                 cfg = Config(block_m, bn, bk, split, 8, 4 if block_m <= 32 else 8, 3,
-                             kernel=moe_kind(M, gated, block_m, split))
+                             kernel=moe_kind(M, gated, block_m, split, Kp))
                 if cfg != first:
                     yield cfg
 
