@@ -68,11 +68,12 @@ def main():
                             splits |= {sp, max(1, sp // 2)}
                         for split in sorted(splits):
                             c = Config(bm, bn, bk, split, 8, warps, 3,
-                                       kernel=moe_kind(M, which == "gate_up", bm, split))
+                                       kernel=moe_kind(M, which == "gate_up", bm, split, kp))
                             other = h2 if which == "gate_up" else h13
                             other = Config(bm, other.BLOCK_N, other.BLOCK_K, other.SPLIT_K, 8, other.num_warps,
                                            other.num_stages, kernel=moe_kind(M, which != "gate_up", bm,
-                                                                             other.SPLIT_K))
+                                                                             other.SPLIT_K,
+                                                                             kp13 if which != "gate_up" else kp2))
                             pair = (c, other) if which == "gate_up" else (other, c)
                             us = t(*pair)
                             rows.append(dict(model=name, M=M, which=which, cfg=c.__dict__, us=us))
