@@ -130,13 +130,14 @@ def test_routing_kernels_match_torch(M, topk, E, bm, device):
 # ----------------------------------------------------------------------------------
 # Kernels against the float64 per-element bound
 # ----------------------------------------------------------------------------------
-def moe_bound(x, ids, tw, w13, w2, out_dtype, intermediate_dtype=None):
+def moe_bound(x, ids, tw, w13, w2, out_dtype, intermediate_dtype=None, silu_rounded=False):
     """(ref, bound): the float64 MoE block y = sum_k w_k down(silu(gate) * up) on the exact
     operands (w13 (E, 2I, H), w2 (E, H, I) the dequantized weights) and the largest |y - ref| a
     correct implementation can give per element: fp32 accumulation (accumulation_constant) in
     both GEMMs, fp32 silu / products (16 u32 relative), h rounded to intermediate_dtype (default
     out_dtype; its error propagated through the down GEMM), the weighted (token, k) rows rounded
-    once to it, the fp32 top-k sum and the final rounding to out_dtype."""
+    once to it, the fp32 top-k sum and the final rounding to out_dtype. silu_rounded: silu(gate)
+    is also rounded to intermediate_dtype before the product (transformers', vLLM's silu_and_mul)."""
     mid = out_dtype if intermediate_dtype is None else intermediate_dtype
     u, um = UNIT_ROUNDOFF[out_dtype], UNIT_ROUNDOFF[mid]
     M, topk = ids.shape
@@ -153,7 +154,10 @@ def moe_bound(x, ids, tw, w13, w2, out_dtype, intermediate_dtype=None):
     g, up, dg, du = gu[:, :I], gu[:, I:], d[:, :I], d[:, I:]
     s = torch.nn.functional.silu(g)
     h = s * up
-    dh = SILU_SLOPE * dg * (up.abs() + du) + s.abs() * du + 16 * U32 * h.abs()
+    ds = SILU_SLOPE * dg
+    if silu_rounded:
+        ds = ds + um * (s.abs() + ds)
+    dh = ds * (up.abs() + du) + s.abs() * du + 16 * U32 * h.abs()
     dh = dh + um * (h.abs() + dh)  # rounded to the intermediate dtype
     w = tw.double().reshape(-1, 1) * live
     o = torch.einsum("ti,thi->th", h, a2) * w

@@ -18,6 +18,10 @@ Kernels (rows' "kernel"):
 - sailfish-quantlinear-loop: one fused gate_up and one down QuantLinear per routed expert (the
   token lists per expert are computed once, outside the timed region: a favour to this baseline,
   which otherwise needs a host synchronisation per call).
+- vllm-triton-moe: a peer, vLLM's Triton W4A16 MoE kernel (fused_moe_kernel_gptq_awq) on the same
+  4-bit codes and scales, from an uncommitted file <--peers>/vllm_moe_wna16.py (bench/moe_peers.py
+  says what runs around it); without the file the column is skipped with one line. Shared experts
+  run as in the Sailfish rows (QuantLinear), so the two differ only in the routed experts.
 Routing: uniform (every token's top-k distinct experts uniformly at random, fixed seed) and
 skewed (experts drawn with probability ~ 1 / (rank + 1), fixed seed; the model name gets
 " skewed"). Routing weights: softmax of random logits over the top-k.
@@ -49,7 +53,7 @@ MODELS = {  # name: (hidden H, expert width I, routed experts E, top-k, shared e
 }
 SMOKE_MODELS = {"tiny": (128, 64, 4, 2, 0), "tiny-shared": (128, 96, 6, 3, 1)}
 M_LIST = (1, 4, 16, 64, 256, 1024, 4096)
-KERNELS = ("sailfish-moe-w4a16", "grouped", "sailfish-quantlinear-loop")
+KERNELS = ("sailfish-moe-w4a16", "grouped", "sailfish-quantlinear-loop", "vllm-triton-moe")
 
 
 def routing(M: int, E: int, topk: int, skewed: bool, device, seed: int = 0):
@@ -73,6 +77,7 @@ class Experts:
     w2: torch.Tensor   # (E, I, H)
     linears: Optional[list] = None  # per expert (gate_up QuantLinear, down QuantLinear)
     shared: Optional[tuple] = None  # (gate_up QuantLinear, down QuantLinear, gate_up 16-bit, down 16-bit)
+    peer: Optional[object] = None  # moe_peers.VllmExperts (vllm-triton-moe)
 
 
 def make_experts(H, I, E, shared, dtype, group_size, device, loop: bool, seed: int) -> Experts:
@@ -138,6 +143,16 @@ def grouped_block(x, ids, w, ex: Experts):
     out[order] = rows
     y = (out.view(M, topk, -1).float() * w.view(M, topk, 1)).sum(1).to(x.dtype)
     return y if ex.shared is None else y + _shared(x, ex, False)
+
+
+def peer_block_fn(M: int, topk: int, ex: Experts) -> Callable:
+    """vllm-triton-moe for this M: its routed experts (moe_peers), shared experts as sailfish_block's."""
+    routed = ex.peer.block_fn(M, topk)
+
+    def run(x, ids, w):
+        y = routed(x, ids, w)
+        return y if ex.shared is None else y + _shared(x, ex, True)
+    return run
 
 
 def loop_block_fn(ids, ex: Experts) -> Callable:
@@ -214,16 +229,30 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--out", required=True, help="JSON result path (e.g. benchmarks/results/moe_h100.json); an "
                                                  "existing file of the same GPU keeps the rows this run does not "
                                                  "measure")
+    ap.add_argument("--peers", help="folder of the peer kernels' uncommitted sources (vllm-triton-moe: "
+                                    "vllm_moe_wna16.py; default: .peers at the repo root)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes and M = 1, 3: checks the code path "
                                                          "(times meaningless, limit_fraction null)")
     args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    kernels = args.kernels.split(",")
+    for k in kernels:
+        if k not in KERNELS:
+            ap.error(f"--kernels: {k!r} is not one of {', '.join(KERNELS)}")
+    peer = None
+    if "vllm-triton-moe" in kernels:  # (first: on a CPU it may set TRITON_INTERPRET, moe_peers.load_vllm)
+        from .moe_peers import load_vllm
+
+        peer, why = load_vllm(args.peers, cuda, dtype, args.group_size)
+        if peer is None:
+            print(why, flush=True)
+            kernels.remove("vllm-triton-moe")
     import sailfish  # noqa: F401  (registers the ops)
     from ..ops.moe import moe_w4a16_reference
     from . import report, timing
 
-    cuda = torch.cuda.is_available() and not args.smoke
-    device = "cuda" if cuda else "cpu"
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     table = SMOKE_MODELS if args.smoke else MODELS
     names = list(table) if args.models is None else args.models.split(",")
     for n in names:
@@ -231,10 +260,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             ap.error(f"--models: {n!r} is not one of {', '.join(table)}")
     models = {n: table[n] for n in names}
     ms = tuple(int(m) for m in args.m.split(",")) if args.m else (1, 3) if args.smoke else M_LIST
-    kernels = args.kernels.split(",")
-    for k in kernels:
-        if k not in KERNELS:
-            ap.error(f"--kernels: {k!r} is not one of {', '.join(KERNELS)}")
     grouped_name = f"{args.dtype}-grouped" + ("" if hasattr(torch, "_grouped_mm") else "-loop")
     hbm = timing.hbm_ceiling_gbps() if cuda else None
     peak = timing.tensor_core_peaks().get("half") if cuda else None
@@ -248,6 +273,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         copies = timing.copies_needed(nbytes) if cuda else 1
         exs = [one] + [make_experts(H, I, E, shared, dtype, args.group_size, device,
                                     "sailfish-quantlinear-loop" in kernels, r) for r in range(1, copies)]
+        if peer is not None:
+            from .moe_peers import VllmExperts
+
+            for ex in exs:
+                ex.peer = VllmExperts(peer, ex.q13, ex.q2)
         for skew in [r == "skewed" for r in args.routing.split(",")]:
             label = name + (" skewed" if skew else "")
             for M in ms:
@@ -263,6 +293,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         fns = [lambda ex=ex: sailfish_block(x, ids, w, ex) for ex in exs]
                     elif kernel == "grouped":
                         fns = [lambda ex=ex: grouped_block(x, ids, w, ex) for ex in exs]
+                    elif kernel == "vllm-triton-moe":
+                        peers = [peer_block_fn(M, topk, ex) for ex in exs]
+                        fns = [lambda f=f: f(x, ids, w) for f in peers]
                     else:
                         loops = [loop_block_fn(ids, ex) for ex in exs]
                         fns = [lambda f=f: f(x, w) for f in loops]
