@@ -24,6 +24,9 @@ the previous two launches `split`), written before any GPU run, H100, bf16, per 
   weight row, then the last one's top-k); T = 4-16 ~4-5 us; T = 64 (16-token blocks, a pipelined
   K loop of 64 channels) unsure, ~5-7 us: if it loses to `split` there, lower
   ops/router.LINEAR_MAX_T. Mixtral (8 programs of one 8 KB row) at T = 1: ~3 us.
+Measured (H100, docs/perf_log.md v45, router_h100.json): Qwen3 T = 1 5.1 us (split 9.2), T = 4 8.1
+(8.0), T = 16 25 (8.1), T = 64 47 (8.2); Mixtral T = 1 3.4 (7.8), T = 4 4.7 (7.5), T = 16 12.3 (7.6):
+LINEAR_MAX_T is 4.
 
     PYTHONPATH=src python benchmarks/probes/router_probe.py [--tokens 1,4,16,64]
         [--models qwen3-30b-a3b,mixtral] [--dtype bf16] [--graph-calls 20] [--rounds 5] [--json out.json]
