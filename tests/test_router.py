@@ -442,7 +442,7 @@ def test_linear_opcheck(device):
 def test_linear_kept_plans_and_cuda_graphs():
     """CUDA: the first call keeps its bound kernel, later calls launch it directly and compute the
     same; a CUDA graph replays the direct launch on new data (the counters left at zero)."""
-    x = torch.randn(16, 2048, device="cuda").bfloat16()
+    x = torch.randn(R.LINEAR_MAX_T, 2048, device="cuda").bfloat16()
     w = torch.randn(128, 2048, device="cuda").bfloat16()
     R._RouterLinearPlans.plans.clear()
     first = R.router_linear_topk(x, w, 8, True)
