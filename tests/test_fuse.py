@@ -360,6 +360,28 @@ def test_fused_moe_model_equals_unfused(arch, reference_ops, per_segment):
         assert torch.equal(fused(ids).logits, unfused(ids).logits)
 
 
+def test_fused_deepseek_v2_model_equals_unfused(reference_ops, per_segment):
+    """DeepSeek-V2's MLPs (its first dense layer and the MoE layers' shared experts) fuse gate / up;
+    its MLA attention has no q / k / v to fuse and stays as it is."""
+    cfg = transformers.DeepseekV2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2,
+                                        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
+                                        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+                                        pad_token_id=0, eos_token_id=None, bos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=F16).eval()
+    fused = sailfish.quantize_model(copy.deepcopy(model))
+    unfused = sailfish.quantize_model(model, fuse=False)
+    assert sorted(fused.sailfish_report["fused"]) == ["model.layers.0.mlp.gate_up_proj",
+                                                      "model.layers.1.mlp.shared_experts.gate_up_proj"]
+    a, b = fused.state_dict(), unfused.state_dict()
+    assert_same_state(dict(sorted(a.items())), dict(sorted(b.items())))
+    ids = torch.randint(1, VOCAB, (2, 6))
+    with torch.no_grad():
+        assert torch.equal(fused(ids).logits, unfused(ids).logits)
+
+
 def test_fused_w4a8_model_equals_unfused(reference_ops, per_segment):
     fused, unfused = fused_and_unfused("qwen2", act_bits=8, group_size=128)
     assert type(fused.model.layers[1].mlp.gate_up_proj) is FusedQuantLinearW4A8

@@ -110,8 +110,8 @@ def test_quantize_model_converts_moe_blocks(arch, device):
     assert report["experts"] == ["experts"] and isinstance(block.experts, QuantExperts)
     prefix = {"qwen2_moe": "shared_expert.", "deepseek_v2": "shared_experts."}.get(arch)
     assert report["quantized"] == ([] if prefix is None else [prefix + n for n in ("gate_proj", "up_proj", "down_proj")])
-    # (Qwen2-MoE's shared expert is a Qwen2MoeMLP: its gate and up run as one fused layer, fuse.py)
-    assert sorted(report["fused"]) == (["shared_expert.gate_up_proj"] if arch == "qwen2_moe" else [])
+    # (the shared experts, a Qwen2MoeMLP / DeepseekV2MLP: their gate and up run as one fused layer, fuse.py)
+    assert sorted(report["fused"]) == ([] if prefix is None else [prefix + "gate_up_proj"])
     assert all(isinstance(block.get_submodule(n), (QuantLinear, FusedOutput)) for n in report["quantized"])
     assert all(torch.equal(p, router[n]) for n, p in block.gate.named_parameters())  # 16-bit router kept
     layer = block.experts

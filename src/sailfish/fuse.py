@@ -73,8 +73,11 @@ SUPPORTED = {
     "transformers.models.mixtral.modeling_mixtral": ("MixtralAttention",),
     "transformers.models.qwen2_moe.modeling_qwen2_moe": ("Qwen2MoeAttention", "Qwen2MoeMLP"),
     "transformers.models.qwen3_moe.modeling_qwen3_moe": ("Qwen3MoeAttention", "Qwen3MoeMLP"),
+    # DeepSeek-V2 / V3: the MLPs (shared experts, the first dense layers); their attention is MLA
+    "transformers.models.deepseek_v2.modeling_deepseek_v2": ("DeepseekV2MLP",),
+    "transformers.models.deepseek_v3.modeling_deepseek_v3": ("DeepseekV3MLP",),
 }
-ARCHITECTURES = "Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE"
+ARCHITECTURES = "Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 / V3 (MLPs)"
 
 
 def _parent_prefix(prefix: str) -> str:
