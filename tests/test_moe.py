@@ -600,7 +600,7 @@ for ep, bt in ((128, 64), (16, 128), (1024, 16)):
 # the one-GEMV-per-slot kernel ("moe_gemv") at the heuristic's tiles where the launcher takes it:
 # it compiles, and its mma asm runs in the lane order the fragment layout needs
 from sailfish.kernels.moe import _moe_gemv_kernel
-from sailfish.kernels.w4a16 import gemv_asm
+from sailfish.kernels.w4a16 import gemv_asm, gemv_pairs, gemv_warps
 from sailfish.ops.moe import moe_gemv_applies
 from sailfish.ops.w4a16 import gemv_stages
 from sailfish.tools.ptx import gemv_lane_order
@@ -614,7 +614,7 @@ for (H, I, E, topk) in ((2048, 768, 128, 8), (4096, 14336, 8, 2), (2048, 1408, 6
         cfg = moe_heuristic(device=cpu, M=1, topk=topk, E=E, N=N, Kp=K, gated=gated, block_m=1)
         dtype, zeros = ("fp16", False) if gated else ("bf16", True)
         ty = "*" + dtype
-        text, cons = gemv_asm(dtype == "bf16", zeros, True, 2 if cfg.BLOCK_N >= 32 else 1, cfg.scale_acc)
+        text, cons = gemv_asm(dtype == "bf16", zeros, True, gemv_pairs(cfg.BLOCK_N), cfg.scale_acc)
         sig = {"x_ptr": ty, "qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "ids_ptr": "*i64", "tw_ptr": "*fp32",
                "y_ptr": ty, "ws_ptr": "*fp32", "out_ptr": ty, "sync_ptr": "*i32", **{k: "i32" for k in GINTS}}
         consts = dict(TOPK=topk, GATED=gated, GROUP_SIZE=128, HAS_ZEROS=zeros, EVEN_K=True, SPLIT_K=cfg.SPLIT_K,
@@ -624,7 +624,7 @@ for (H, I, E, topk) in ((2048, 768, 128, 8), (4096, 14336, 8, 2), (2048, 1408, 6
         names = list(sig)
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in GALIGNED}
         k = triton.compile(ast_source(_moe_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": cfg.num_warps, "num_stages": 1})
+                           options={"num_warps": gemv_warps(cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_warps), "num_stages": 1})
         n += 1
         if not gemv_lane_order(k.asm["ttgir"]):
             bad.append(("moe_gemv", gated, cfg, "lane order"))

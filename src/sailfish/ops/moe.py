@@ -260,11 +260,12 @@ def moe_heuristic(*, device, M, topk, E, N, Kp, gated, block_m) -> Config:
 def _gemv_config(sms: int, T: int, N: int, Kp: int, gated: bool, bn: int, bk: int, stages: int = 1) -> Config:
     """A "moe_gemv" config: BLOCK_N bn rows (gated: bn // 2 columns of gate and up), BLOCK_K bk,
     K split until the T slots' programs fill the SMs twice; SCALE_ACC (the dense M = 1 GEMV's
-    choice on every H100 table entry). Warps: one per (chunk slot, row block) unit, at most 8."""
+    choice on every H100 table entry). Warps: the dense GEMV's rule (kernels/w4a16.gemv_warps), at most 8."""
+    from ..kernels.w4a16 import gemv_warps
+
     tiles = T * -(-N // (bn // 2 if gated else bn))
     split = _decode_split(tiles, Kp, bk, 2 * sms)
-    units = (bk // K_CHUNK) * max(1, bn // 32)
-    return Config(1, bn, bk, split, 8, min(8, units), stages, kernel="moe_gemv", scale_acc=True)
+    return Config(1, bn, bk, split, 8, gemv_warps(bn, bk, 8), stages, kernel="moe_gemv", scale_acc=True)
 
 
 def moe_kind(M: int, gated: bool, block_m: int, split: int, Kp: int) -> str:
@@ -287,8 +288,10 @@ def moe_candidates(*, device, M, topk, E, N, Kp, gated, block_m):
         for bn in (16, 32, 64):
             for bk in (K_CHUNK, 256, 512, 1024):
                 for stages in (1, 2):
+                    if Kp % bk:
+                        continue
                     cfg = _gemv_config(sms, M * topk, N, Kp, gated, bn, bk, stages)
-                    if Kp % bk == 0 and cfg != first:
+                    if cfg != first:
                         yield cfg
         return
     if first.kernel != "moe":
@@ -415,7 +418,7 @@ class MoEPlan(Plan):
         self.nb = 0
         if cfg13.kernel == "moe_gemv":  # one GEMV per slot: no routing, no reduce launches
             from ..kernels.moe import _moe_gemv_kernel
-            from ..kernels.w4a16 import gemv_asm
+            from ..kernels.w4a16 import gemv_asm, gemv_pairs, gemv_warps
             from .w4a16 import gemv_stages
 
             self.router = self.gated_reduce = self.topk_sum = self.reduce = None
@@ -423,14 +426,14 @@ class MoEPlan(Plan):
 
             def gemv(cfg: Config, gated: bool, zeros: bool, K: int) -> Launch:
                 even_k = K % cfg.BLOCK_K == 0
-                text, cons = gemv_asm(dtype == torch.bfloat16, zeros, even_k, 2 if cfg.BLOCK_N >= 32 else 1,
+                text, cons = gemv_asm(dtype == torch.bfloat16, zeros, even_k, gemv_pairs(cfg.BLOCK_N),
                                       cfg.scale_acc) if asm else ("", "")
                 link = {} if not chained else dict(PDL_EARLY=True) if gated else dict(PDL=True, launch_pdl=True)
                 return Launch(_moe_gemv_kernel, dict(
                     TOPK=topk, GATED=gated, GROUP_SIZE=gs, HAS_ZEROS=zeros, EVEN_K=even_k, SPLIT_K=cfg.SPLIT_K,
                     EMU_BF16=emu, USE_ASM=asm, ASM=text, ASM_CONSTRAINTS=cons, BLOCK_N=cfg.BLOCK_N,
                     BLOCK_K=cfg.BLOCK_K, SCALE_ACC=cfg.scale_acc, **gemv_stages(cfg.num_stages), **link,
-                    num_warps=cfg.num_warps, num_stages=1), dev)
+                    num_warps=gemv_warps(cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_warps), num_stages=1), dev)
 
             self.gemm, self.down = gemv(cfg13, True, z13, H), gemv(cfg2, False, z2, I)
             return
