@@ -317,6 +317,81 @@ def test_moe_gemv_per_element(case, device):
     assert torch.equal(moe_w4a16_launch(*args, configs=cfgs), y)
 
 
+# ----------------------------------------------------------------------------------
+# Shared experts (num_shared: DeepSeek's, stacked after the routed ones, taken by every token)
+# ----------------------------------------------------------------------------------
+def with_shared(ids, tw, E, S):
+    """The block's slots with S shared experts as (M, k + S) ids / weights of E + S experts: the
+    routed ids (-1 outside [0, E)), then E .. E + S - 1 at weight 1 (the op's definition)."""
+    M = ids.shape[0]
+    ids = torch.where((ids >= 0) & (ids < E), ids, -1)
+    return (torch.cat([ids, torch.arange(E, E + S).expand(M, S)], 1),
+            torch.cat([tw, torch.ones(M, S)], 1))
+
+
+#   config kind   M   E  S  topk H    I    gs   sym    dtype
+SHARED_CASES = [
+    (None, 1, 6, 2, 2, 256, 128, 128, True, BF16),       # the heuristic: "moe_gemv" (DeepSeek's decode)
+    ("moe_gemv", 3, 4, 1, 2, 256, 128, -1, False, F16),  # split gate_up, per channel
+    ("moe_fused", 3, 4, 2, 2, 256, 128, 64, False, F16),  # the GEMMs route themselves, sums inside
+    ("moe", 5, 4, 2, 3, 384, 96, 32, True, BF16),        # the routing launch, ragged I
+    (None, 40, 4, 2, 2, 128, 64, 64, False, F16),        # BLOCK_M 32, the routing in two chunks
+]
+
+
+@pytest.mark.parametrize("case", SHARED_CASES, ids=lambda c: "{}-M{}-E{}-S{}-k{}-H{}-I{}-g{}-{}-{}".format(
+    c[0] or "heuristic", *c[1:8], "sym" if c[8] else "asym", DTYPE_NAMES[c[9]]))
+def test_moe_shared_experts_per_element(case, device):
+    """num_shared S: the last S experts of the weights run for every token at weight 1 after its
+    top-k, in every kernel kind, within the bound of the block with those slots; a routed id E (no
+    local expert) is left out, not taken for the first shared expert."""
+    kind, M, E, S, topk, H, I, gs, sym, dtype = case
+    args, w13, w2 = make_problem(E + S, topk, M, H, I, gs, sym, dtype, device)
+    ids = torch.stack([torch.randperm(E)[:topk] for _ in range(M)])
+    ids[0, topk - 1] = E
+    args = (args[0], ids.to(device)) + args[2:]
+    ext_ids, ext_tw = with_shared(ids, args[2].cpu(), E, S)
+    ref, bound = moe_bound(args[0].cpu(), ext_ids, ext_tw, w13.dequantize().cpu(), w2.dequantize().cpu(), dtype)
+    cfgs = None
+    if kind == "moe_gemv":
+        cfgs = (Config(1, 16, 128, 2, 8, 4, 1, kernel=kind, scale_acc=True),
+                Config(1, 32, 128, 1, 8, 4, 1, kernel=kind, scale_acc=True))
+    elif kind is not None:
+        cfgs = (Config(16, 64, 128, 2, 8, 4, 3, kernel=kind), Config(16, 64, 128, 1, 8, 4, 3, kernel=kind))
+    y = moe_w4a16_launch(*args, num_shared=S, configs=cfgs)
+    assert_moe_close(y.cpu(), ref, bound)
+    assert_moe_close(moe_w4a16_reference(*args, num_shared=S).cpu(), ref, bound)
+    if kind is None and M == 1:
+        from sailfish.ops.moe import moe_config, moe_gemv_format
+
+        pair = moe_config(torch.device("cpu"), M, topk + S, E + S, I, H, H, I,
+                          gemv_format=moe_gemv_format(gs, H, I, (False, False)))
+        assert pair[0].kernel == "moe_gemv"
+
+
+@pytest.mark.parametrize("M,topk,E,S,bm", [(1, 2, 4, 1, 16), (9, 4, 8, 2, 16), (300, 6, 64, 2, 16), (70, 2, 6, 2, 32)])
+def test_routing_with_shared_experts(M, topk, E, S, bm, device):
+    """align_routing with shared experts is align_routing of the (M, k + S) slots with_shared gives,
+    and the routing kernels (one chunk and several) give its integers exactly."""
+    ids = torch.stack([torch.randperm(E)[:topk] for _ in range(M)])
+    ids[0, 0] = E
+    want = align_routing(ids, E, bm, S)
+    ext, _ = with_shared(ids, torch.ones(M, topk), E, S)
+    plain = align_routing(ext, E + S, bm)
+    assert torch.equal(want[0], plain[0]) and torch.equal(want[1], plain[1])
+    got = Router(E, bm, -1 if device == "cpu" else 0, topk, S)(ids.to(device).int())
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
+def test_op_shared_experts_bad_input():
+    args = zero_problem(E=4, topk=2)
+    for S, match in ((-1, r"num_shared=-1 must be an int in \[0, E=4\)"), (4, r"num_shared=4 must be"),
+                     (3, r"top_k=2 .* min\(routed experts=1, 32 - num_shared=3\)")):
+        with pytest.raises(ValueError, match=match):
+            torch.ops.sailfish.moe_w4a16(*args, None, None, S)
+    torch.ops.sailfish.moe_w4a16(*args, None, None, 2)
+
+
 def test_moe_gemv_heuristic_and_checks():
     """The launcher takes "moe_gemv" (BLOCK_M 1, no routing) at decode where the slots are at most
     3/4 of the experts (1/4 for experts too large for L2 to serve a second read) and the format is the dense GEMV's (groups of whole 128-channel chunks, no
@@ -499,11 +574,11 @@ def test_op_expert_count_limit():
 
 
 def test_op_top_k_limit():
-    with pytest.raises(ValueError, match=r"top_k=33 .* min\(E=40, 32\)"):
+    with pytest.raises(ValueError, match=r"top_k=33 .* min\(routed experts=40, 32 - num_shared=0\)"):
         torch.ops.sailfish.moe_w4a16(*zero_problem(E=40, topk=33))
     args = zero_problem()
     args[1:3] = [torch.zeros(3, 5, dtype=torch.long), torch.ones(3, 5)]
-    with pytest.raises(ValueError, match=r"top_k=5 .* min\(E=4, 32\)"):
+    with pytest.raises(ValueError, match=r"top_k=5 .* min\(routed experts=4, 32 - num_shared=0\)"):
         torch.ops.sailfish.moe_w4a16(*args)
 
 
@@ -551,28 +626,32 @@ bad, n = [], 0
 # dependent of gate_up; where the GEMMs route themselves, with their routing tile)
 cpu = torch.device("cpu")  # (132 SMs, an H100's)
 tiles = set()
-for (H, I, E, topk) in ((2048, 768, 128, 8), (4096, 14336, 8, 2), (2048, 1408, 64, 6)):
+# (DeepSeek-V2-Lite with its 2 shared experts in the block: top-(6 + 2) slots over 66 experts)
+MODELS = ((2048, 768, 128, 8, 0), (4096, 14336, 8, 2, 0), (2048, 1408, 64, 6, 2))
+for (H, I, E, topk, S) in MODELS:
     for M in (1, 4, 16, 256, 4096):
-        pair = [moe_heuristic(device=cpu, M=M, topk=topk, E=E, N=N, Kp=K, gated=gated,
-                              block_m=moe_block_m(M, topk, E)) for gated, N, K in ((True, I, H), (False, H, I))]
-        route = tuple(sorted(route_tile(M * topk, E).items())) if route_inline(M, topk, E, pair[1]) else ()
+        ks, es = topk + S, E + S
+        pair = [moe_heuristic(device=cpu, M=M, topk=ks, E=es, N=N, Kp=K, gated=gated,
+                              block_m=moe_block_m(M, ks, es)) for gated, N, K in ((True, I, H), (False, H, I))]
+        route = tuple(sorted(route_tile(M * ks, es).items())) if route_inline(M, ks, es, pair[1]) else ()
         chained = pair[1].kernel == "moe_fused"
-        tiles |= {(True, pair[0], route, chained), (False, pair[1], route, chained)}
-topk = 8
+        tiles |= {(True, pair[0], route, chained, S), (False, pair[1], route, chained, S)}
 # act-order (HAS_PERM: x gathered through a permutation) on one gate_up and one down tile of each kind
 perm_tiles = {min((t for t in tiles if t[0] == g and t[1].kernel == kd), key=str, default=None)
               for g in (True, False) for kd in ("moe", "moe_fused")}
-for gated, cfg, route, chained in sorted(tiles, key=str):
+for gated, cfg, route, chained, S in sorted(tiles, key=str):
     for dtype, zeros, gs, perm in (("fp16", False, 128, False), ("bf16", True, 0, False), ("fp16", True, 128, True)):
-        if perm and (gated, cfg, route, chained) not in perm_tiles:
+        if perm and (gated, cfg, route, chained, S) not in perm_tiles:
             continue
         ty = "*" + dtype
         sig = {"x_ptr": ty, "qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "sorted_ptr": "*i32",
                "bexp_ptr": "*i32", "tw_ptr": "*fp32", "y_ptr": ty, "ws_ptr": "*fp32", "ids_ptr": "*i64",
                "out_ptr": ty, "sync_ptr": "*i32", "perm_ptr": "*i32" if perm else "constexpr",
                **{k: "i32" for k in INTS}}
-        consts = dict(TOPK=topk, GATED=gated, GROUP_SIZE=gs, HAS_ZEROS=zeros, EVEN_K=True, SPLIT_K=cfg.SPLIT_K,
-                      EMU_BF16=False, USE_ASM=True, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+        # (8 slots a token, any shared ones included)
+        consts = dict(TOPK=8 - S, **(dict(SHARED=S) if S else {}), GATED=gated, GROUP_SIZE=gs, HAS_ZEROS=zeros,
+                      EVEN_K=True, SPLIT_K=cfg.SPLIT_K, EMU_BF16=False, USE_ASM=True, BLOCK_M=cfg.BLOCK_M,
+                      BLOCK_N=cfg.BLOCK_N,
                       BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, ACC_FENCE=acc_fence(),
                       FUSED=cfg.kernel == "moe_fused", **(dict(ROUTE=True, **dict(route)) if route else {}),
                       **({} if not chained else dict(PDL_EARLY=True) if gated else dict(PDL=True)),
@@ -587,14 +666,15 @@ for gated, cfg, route, chained in sorted(tiles, key=str):
             bad.append((gated, cfg, route, dtype, zeros, gs, perm, st))
 # the routing kernels, as Router sizes them for 128 / 16 / 1024 experts (they must compile)
 from sailfish.kernels.moe import _route_count_kernel, _route_place_kernel
-for ep, bt in ((128, 64), (16, 128), (1024, 16)):
+for ep, bt, shared in ((128, 64, {}), (16, 128, {}), (1024, 16, {}), (128, 64, dict(TOPK=6, SHARED=2))):
     for fn, sig, consts in ((_route_count_kernel, ("hist_ptr", "sorted_ptr", "T", "E", "S"), {}),
                             (_route_place_kernel, ("hist_ptr", "sorted_ptr", "bexp_ptr", "T", "E", "NB"),
                              {"BLOCK_M": 16}),
                             (_route_place_kernel, ("hist_ptr", "sorted_ptr", "bexp_ptr", "T", "E", "NB"),
                              {"BLOCK_M": 16, "ONE_CHUNK": True})):
         sig = {"ids_ptr": "*i64", **{a: ("*i32" if a.endswith("ptr") else "i32") for a in sig}}
-        triton.compile(ast_source(fn, sig, dict(E_POW2=ep, BLOCK_T=bt, **consts)), target=GPUTarget("cuda", 90, 32),
+        triton.compile(ast_source(fn, sig, dict(E_POW2=ep, BLOCK_T=bt, **consts, **shared)),
+                       target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 4})
         n += 1
 # the one-GEMV-per-slot kernel ("moe_gemv") at the heuristic's tiles where the launcher takes it:
@@ -607,18 +687,19 @@ from sailfish.tools.ptx import gemv_lane_order
 GINTS = ("T", "N", "K", "E", "stride_xm", "stride_qe", "stride_qn", "stride_se", "stride_sn")
 GALIGNED = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "ids_ptr", "tw_ptr", "y_ptr", "ws_ptr", "out_ptr", "sync_ptr", "N",
             "K", "stride_xm", "stride_qe", "stride_qn")
-for (H, I, E, topk) in ((2048, 768, 128, 8), (4096, 14336, 8, 2), (2048, 1408, 64, 6)):
+for (H, I, E, topk, S) in MODELS:
     for gated, N, K in ((True, I, H), (False, H, I)):
-        if not moe_gemv_applies(1, topk, E, H, I, True):
+        if not moe_gemv_applies(1, topk + S, E + S, H, I, True):
             continue
-        cfg = moe_heuristic(device=cpu, M=1, topk=topk, E=E, N=N, Kp=K, gated=gated, block_m=1)
+        cfg = moe_heuristic(device=cpu, M=1, topk=topk + S, E=E + S, N=N, Kp=K, gated=gated, block_m=1)
         dtype, zeros = ("fp16", False) if gated else ("bf16", True)
         ty = "*" + dtype
         text, cons = gemv_asm(dtype == "bf16", zeros, True, gemv_pairs(cfg.BLOCK_N), cfg.scale_acc)
         sig = {"x_ptr": ty, "qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "ids_ptr": "*i64", "tw_ptr": "*fp32",
                "y_ptr": ty, "ws_ptr": "*fp32", "out_ptr": ty, "sync_ptr": "*i32", **{k: "i32" for k in GINTS}}
-        consts = dict(TOPK=topk, GATED=gated, GROUP_SIZE=128, HAS_ZEROS=zeros, EVEN_K=True, SPLIT_K=cfg.SPLIT_K,
-                      EMU_BF16=False, USE_ASM=True, ASM=text, ASM_CONSTRAINTS=cons, BLOCK_N=cfg.BLOCK_N,
+        consts = dict(TOPK=topk, **(dict(SHARED=S) if S else {}), GATED=gated, GROUP_SIZE=128, HAS_ZEROS=zeros,
+                      EVEN_K=True, SPLIT_K=cfg.SPLIT_K, EMU_BF16=False, USE_ASM=True, ASM=text,
+                      ASM_CONSTRAINTS=cons, BLOCK_N=cfg.BLOCK_N,
                       BLOCK_K=cfg.BLOCK_K, SCALE_ACC=cfg.scale_acc, **gemv_stages(cfg.num_stages),
                       **(dict(PDL_EARLY=True) if gated else dict(PDL=True)))
         names = list(sig)

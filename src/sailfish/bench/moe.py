@@ -7,8 +7,9 @@ and a per-expert loop over Sailfish's dense QuantLinear, on the shapes of real M
 What is timed: the MoE block given the routing (the router itself is not: it is the same 16-bit
 GEMM for every kernel), routed experts (both GEMMs, silu * up, routing weights, top-k sum, and the
 routing prep of the kernels that need one) plus the shared experts where the model has them
-(DeepSeek-V2-Lite: 2 shared experts as one MLP of width 2 x 1408; Sailfish rows run them with
-QuantLinear, the 16-bit rows with cuBLAS).
+(DeepSeek-V2-Lite: 2 shared experts, one MLP of width 2 x 1408; the Sailfish rows run them inside
+the block, as 2 experts of width 1408 every token takes (the op's num_shared), the 16-bit rows as
+one MLP with cuBLAS).
 
 Kernels (rows' "kernel"):
 - sailfish-moe-w4a16: sailfish::moe_w4a16 (one grouped launch per GEMM; ops/moe.py).
@@ -21,7 +22,7 @@ Kernels (rows' "kernel"):
 - vllm-triton-moe: a peer, vLLM's Triton W4A16 MoE kernel (fused_moe_kernel_gptq_awq) on the same
   4-bit codes and scales, from an uncommitted file <--peers>/vllm_moe_wna16.py (bench/moe_peers.py
   says what runs around it); without the file the column is skipped with one line. Shared experts
-  run as in the Sailfish rows (QuantLinear), so the two differ only in the routed experts.
+  run as one MLP of two QuantLinears (as in the per-expert loop).
 Routing: uniform (every token's top-k distinct experts uniformly at random, fixed seed) and
 skewed (experts drawn with probability ~ 1 / (rank + 1), fixed seed; the model name gets
 " skewed"). Routing weights: softmax of random logits over the top-k.
@@ -71,38 +72,49 @@ def routing(M: int, E: int, topk: int, skewed: bool, device, seed: int = 0):
 @dataclass
 class Experts:
     """One copy of a model's weights in every form the kernels take."""
-    q13: object  # PackedExperts (E, 2I, H)
+    q13: object  # PackedExperts (E, 2I, H): the routed experts
     q2: object   # PackedExperts (E, H, I)
+    all13: object  # PackedExperts (E + S, 2I, H): the routed experts, then the S shared ones (q13 a view)
+    all2: object
     w13: torch.Tensor  # (E, H, 2I) 16-bit, the dequantized values (grouped_mm's B layout, a view)
     w2: torch.Tensor   # (E, I, H)
     linears: Optional[list] = None  # per expert (gate_up QuantLinear, down QuantLinear)
-    shared: Optional[tuple] = None  # (gate_up QuantLinear, down QuantLinear, gate_up 16-bit, down 16-bit)
+    # the shared experts as one MLP: (gate_up QuantLinear, down QuantLinear, gate_up 16-bit, down 16-bit)
+    shared: Optional[tuple] = None
     peer: Optional[object] = None  # moe_peers.VllmExperts (vllm-triton-moe)
 
 
 def make_experts(H, I, E, shared, dtype, group_size, device, loop: bool, seed: int) -> Experts:
+    from dataclasses import replace
+
     from ..formats.experts import quantize_experts
     from ..nn import QuantLinear
 
     g = torch.Generator(device=device).manual_seed(seed)  # (weights made and quantized on the device: fast)
-    q13 = quantize_experts(torch.randn(E, 2 * I, H, generator=g, device=device) * 0.02, group_size, True, dtype)
-    q2 = quantize_experts(torch.randn(E, H, I, generator=g, device=device) * 0.02, group_size, True, dtype)
+    S = shared
+    all13 = quantize_experts(torch.randn(E + S, 2 * I, H, generator=g, device=device) * 0.02, group_size, True, dtype)
+    all2 = quantize_experts(torch.randn(E + S, H, I, generator=g, device=device) * 0.02, group_size, True, dtype)
+    q13, q2 = (replace(q, qweight=q.qweight[:E], scales=q.scales[:E]) for q in (all13, all2))
     d13, d2 = q13.dequantize().to(dtype), q2.dequantize().to(dtype)
     linears = None
     if loop:
         linears = [(QuantLinear.from_quantized(a, None), QuantLinear.from_quantized(b, None))
                    for a, b in zip(q13.unstack(), q2.unstack())]
     sh = None
-    if shared:
-        lin_gu = torch.nn.Linear(H, 2 * I * shared, bias=False, device=device)
-        lin_d = torch.nn.Linear(I * shared, H, bias=False, device=device)
+    if S:  # the S shared experts as the one MLP of width S * I they are (gate rows, then up rows)
+        s13, s2 = all13.dequantize()[E:], all2.dequantize()[E:]  # (S, 2I, H), (S, H, I)
+        gu = torch.cat([s13[:, :I].reshape(S * I, H), s13[:, I:].reshape(S * I, H)]).to(dtype)
+        dn = s2.permute(1, 0, 2).reshape(H, S * I).to(dtype)
+        lin_gu = torch.nn.Linear(H, 2 * I * S, bias=False, device=device, dtype=dtype)
+        lin_d = torch.nn.Linear(I * S, H, bias=False, device=device, dtype=dtype)
         with torch.no_grad():
-            lin_gu.weight.normal_(0, 0.02, generator=g)
-            lin_d.weight.normal_(0, 0.02, generator=g)
-        qgu = QuantLinear.from_linear(lin_gu.to(dtype), group_size=group_size)
-        qd = QuantLinear.from_linear(lin_d.to(dtype), group_size=group_size)
-        sh = (qgu, qd, qgu.dequantize().to(dtype), qd.dequantize().to(dtype))
-    return Experts(q13, q2, d13.transpose(1, 2), d2.transpose(1, 2), linears, sh)
+            lin_gu.weight.copy_(gu)
+            lin_d.weight.copy_(dn)
+        # (for the QuantLinear rows: these values quantized again, a round trip)
+        qgu = QuantLinear.from_linear(lin_gu, group_size=group_size)
+        qd = QuantLinear.from_linear(lin_d, group_size=group_size)
+        sh = (qgu, qd, gu, dn)
+    return Experts(q13, q2, all13, all2, d13.transpose(1, 2), d2.transpose(1, 2), linears, sh)
 
 
 def _silu_mul(gu: torch.Tensor) -> torch.Tensor:
@@ -118,9 +130,10 @@ def _shared(x, ex: Experts, quantized: bool):
 
 
 def sailfish_block(x, ids, w, ex: Experts):
-    y = torch.ops.sailfish.moe_w4a16(x, ids, w, ex.q13.qweight, ex.q13.scales, ex.q13.zeros, ex.q2.qweight,
-                                     ex.q2.scales, ex.q2.zeros, ex.q13.group_size)
-    return y if ex.shared is None else y + _shared(x, ex, True)
+    """The routed and the shared experts in one block (num_shared)."""
+    a, b = ex.all13, ex.all2
+    return torch.ops.sailfish.moe_w4a16(x, ids, w, a.qweight, a.scales, a.zeros, b.qweight, b.scales, b.zeros,
+                                        a.group_size, None, None, a.num_experts - ex.q13.num_experts)
 
 
 def grouped_block(x, ids, w, ex: Experts):
@@ -284,10 +297,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 ids, w = routing(M, E, topk, skew, device)
                 x = (torch.randn(M, H, generator=torch.Generator().manual_seed(M)) * 0.5).to(device, dtype)
                 ex0 = exs[0]
-                ref = moe_w4a16_reference(x, ids, w, ex0.q13.qweight, ex0.q13.scales, None, ex0.q2.qweight,
-                                          ex0.q2.scales, None, args.group_size).float()
-                if ex0.shared is not None:
-                    ref = ref + _shared(x, ex0, False).float()
+                ref = moe_w4a16_reference(x, ids, w, ex0.all13.qweight, ex0.all13.scales, None, ex0.all2.qweight,
+                                          ex0.all2.scales, None, args.group_size, num_shared=shared).float()
                 for kernel in kernels:
                     if kernel == "sailfish-moe-w4a16":
                         fns = [lambda ex=ex: sailfish_block(x, ids, w, ex) for ex in exs]

@@ -1,8 +1,13 @@
 """Grouped W4A16 mixture-of-experts kernels (ops/moe.py launches them).
 
 A MoE block routes each token m to TOPK experts; the M * TOPK (token, k) pairs are the
-"slots" t = m * TOPK + k. ops/moe.align_routing sorts the slots by expert and pads every
-expert's run to whole BLOCK_M blocks (`sorted_slots`, sentinel T = M * TOPK for padding) and
+"slots" t = m * TOPK + k. SHARED > 0 (DeepSeek's shared experts, run as experts of the routed
+width that every token takes with weight 1): a token has KS = TOPK + SHARED slots t = m * KS + k,
+slot k < TOPK its routed expert ids[m * TOPK + k], slot TOPK + j the shared expert E + j (the
+shared experts stacked after the E routed ones; `_slot_expert`, `_slot_weight`), so both GEMMs,
+the routing and the top-k sum treat them as any other slot (T = M * KS slots in all).
+ops/moe.align_routing sorts the slots by expert and pads every expert's run to whole BLOCK_M
+blocks (`sorted_slots`, sentinel T for padding) and
 gives each block its expert (`block_expert`, -1 past the last used block). One launch of
 `_moe_w4a16_kernel` then computes every (block, N tile[, K split]) program of one GEMM from the
 stacked 4-bit experts (formats/experts.PackedExperts), with the dense kernel's tile machinery:
@@ -44,6 +49,35 @@ from .w4a16 import _gemv_mma_loop, _gemv_rows, _load_groups, _tile_operands
 
 
 @triton.jit
+def _slot_expert(ids_ptr, slot, mask, E, TOPK: tl.constexpr, SHARED: tl.constexpr):
+    """The expert of slot(s) `slot` (int64) of the block (module docstring): -1 where mask is off
+    or the routed id lies outside [0, E) (transformers passes E for a slot no local expert takes),
+    E + j for shared slot TOPK + j."""
+    if SHARED == 0:
+        eid = tl.load(ids_ptr + slot, mask=mask, other=-1)
+        return tl.where((eid >= 0) & (eid < E), eid.to(tl.int32), -1)  # (compared before the cast)
+    else:
+        k = slot % (TOPK + SHARED)
+        routed = k < TOPK
+        eid = tl.load(ids_ptr + slot // (TOPK + SHARED) * TOPK + k, mask=mask & routed, other=-1)
+        eid = tl.where((eid >= 0) & (eid < E), eid.to(tl.int32), -1)
+        return tl.where(routed, eid, tl.where(mask, E + (k - TOPK).to(tl.int32), -1))
+
+
+@triton.jit
+def _slot_weight(tw_ptr, slot, mask, TOPK: tl.constexpr, SHARED: tl.constexpr):
+    """The routing weight (fp32) of slot(s) `slot`: tw[m * TOPK + k] for a routed slot, 1 for a
+    shared one (0 where mask is off)."""
+    if SHARED == 0:
+        return tl.load(tw_ptr + slot, mask=mask, other=0.0)
+    else:
+        k = slot % (TOPK + SHARED)
+        routed = k < TOPK
+        w = tl.load(tw_ptr + slot // (TOPK + SHARED) * TOPK + k, mask=mask & routed, other=0.0)
+        return tl.where(routed, w, tl.where(mask, 1.0, 0.0))
+
+
+@triton.jit
 def _dot_tile(acc, w_ptrs, xt, s_e, z_e, rn, k0, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, DTYPE: tl.constexpr, EMU_BF16: tl.constexpr,
               USE_ASM: tl.constexpr, ACC_FENCE: tl.constexpr):
@@ -81,39 +115,39 @@ def _gated_sum(ws_ptr, t, n, mask, T, N, SPLIT_K: tl.constexpr, UNROLL: tl.const
 
 @triton.jit
 def _topk_sum(src_ptr, ids_ptr, tw_ptr, m, n, mask, M, N, E, TOPK: tl.constexpr, SPLIT_K: tl.constexpr,
-              WEIGHTED: tl.constexpr, UNROLL: tl.constexpr):
-    """sum_k c_k * sum_s src[s, m * TOPK + k, n] in fp32, in the fixed order k = 0, 1, ... (and
-    s = 0, 1, ...): _topk_sum_kernel's value (see there); m, n int64 index tensors that broadcast
-    to mask's shape. UNROLL: as _gated_sum's."""
+              WEIGHTED: tl.constexpr, UNROLL: tl.constexpr, SHARED: tl.constexpr = 0):
+    """sum_k c_k * sum_s src[s, m * KS + k, n] in fp32, in the fixed order k = 0, 1, ..., KS - 1
+    (and s = 0, 1, ...), KS = TOPK + SHARED: _topk_sum_kernel's value (see there); m, n int64
+    index tensors that broadcast to mask's shape. UNROLL: as _gated_sum's."""
+    KS: tl.constexpr = TOPK + SHARED
     acc = tl.zeros(mask.shape, dtype=tl.float32)
-    for k in tl.range(0, TOPK, num_stages=1, loop_unroll_factor=TOPK if UNROLL else 1):
-        row = m * TOPK + k
-        eid = tl.load(ids_ptr + row, mask=mask, other=-1)
-        live = mask & (eid >= 0) & (eid < E)
+    for k in tl.range(0, KS, num_stages=1, loop_unroll_factor=KS if UNROLL else 1):
+        row = m * KS + k
+        live = mask & (_slot_expert(ids_ptr, row, mask, E, TOPK, SHARED) >= 0)
         part = tl.zeros(mask.shape, dtype=tl.float32)
         for s in tl.range(0, SPLIT_K, num_stages=1, loop_unroll_factor=SPLIT_K if UNROLL else 1):
-            part += tl.load(src_ptr + (s * M * TOPK + row) * N + n, mask=live, other=0.0,
+            part += tl.load(src_ptr + (s * M * KS + row) * N + n, mask=live, other=0.0,
                             cache_modifier=".cg").to(tl.float32)
         if WEIGHTED:
             acc += part
         else:
-            acc += part * tl.load(tw_ptr + row, mask=mask, other=0.0)
+            acc += part * _slot_weight(tw_ptr, row, mask, TOPK, SHARED)
     return acc
 
 
 @triton.jit
 def _topk_tile(y_ptr, ws_ptr, ids_ptr, tw_ptr, out_ptr, on, T, N, E, TOPK: tl.constexpr, SPLIT_K: tl.constexpr,
-               BLOCK_M: tl.constexpr, DTYPE: tl.constexpr, EMU_BF16: tl.constexpr):
+               BLOCK_M: tl.constexpr, DTYPE: tl.constexpr, EMU_BF16: tl.constexpr, SHARED: tl.constexpr = 0):
     """The down GEMM's fused top-k sum over one N tile (columns on, (BLOCK_N, 1) int64), by the
     tile's last program: every token's out row from its slot rows (y: weighted, rounded; or the
     fp32 split-K partials in ws), BLOCK_M tokens at a time (_topk_sum)."""
-    M = T // TOPK
+    M = T // (TOPK + SHARED)
     src = y_ptr if SPLIT_K == 1 else ws_ptr
     nmask = on < N
     for m0 in range(0, M, BLOCK_M):
         m = m0 + tl.arange(0, BLOCK_M).to(tl.int64)[None, :]
         tmask = nmask & (m < M)
-        v = _topk_sum(src, ids_ptr, tw_ptr, m, on, tmask, M, N, E, TOPK, SPLIT_K, SPLIT_K == 1, False)
+        v = _topk_sum(src, ids_ptr, tw_ptr, m, on, tmask, M, N, E, TOPK, SPLIT_K, SPLIT_K == 1, False, SHARED)
         tl.store(out_ptr + m * N + on, cast_out(v, DTYPE, EMU_BF16), mask=tmask)
 
 
@@ -126,9 +160,10 @@ def _moe_w4a16_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ACC_FENCE: tl.constexpr = False, FUSED: tl.constexpr = False, ROUTE: tl.constexpr = False,
     E_POW2: tl.constexpr = 16, T_POW2: tl.constexpr = 16, PDL_EARLY: tl.constexpr = False,
-    PDL: tl.constexpr = False, HAS_PERM: tl.constexpr = False,
+    PDL: tl.constexpr = False, HAS_PERM: tl.constexpr = False, SHARED: tl.constexpr = 0,
 ):
-    """One GEMM of a MoE block over all experts (module docstring). N: output columns (GATED:
+    """One GEMM of a MoE block over all experts (module docstring): E routed experts (SHARED shared
+    ones stacked after them), T = M * (TOPK + SHARED) slots. N: output columns (GATED:
     I, the weight has 2I rows); K: input channels (x / h row length). qweight (E, N_w, Kp // 8),
     scales / zeros (E, N_w, Gp) with equal strides. y: GATED h (T, I), else the weighted slot
     rows (T, N); ws: (SPLIT_K, T, N_w) fp32 when SPLIT_K > 1.
@@ -151,7 +186,7 @@ def _moe_w4a16_kernel(
     pid_b, pid_n = grouped_tile(tl.program_id(0), num_blocks * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
     if ROUTE:
-        e, slots = _route_block(ids_ptr, pid_b, T, E, BLOCK_M, E_POW2, T_POW2)
+        e, slots = _route_block(ids_ptr, pid_b, T, E, BLOCK_M, E_POW2, T_POW2, TOPK, SHARED)
     else:
         e = tl.load(bexp_ptr + pid_b)
     if not TOPK_SUM:
@@ -162,7 +197,7 @@ def _moe_w4a16_kernel(
         slots = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = slots < T
     slot = tl.where(valid, slots, 0).to(tl.int64)
-    rows = slot // TOPK if GATED else slot  # x rows: tokens (gate_up) or slots (down: h)
+    rows = slot // (TOPK + SHARED) if GATED else slot  # x rows: tokens (gate_up) or slots (down: h)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = (offs_n % N).to(tl.int64)
     kt0, kt1 = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
@@ -222,14 +257,14 @@ def _moe_w4a16_kernel(
                     tl.store(y_ptr + om * stride_ym + on, cast_out(h, DTYPE, EMU_BF16), mask=mask)
     else:
         if SPLIT_K == 1:
-            wt = tl.load(tw_ptr + slot)  # the slot's routing weight (fp32)
+            wt = _slot_weight(tw_ptr, slot, valid, TOPK, SHARED)  # the slot's routing weight (fp32)
             tl.store(y_ptr + om * stride_ym + on, cast_out(acc * wt[None, :], DTYPE, EMU_BF16), mask=mask)
         else:
             tl.store(ws_ptr + (pid_k * T + om) * N + on, acc, mask=mask)
         if TOPK_SUM:  # the N tile's last program adds the top-k rows of every token (as _topk_sum_kernel)
             if arrive_last(sync_ptr + SYNC_TILES + pid_n, num_blocks * SPLIT_K):
                 _topk_tile(y_ptr, ws_ptr, ids_ptr, tw_ptr, out_ptr, on, T, N, E, TOPK, SPLIT_K, BLOCK_M, DTYPE,
-                           EMU_BF16)
+                           EMU_BF16, SHARED)
 
 
 # ----------------------------------------------------------------------------------
@@ -300,12 +335,13 @@ def _moe_gemv_kernel(
     EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr,
     ASM: tl.constexpr, ASM_CONSTRAINTS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SCALE_ACC: tl.constexpr = False, RING: tl.constexpr = 1,
-    PDL_EARLY: tl.constexpr = False, PDL: tl.constexpr = False,
+    PDL_EARLY: tl.constexpr = False, PDL: tl.constexpr = False, SHARED: tl.constexpr = 0,
 ):
-    """One GEMM of a MoE block as one GEMV per slot (the comment above). Grid (T, N tiles,
+    """One GEMM of a MoE block as one GEMV per slot (the comment above); T = M * (TOPK + SHARED)
+    slots (module docstring: the shared experts). Grid (T, N tiles,
     SPLIT_K): program (slot, pid_n, pid_k); slot-major, so the slots of one N tile run side by side
-    (two slots of one expert read its tile once from HBM). Expert e = ids[slot]; an id outside
-    [0, E) computes nothing.
+    (two slots of one expert read its tile once from HBM). Expert e = _slot_expert's; a routed id
+    outside [0, E) computes nothing.
     - GATED (gate_up; N = I, the weight (E, 2I, Kp // 8)): BLOCK_N // 2 columns of h = silu(gate) *
       up for the slot, x row slot // TOPK; SPLIT_K > 1: fp32 partials to ws (SPLIT_K, T, 2I), and
       the (slot, N tile)'s last split sums them (_gated_sum; counters sync_ptr, SYNC_TILES +
@@ -320,8 +356,8 @@ def _moe_gemv_kernel(
     slot = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    e = tl.load(ids_ptr + slot).to(tl.int64)
-    live = (e >= 0) & (e < E)
+    e = _slot_expert(ids_ptr, slot, slot >= 0, E, TOPK, SHARED).to(tl.int64)
+    live = e >= 0
     if GATED:
         if not live:  # (h's row is never read: the down GEMM skips the slot too)
             return
@@ -336,7 +372,7 @@ def _moe_gemv_kernel(
     e = tl.maximum(e, 0)
     pdl_wait(PDL)  # (down: h, and the counters back at zero)
     if live:
-        row = slot // TOPK if GATED else slot
+        row = slot // (TOPK + SHARED) if GATED else slot
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gemv_mma_loop(
             x_ptr + row * stride_xm, qw_ptr + e * stride_qe, s_ptr + e * stride_se, z_ptr + e * stride_se,
             r0l, r0h, r1l, r1h, kt0, kt1, 1, K, stride_xm, stride_qn, stride_sn, GROUP_SIZE, HAS_ZEROS, EVEN_K,
@@ -349,7 +385,7 @@ def _moe_gemv_kernel(
                 _gated_store(_slot_sum(acc4, C), _slot_sum(acc6, C), c1, slot, t, T, N, y_ptr, ws_ptr, pid_k,
                              SPLIT_K, EMU_BF16, DTYPE)
         else:
-            wt = tl.load(tw_ptr + slot)  # the slot's routing weight (fp32)
+            wt = _slot_weight(tw_ptr, slot, slot >= 0, TOPK, SHARED)  # the slot's routing weight (fp32)
             _down_store(_slot_sum(acc0, C), c0, slot, wt, t, T, N, y_ptr, ws_ptr, pid_k, SPLIT_K, EMU_BF16, DTYPE)
             _down_store(_slot_sum(acc2, C), c0h, slot, wt, t, T, N, y_ptr, ws_ptr, pid_k, SPLIT_K, EMU_BF16, DTYPE)
             if P == 2:
@@ -367,7 +403,8 @@ def _moe_gemv_kernel(
     else:  # every program counts in (dead slots too): the N tile's last does the top-k sum
         if arrive_last(sync_ptr + SYNC_TILES + pid_n, T * SPLIT_K):
             on = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
-            _topk_tile(y_ptr, ws_ptr, ids_ptr, tw_ptr, out_ptr, on, T, N, E, TOPK, SPLIT_K, 16, DTYPE, EMU_BF16)
+            _topk_tile(y_ptr, ws_ptr, ids_ptr, tw_ptr, out_ptr, on, T, N, E, TOPK, SPLIT_K, 16, DTYPE, EMU_BF16,
+                       SHARED)
 
 
 @triton.jit
@@ -383,15 +420,16 @@ def _gated_reduce_kernel(ws_ptr, h_ptr, T, N, SPLIT_K: tl.constexpr, EMU_BF16: t
 
 @triton.jit
 def _topk_sum_kernel(src_ptr, ids_ptr, tw_ptr, y_ptr, M, N, E, TOPK: tl.constexpr, SPLIT_K: tl.constexpr,
-                     WEIGHTED: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """y[m, n] = sum_k c_k * sum_s src[s, m * TOPK + k, n], in the fixed order k = 0, 1, ...
-    (and s = 0, 1, ...) in fp32, rounded once to y's dtype (_topk_sum). src (SPLIT_K, M * TOPK, N):
-    the down GEMM's slot rows, already weighted (WEIGHTED: c_k = 1) or fp32 partial sums (c_k = the
-    routing weight tw[m * TOPK + k]). Slots whose id (ids, (M * TOPK,)) is outside [0, E) were
-    not computed: their rows are skipped. y (M, N) contiguous."""
+                     WEIGHTED: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK: tl.constexpr, SHARED: tl.constexpr = 0):
+    """y[m, n] = sum_k c_k * sum_s src[s, m * KS + k, n], in the fixed order k = 0, 1, ...
+    (and s = 0, 1, ...) in fp32, rounded once to y's dtype (_topk_sum). src (SPLIT_K, M * KS, N),
+    KS = TOPK + SHARED: the down GEMM's slot rows, already weighted (WEIGHTED: c_k = 1) or fp32
+    partial sums (c_k = the slot's routing weight, _slot_weight). Slots whose id (ids, (M * TOPK,))
+    is outside [0, E) were not computed: their rows are skipped. y (M, N) contiguous."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < (offs * 0 + M) * N
-    acc = _topk_sum(src_ptr, ids_ptr, tw_ptr, offs // N, offs % N, mask, M, N, E, TOPK, SPLIT_K, WEIGHTED, True)
+    acc = _topk_sum(src_ptr, ids_ptr, tw_ptr, offs // N, offs % N, mask, M, N, E, TOPK, SPLIT_K, WEIGHTED, True,
+                    SHARED)
     tl.store(y_ptr + offs, cast_out(acc, y_ptr.dtype.element_ty, EMU_BF16), mask=mask)
 
 
@@ -402,13 +440,13 @@ def _topk_sum_kernel(src_ptr, ids_ptr, tw_ptr, y_ptr, M, N, E, TOPK: tl.constexp
 # program c of both kernels; integer counts and fixed ranks: deterministic.
 # ----------------------------------------------------------------------------------
 @triton.jit
-def _onehot(ids_ptr, t0, T, E, E_POW2: tl.constexpr, BLOCK_T: tl.constexpr):
+def _onehot(ids_ptr, t0, T, E, E_POW2: tl.constexpr, BLOCK_T: tl.constexpr, TOPK: tl.constexpr = 1,
+            SHARED: tl.constexpr = 0):
     """(slots (BLOCK_T,), live (BLOCK_T,), onehot int32 (BLOCK_T, E_POW2)) of the chunk at t0:
-    live = a real slot whose id lies in [0, E)."""
+    live = a real slot with an expert (_slot_expert: routed ids in [0, E), the shared E + j)."""
     offs = t0 + tl.arange(0, BLOCK_T)
-    ids = tl.load(ids_ptr + offs, mask=offs < T, other=-1).to(tl.int32)
-    live = (offs < T) & (ids >= 0) & (ids < E)
-    ids = tl.where(live, ids, -1)
+    ids = _slot_expert(ids_ptr, offs.to(tl.int64), offs < T, E, TOPK, SHARED)
+    live = ids >= 0
     return offs, live, (ids[:, None] == tl.arange(0, E_POW2)[None, :]).to(tl.int32)
 
 
@@ -433,15 +471,16 @@ def _block_expert(ends, b, E, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _route_block(ids_ptr, b, T, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, T_POW2: tl.constexpr):
+def _route_block(ids_ptr, b, T, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, T_POW2: tl.constexpr,
+                 TOPK: tl.constexpr = 1, SHARED: tl.constexpr = 0):
     """(expert, slots (BLOCK_M,) int64) of block b of the routing, computed from the T <= T_POW2
     expert ids in one chunk: what the routing kernels would have written for it (block_expert[b]
     and sorted_slots[b * BLOCK_M:][:BLOCK_M], padding T), by their arithmetic (ROUTE: decode's
     GEMMs route themselves, ops/moe.py ROUTE_TILE)."""
-    offs, live, onehot = _onehot(ids_ptr, 0, T, E, E_POW2, T_POW2)
+    offs, live, onehot = _onehot(ids_ptr, 0, T, E, E_POW2, T_POW2, TOPK, SHARED)
     counts = tl.sum(onehot, axis=0)
     ends, dest = _placement(onehot, counts, counts * 0, BLOCK_M)
-    e = tl.sum(_block_expert(ends, b + tl.arange(0, 1), E, BLOCK_M), axis=0)
+    e = tl.sum(_block_expert(ends, b + tl.arange(0, 1), E + SHARED, BLOCK_M), axis=0)
     pos = b * BLOCK_M + tl.arange(0, BLOCK_M)
     match = (dest[:, None] == pos[None, :]) & live[:, None]  # at most one slot per place
     found = tl.max(match.to(tl.int32), axis=0) > 0
@@ -450,11 +489,12 @@ def _route_block(ids_ptr, b, T, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, 
 
 
 @triton.jit
-def _route_count_kernel(ids_ptr, hist_ptr, sorted_ptr, T, E, S, E_POW2: tl.constexpr, BLOCK_T: tl.constexpr):
+def _route_count_kernel(ids_ptr, hist_ptr, sorted_ptr, T, E, S, E_POW2: tl.constexpr, BLOCK_T: tl.constexpr,
+                        TOPK: tl.constexpr = 1, SHARED: tl.constexpr = 0):
     """hist[c, e] = the slots of chunk c routed to expert e; and sorted_slots (S entries) filled
     with the padding value T, a slice per program (the placing kernel runs after this one)."""
     c = tl.program_id(0)
-    _, _, onehot = _onehot(ids_ptr, c * BLOCK_T, T, E, E_POW2, BLOCK_T)
+    _, _, onehot = _onehot(ids_ptr, c * BLOCK_T, T, E, E_POW2, BLOCK_T, TOPK, SHARED)
     tl.store(hist_ptr + c * E_POW2 + tl.arange(0, E_POW2), tl.sum(onehot, axis=0))
     per = tl.cdiv(S, tl.num_programs(0))
     for s0 in range(c * per, tl.minimum(S, (c + 1) * per), BLOCK_T):
@@ -464,7 +504,8 @@ def _route_count_kernel(ids_ptr, hist_ptr, sorted_ptr, T, E, S, E_POW2: tl.const
 
 @triton.jit
 def _route_place_kernel(ids_ptr, hist_ptr, sorted_ptr, bexp_ptr, T, E, NB, BLOCK_M: tl.constexpr,
-                        E_POW2: tl.constexpr, BLOCK_T: tl.constexpr, ONE_CHUNK: tl.constexpr = False):
+                        E_POW2: tl.constexpr, BLOCK_T: tl.constexpr, ONE_CHUNK: tl.constexpr = False,
+                        TOPK: tl.constexpr = 1, SHARED: tl.constexpr = 0):
     """Place chunk c's slots: slot t of expert e goes to starts[e] + (slots of e before it), starts
     the exclusive prefix sum of the experts' counts padded to whole BLOCK_M blocks; and the experts
     of the blocks b = c, c + chunks, ... (-1 past the last used block).
@@ -473,7 +514,7 @@ def _route_place_kernel(ids_ptr, hist_ptr, sorted_ptr, bexp_ptr, T, E, NB, BLOCK
     c = tl.program_id(0)
     chunks = tl.num_programs(0)
     e_idx = tl.arange(0, E_POW2)
-    offs, live, onehot = _onehot(ids_ptr, c * BLOCK_T, T, E, E_POW2, BLOCK_T)
+    offs, live, onehot = _onehot(ids_ptr, c * BLOCK_T, T, E, E_POW2, BLOCK_T, TOPK, SHARED)
     if ONE_CHUNK:
         counts = tl.sum(onehot, axis=0)
         before = counts * 0
@@ -492,4 +533,4 @@ def _route_place_kernel(ids_ptr, hist_ptr, sorted_ptr, bexp_ptr, T, E, NB, BLOCK
     tl.store(sorted_ptr + dest, offs, mask=live)
     for b0 in range(c * BLOCK_T, NB, chunks * BLOCK_T):
         b = b0 + tl.arange(0, BLOCK_T)
-        tl.store(bexp_ptr + b, _block_expert(ends, b, E, BLOCK_M), mask=b < NB)
+        tl.store(bexp_ptr + b, _block_expert(ends, b, E + SHARED, BLOCK_M), mask=b < NB)

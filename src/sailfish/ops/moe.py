@@ -2,7 +2,8 @@
 launcher and op.
 
     sailfish::moe_w4a16(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros,
-                        w2_qweight, w2_scales, w2_zeros, group_size, w13_perm=None, w2_perm=None) -> y
+                        w2_qweight, w2_scales, w2_zeros, group_size, w13_perm=None, w2_perm=None,
+                        num_shared=0) -> y
 
 y[m] = sum_k topk_weights[m, k] * down_e(silu(gate_e(x[m])) * up_e(x[m])), e = topk_ids[m, k],
 the experts in formats/experts.PackedExperts layout: w13 (E, 2I, H) holds gate rows [0, I)
@@ -13,6 +14,13 @@ group), so the expert multiplies x[:, perm[e]] (h[:, perm[e]]); None: no act-ord
 Expert ids outside [0, E) contribute nothing (transformers passes E for a token
 slot that no local expert takes). The routing (softmax, top-k, renormalisation) is the
 caller's: the op takes its result.
+
+Shared experts (num_shared = S > 0; DeepSeek-V2 / V3): the weights hold E + S experts, the last S
+the shared experts of the routed width I (a shared MLP of width S * I split into S experts along
+its intermediate channels: the same sum, exactly), which every token takes with weight 1 after its
+top-k (its slots m * (k + S) + k + j); the routed ids must then lie in [0, E), E = the weights'
+experts - S. y = the routed sum + the shared experts' rows, in one fixed order: one block, no
+separate shared MLP launches.
 
 Numerics (the reference below is the exact twin; kernels/moe.py): fp32 accumulation,
 h = silu(gate) * up in fp32 rounded once to x's dtype, each (token, k) row of the down
@@ -73,16 +81,35 @@ ROUTE_TILE = 4096
 # ----------------------------------------------------------------------------------
 # Reference (pure PyTorch): the op's math, and its CPU path without the interpreter
 # ----------------------------------------------------------------------------------
+def slot_experts(topk_ids: torch.Tensor, num_experts: int, num_shared: int = 0) -> torch.Tensor:
+    """int64 (M * (k + S),): the expert of every slot m * (k + S) + j, the routed ids (-1 outside
+    [0, num_experts)) then the shared experts num_experts + j (kernels/moe._slot_expert's twin)."""
+    ids = topk_ids.long()
+    ids = torch.where((ids >= 0) & (ids < num_experts), ids, -1)
+    if num_shared:
+        shared = torch.arange(num_experts, num_experts + num_shared, device=ids.device)
+        ids = torch.cat([ids, shared.expand(ids.shape[0], num_shared)], 1)
+    return ids.reshape(-1)
+
+
+def slot_weights(topk_weights: torch.Tensor, num_shared: int = 0) -> torch.Tensor:
+    """float32 (M * (k + S),): the slots' routing weights, 1 for the shared experts' (_slot_weight's twin)."""
+    tw = topk_weights.float()
+    if num_shared:
+        tw = torch.cat([tw, tw.new_ones((tw.shape[0], num_shared))], 1)
+    return tw.reshape(-1)
+
+
 def moe_w4a16_reference(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales,
-                        w2_zeros, group_size, w13_perm=None, w2_perm=None):
+                        w2_zeros, group_size, w13_perm=None, w2_perm=None, num_shared=0):
     M, H = x.shape
-    topk = topk_ids.shape[1]
     E, I = w13_qweight.shape[0], w13_qweight.shape[1] // 2
+    topk = topk_ids.shape[1] + num_shared  # slots per token
     # (act-order: unpack puts each expert's channels back in x's order)
     w13 = PackedExperts(w13_qweight, w13_scales, w13_zeros, H, group_size, w13_perm)
     w2 = PackedExperts(w2_qweight, w2_scales, w2_zeros, I, group_size, w2_perm)
-    ids = topk_ids.reshape(-1).long()
-    tw = topk_weights.reshape(-1).float()
+    ids = slot_experts(topk_ids, E - num_shared, num_shared)
+    tw = slot_weights(topk_weights, num_shared)
     rows = torch.zeros((M * topk, H), dtype=torch.float32, device=x.device)
     for e in range(E):
         slots = (ids == e).nonzero()[:, 0]
@@ -107,17 +134,21 @@ def max_blocks(slots: int, num_experts: int, block_m: int) -> int:
     return -(-slots // block_m) + min(num_experts, slots)
 
 
-def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                  num_shared: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """(sorted_slots int32 (max_blocks * block_m,), block_expert int32 (max_blocks,)).
 
-    Slot t = m * topk + k of topk_ids (M, topk). sorted_slots lists every expert's slots in
-    increasing order, expert 0 first, each expert's run padded to a whole block with T = M * topk;
+    Slot t = m * topk + k of topk_ids (M, topk) (num_shared S: m * (topk + S) + k, the shared
+    experts num_experts + j after the top-k: slot_experts; num_experts counts the routed ones).
+    sorted_slots lists every expert's slots in increasing order, expert 0 first, each expert's run
+    padded to a whole block with T (the slot count);
     block_expert[b] is the expert of block b, -1 for the blocks past the last used one. Ids
     outside [0, E) are left out. Deterministic (a stable sort, unique scatter targets) and free of
     host synchronisation, with sizes that depend only on (M, topk, E, block_m): CUDA graphs and
     torch.compile take it as it is."""
     dev = topk_ids.device
-    ids = topk_ids.reshape(-1).long()
+    ids = slot_experts(topk_ids.reshape(topk_ids.shape[0], -1), num_experts, num_shared)
+    num_experts += num_shared
     T = ids.numel()
     nb = max_blocks(T, num_experts, block_m)
     sorted_ids, order = torch.sort(ids, stable=True)
@@ -140,19 +171,22 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Tup
 class Router:
     """align_routing in two Triton launches (kernels/moe._route_count_kernel, _route_place_kernel;
     one when the slots fit one chunk): the same outputs, bit for bit, as the PyTorch twin above,
-    which is its reference."""
+    which is its reference. topk, num_shared: align_routing's shared experts (topk only matters
+    where num_shared > 0)."""
 
-    def __init__(self, num_experts: int, block_m: int, device_index: int):
+    def __init__(self, num_experts: int, block_m: int, device_index: int, topk: int = 1, num_shared: int = 0):
         from ..kernels.moe import _route_count_kernel, _route_place_kernel
 
-        self.E, self.block_m = num_experts, block_m
-        ep = max(16, next_pow2(num_experts))
+        self.E, self.block_m, self.topk, self.shared = num_experts, block_m, topk, num_shared
+        ep = max(16, next_pow2(num_experts + num_shared))
         self.block_t = max(16, min(128, 8192 // ep))  # the (slots x experts) one-hot tile: <= 8192 entries
-        self.count = Launch(_route_count_kernel, dict(E_POW2=ep, BLOCK_T=self.block_t, num_warps=4), device_index)
-        self.place = Launch(_route_place_kernel, dict(BLOCK_M=block_m, E_POW2=ep, BLOCK_T=self.block_t,
+        slots = dict(TOPK=topk, SHARED=num_shared) if num_shared else {}
+        self.count = Launch(_route_count_kernel, dict(E_POW2=ep, BLOCK_T=self.block_t, **slots, num_warps=4),
+                            device_index)
+        self.place = Launch(_route_place_kernel, dict(BLOCK_M=block_m, E_POW2=ep, BLOCK_T=self.block_t, **slots,
                                                       num_warps=4), device_index)
         self.place_one = Launch(_route_place_kernel, dict(BLOCK_M=block_m, E_POW2=ep, BLOCK_T=self.block_t,
-                                                          ONE_CHUNK=True, num_warps=4), device_index)
+                                                          ONE_CHUNK=True, **slots, num_warps=4), device_index)
         self.e_pow2 = ep
 
     def bound(self) -> bool:
@@ -162,9 +196,9 @@ class Router:
 
     def __call__(self, topk_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         ids = topk_ids.reshape(-1)
-        T, E, bm = ids.numel(), self.E, self.block_m
+        T, E, bm = ids.numel() // self.topk * (self.topk + self.shared), self.E, self.block_m
         chunks = -(-T // self.block_t)
-        nb = max_blocks(T, E, bm)
+        nb = max_blocks(T, E + self.shared, bm)
         dev = ids.device
         sorted_slots = torch.empty(nb * bm, dtype=torch.int32, device=dev)
         block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
@@ -247,7 +281,9 @@ def moe_heuristic(*, device, M, topk, E, N, Kp, gated, block_m) -> Config:
     elif bm == 32:
         bn, bk, warps = (64, K_CHUNK, 4) if gated else (256, K_CHUNK, 4)
     elif bm == 64:  # (sm_90 compile, Triton 3.9: BM 64 / BN 128 over 4 warps took 255 registers)
-        bn, bk, warps = (128, bk256, 8) if gated else (256, K_CHUNK, 8)
+        # down: BLOCK_K 256 over a long K (Mixtral's 14336 at M = 256: 979 -> 839 us, H100 autotune,
+        # docs/perf_log.md v46); 128 elsewhere (the v39 sweep's choice, measured on shorter K)
+        bn, bk, warps = (128, bk256, 8) if gated else (256, bk256 if Kp >= 8192 else K_CHUNK, 8)
     else:
         bn, bk, warps = (128, K_CHUNK, 8) if gated else ((128, 256, 8) if Kp % 256 == 0 else (256, K_CHUNK, 8))
     split = 1
@@ -399,16 +435,18 @@ class MoEPlan(Plan):
     route_inline). Its calls take the tensors (allocations, strides)."""
 
     __slots__ = ("cfg2", "M", "topk", "E", "I", "H", "router", "gated_reduce", "down", "topk_sum", "sync_at",
-                 "nb")
+                 "nb", "shared")
     takes_tensors = True
 
     def __init__(self, cfg13: Config, cfg2: Config, device: torch.device, dtype: torch.dtype, M: int, topk: int,
                  E: int, I: int, H: int, group_size: int, z13: bool, z2: bool, p13: bool = False,
-                 p2: bool = False):
+                 p2: bool = False, shared: int = 0):
         from ..kernels.moe import _gated_reduce_kernel, _moe_w4a16_kernel, _topk_sum_kernel
 
         self.config, self.cfg2, self.kind = cfg13, cfg2, "moe"
-        self.M, self.topk, self.E, self.I, self.H = M, topk, E, I, H
+        # (E: the routed experts; shared: the shared experts stacked after them, taken by every token)
+        self.M, self.topk, self.E, self.I, self.H, self.shared = M, topk, E, I, H, shared
+        slots = dict(SHARED=shared) if shared else {}  # (without: the kernels compile as before)
         emu = dtype == torch.bfloat16 and device.type != "cuda"  # interpreter bf16 (kernels/common.py)
         asm = device.type == "cuda" and (dtype == torch.float16 or has_bf16x2(device.index or 0))
         gs = 0 if group_size == -1 else group_size
@@ -430,16 +468,16 @@ class MoEPlan(Plan):
                                       cfg.scale_acc) if asm else ("", "")
                 link = {} if not chained else dict(PDL_EARLY=True) if gated else dict(PDL=True, launch_pdl=True)
                 return Launch(_moe_gemv_kernel, dict(
-                    TOPK=topk, GATED=gated, GROUP_SIZE=gs, HAS_ZEROS=zeros, EVEN_K=even_k, SPLIT_K=cfg.SPLIT_K,
+                    TOPK=topk, **slots, GATED=gated, GROUP_SIZE=gs, HAS_ZEROS=zeros, EVEN_K=even_k, SPLIT_K=cfg.SPLIT_K,
                     EMU_BF16=emu, USE_ASM=asm, ASM=text, ASM_CONSTRAINTS=cons, BLOCK_N=cfg.BLOCK_N,
                     BLOCK_K=cfg.BLOCK_K, SCALE_ACC=cfg.scale_acc, **gemv_stages(cfg.num_stages), **link,
                     num_warps=gemv_warps(cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_warps), num_stages=1), dev)
 
             self.gemm, self.down = gemv(cfg13, True, z13, H), gemv(cfg2, False, z2, I)
             return
-        route = route_inline(M, topk, E, cfg2)
+        route = route_inline(M, topk + shared, E + shared, cfg2)
         # (the routing tile's constexprs only where it is used: one compile serves every M otherwise)
-        routing = dict(ROUTE=True, **route_tile(M * topk, E)) if route else {}
+        routing = dict(ROUTE=True, **route_tile(M * (topk + shared), E + shared)) if route else {}
         # the decode path's down GEMM a programmatic dependent of gate_up (sm_90+, SAILFISH_PDL)
         chained = _fused(cfg2) and pdl(dev)
 
@@ -448,20 +486,20 @@ class MoEPlan(Plan):
             # (act-order only where there is a perm: the other kernels compile as before)
             link.update(dict(HAS_PERM=True) if perm else {})
             return Launch(_moe_w4a16_kernel, dict(
-                TOPK=topk, GATED=gated, GROUP_SIZE=gs, HAS_ZEROS=zeros, EVEN_K=K % cfg.BLOCK_K == 0,
+                TOPK=topk, **slots, GATED=gated, GROUP_SIZE=gs, HAS_ZEROS=zeros, EVEN_K=K % cfg.BLOCK_K == 0,
                 SPLIT_K=cfg.SPLIT_K, EMU_BF16=emu, USE_ASM=asm, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                 BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, ACC_FENCE=asm and acc_fence(),
                 FUSED=_fused(cfg), **routing, **link, **cfg.launch()), dev)
 
-        self.router = None if route else Router(E, cfg13.BLOCK_M, dev)
-        self.nb = max_blocks(M * topk, E, cfg13.BLOCK_M)
+        self.router = None if route else Router(E, cfg13.BLOCK_M, dev, topk, shared)
+        self.nb = max_blocks(M * (topk + shared), E + shared, cfg13.BLOCK_M)
         self.gemm = gemm(cfg13, True, z13, H, p13)  # gate_up
         self.down = gemm(cfg2, False, z2, I, p2)
         self.reduce = None  # (Plan's split-K reduce: the MoE plan's are gated_reduce and topk_sum)
         self.gated_reduce = None if cfg13.SPLIT_K == 1 or _fused(cfg13) else Launch(
             _gated_reduce_kernel, dict(SPLIT_K=cfg13.SPLIT_K, EMU_BF16=emu, BLOCK=_REDUCE_BLOCK, num_warps=4), dev)
         self.topk_sum = None if _fused(cfg2) else Launch(
-            _topk_sum_kernel, dict(TOPK=topk, SPLIT_K=cfg2.SPLIT_K, WEIGHTED=cfg2.SPLIT_K == 1, EMU_BF16=emu,
+            _topk_sum_kernel, dict(TOPK=topk, **slots, SPLIT_K=cfg2.SPLIT_K, WEIGHTED=cfg2.SPLIT_K == 1, EMU_BF16=emu,
                                    BLOCK=_REDUCE_BLOCK, num_warps=4), dev)
 
     def bound(self) -> bool:
@@ -473,7 +511,7 @@ class MoEPlan(Plan):
                  w2_zeros, w13_perm=None, w2_perm=None) -> None:
         """y (M, H) = the block; operands contiguous (topk_ids too)."""
         M, topk, I, H = self.M, self.topk, self.I, self.H
-        T = M * topk
+        T = M * (topk + self.shared)  # slots
         c13, c2 = self.config, self.cfg2
         if c13.kernel == "moe_gemv":
             self._gemv_call(y, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales,
@@ -515,7 +553,7 @@ class MoEPlan(Plan):
         """The "moe_gemv" block: gate_up then down, one GEMV per slot each (kernels/moe._moe_gemv_kernel),
         their split-K sums and the top-k sum inside the two launches."""
         M, topk, I, H, E = self.M, self.topk, self.I, self.H, self.E
-        T = M * topk
+        T = M * (topk + self.shared)  # slots
         c13, c2 = self.config, self.cfg2
         ids = topk_ids.reshape(-1)
         tw = topk_weights.reshape(-1).float().contiguous()
@@ -536,10 +574,11 @@ class MoEPlan(Plan):
 
 
 def moe_w4a16_launch(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales,
-                     w2_zeros, group_size, w13_perm=None, w2_perm=None,
+                     w2_zeros, group_size, w13_perm=None, w2_perm=None, num_shared: int = 0,
                      configs: Optional[Tuple[Config, Config]] = None) -> torch.Tensor:
     """Run the MoE block's kernels (validated operands). configs: (gate_up, down) to force
-    (tests), checked; their BLOCK_M must agree (one routing serves both GEMMs).
+    (tests), checked; their BLOCK_M must agree (one routing serves both GEMMs). The configs see
+    the block as top-(k + S) routing over E + S experts (num_shared S: the shared experts' slots).
 
     Steady state (CUDA, configs=None): the problem's plan (MoEPlan) from one dict lookup under
     a key that fixes everything the kernels are compiled for (the operands are contiguous, so
@@ -550,7 +589,8 @@ def moe_w4a16_launch(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zer
         return y
     x, topk_ids = x.contiguous(), topk_ids.contiguous()
     topk, (E, two_i, kw13) = topk_ids.shape[1], w13_qweight.shape
-    I = two_i // 2
+    I, S = two_i // 2, num_shared
+    E -= S  # routed
     operands = (x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales, w2_zeros,
                 w13_perm, w2_perm)
     perms = (w13_perm is not None, w2_perm is not None)
@@ -558,7 +598,7 @@ def moe_w4a16_launch(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zer
     if configs is None and x.is_cuda:
         dev = x.get_device()
         key = (dev, x.dtype, M, topk, E, I, H, group_size, w13_zeros is not None, w2_zeros is not None,
-               topk_ids.dtype, perms)
+               topk_ids.dtype, perms, S)
         if run_steady(MOE_TUNER, key, dev, x, y, operands, ()):
             return y
     plans = None if key is None else MOE_TUNER.plans_for_build()  # before the config lookup
@@ -566,25 +606,25 @@ def moe_w4a16_launch(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zer
 
     def build(cfg13: Config, cfg2: Config) -> MoEPlan:
         return MoEPlan(cfg13, cfg2, x.device, x.dtype, M, topk, E, I, H, group_size, w13_zeros is not None,
-                       w2_zeros is not None, *perms)
+                       w2_zeros is not None, *perms, shared=S)
 
     def make_run(gated: bool, chosen: list):
         """The tuner's run(cfg) for one GEMM: the whole block, the other GEMM at the chosen
         gate_up config (down) or the heuristic (gate_up)."""
         def run(cfg: Config) -> None:
             other = chosen[0] if not gated else moe_heuristic(
-                device=x.device, M=M, topk=topk, E=E, N=H, Kp=kp2, gated=False, block_m=cfg.BLOCK_M)
+                device=x.device, M=M, topk=topk + S, E=E + S, N=H, Kp=kp2, gated=False, block_m=cfg.BLOCK_M)
             (build(cfg, other) if gated else build(other, cfg))(x.new_empty((M, H)), *operands)
         return run
 
     gemv_format = moe_gemv_format(group_size, H, I, perms)
     with device_of(x):
         if configs is None:
-            configs = moe_config(x.device, M, topk, E, I, H, kp13, kp2, make_run, gemv_format)
+            configs = moe_config(x.device, M, topk + S, E + S, I, H, kp13, kp2, make_run, gemv_format)
         else:
             bm = configs[0].BLOCK_M
             for cfg, gated, N, Kp in ((configs[0], True, I, kp13), (configs[1], False, H, kp2)):
-                check_moe_config(cfg, M=M, topk=topk, E=E, N=N, Kp=Kp, block_m=bm, gated=gated)
+                check_moe_config(cfg, M=M, topk=topk + S, E=E + S, N=N, Kp=Kp, block_m=bm, gated=gated)
             if configs[0].kernel == "moe_gemv" and not gemv_format:
                 raise ValueError(f"config kernel='moe_gemv' does not take group_size={group_size}, hidden={H}, "
                                  f"I={I}, act-order={any(perms)}: it needs groups of whole {K_CHUNK}-channel "
@@ -601,7 +641,7 @@ def moe_w4a16_launch(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zer
 # torch.library op
 # ----------------------------------------------------------------------------------
 def validate(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales, w2_zeros,
-             group_size, w13_perm=None, w2_perm=None, fake: bool = False) -> None:
+             group_size, w13_perm=None, w2_perm=None, num_shared=0, fake: bool = False) -> None:
     """TypeError / ValueError naming the argument, its value and what is allowed. The perms'
     values (each row a permutation) are checked where that needs no device sync: on the CPU;
     QuantExperts checks them when it is built or loaded."""
@@ -623,8 +663,13 @@ def validate(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_q
     E, two_i, kw13 = w13_qweight.shape
     if not 1 <= E <= MAX_EXPERTS:
         raise ValueError(f"the expert count E={E} (w13_qweight.shape[0]) must lie in [1, {MAX_EXPERTS}]")
-    if not 1 <= topk <= min(E, MAX_TOPK):
-        raise ValueError(f"top_k={topk} (topk_ids.shape[1]) must lie in [1, min(E={E}, {MAX_TOPK})]")
+    if type(num_shared) is not int or not 0 <= num_shared < E:
+        raise ValueError(f"num_shared={num_shared!r} must be an int in [0, E={E}) (w13_qweight.shape[0]: the "
+                         "routed experts, then the shared ones)")
+    routed = E - num_shared
+    if not 1 <= topk <= min(routed, MAX_TOPK - num_shared):
+        raise ValueError(f"top_k={topk} (topk_ids.shape[1]) must lie in [1, min(routed experts={routed}, "
+                         f"{MAX_TOPK} - num_shared={num_shared})]")
     if two_i < 2 or two_i % 2:
         raise ValueError(f"w13_qweight.shape[1]={two_i} must be 2 * I (gate rows, then up rows), I >= 1")
     if kw13 * 8 != padded_k_experts(H):
@@ -654,9 +699,9 @@ def validate(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_q
 
 
 def moe_w4a16_impl(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales,
-                   w2_zeros, group_size, w13_perm=None, w2_perm=None):
+                   w2_zeros, group_size, w13_perm=None, w2_perm=None, num_shared=0):
     args = (x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales, w2_zeros,
-            group_size, w13_perm, w2_perm)
+            group_size, w13_perm, w2_perm, num_shared)
     validate(*args)
     if use_triton(x):
         return moe_w4a16_launch(*args)
@@ -664,9 +709,9 @@ def moe_w4a16_impl(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros
 
 
 def _moe_w4a16_fake(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales,
-                    w2_zeros, group_size, w13_perm=None, w2_perm=None):
+                    w2_zeros, group_size, w13_perm=None, w2_perm=None, num_shared=0):
     validate(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales, w2_zeros,
-             group_size, w13_perm, w2_perm, fake=True)
+             group_size, w13_perm, w2_perm, num_shared, fake=True)
     return x.new_empty(x.shape)
 
 
@@ -674,5 +719,5 @@ moe_w4a16 = define_op(
     "moe_w4a16",
     "(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_qweight, Tensor w13_scales, Tensor? w13_zeros, "
     "Tensor w2_qweight, Tensor w2_scales, Tensor? w2_zeros, SymInt group_size, Tensor? w13_perm=None, "
-    "Tensor? w2_perm=None) -> Tensor",
+    "Tensor? w2_perm=None, int num_shared=0) -> Tensor",
     moe_w4a16_impl, _moe_w4a16_fake)
