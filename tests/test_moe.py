@@ -130,14 +130,17 @@ def test_routing_kernels_match_torch(M, topk, E, bm, device):
 # ----------------------------------------------------------------------------------
 # Kernels against the float64 per-element bound
 # ----------------------------------------------------------------------------------
-def moe_bound(x, ids, tw, w13, w2, out_dtype, intermediate_dtype=None, silu_rounded=False):
+def moe_bound(x, ids, tw, w13, w2, out_dtype, intermediate_dtype=None, silu_rounded=False, weights_rounded=False):
     """(ref, bound): the float64 MoE block y = sum_k w_k down(silu(gate) * up) on the exact
     operands (w13 (E, 2I, H), w2 (E, H, I) the dequantized weights) and the largest |y - ref| a
     correct implementation can give per element: fp32 accumulation (accumulation_constant) in
     both GEMMs, fp32 silu / products (16 u32 relative), h rounded to intermediate_dtype (default
     out_dtype; its error propagated through the down GEMM), the weighted (token, k) rows rounded
     once to it, the fp32 top-k sum and the final rounding to out_dtype. silu_rounded: silu(gate)
-    is also rounded to intermediate_dtype before the product (transformers', vLLM's silu_and_mul)."""
+    is also rounded to intermediate_dtype before the product (transformers', vLLM's silu_and_mul).
+    weights_rounded: w13 / w2 are the exact s * (q - z) (dequantize(rounded=False)) and a kernel may
+    multiply them either so (SCALE_ACC: the scale on the fp32 product) or rounded to out_dtype (the
+    per-weight scaling): each weight's rounding, u |w|, joins both GEMMs' bounds."""
     mid = out_dtype if intermediate_dtype is None else intermediate_dtype
     u, um = UNIT_ROUNDOFF[out_dtype], UNIT_ROUNDOFF[mid]
     M, topk = ids.shape
@@ -150,7 +153,8 @@ def moe_bound(x, ids, tw, w13, w2, out_dtype, intermediate_dtype=None, silu_roun
     a13, a2 = w13.double()[e], w2.double()[e]  # (T, 2I, H), (T, H, I)
     gu = torch.einsum("th,tnh->tn", xs, a13)
     mag = torch.einsum("th,tnh->tn", xs.abs(), a13.abs())
-    d = accumulation_constant(H) * mag
+    uw = u if weights_rounded else 0.0
+    d = (accumulation_constant(H) + uw) * mag
     g, up, dg, du = gu[:, :I], gu[:, I:], d[:, :I], d[:, I:]
     s = torch.nn.functional.silu(g)
     h = s * up
@@ -162,7 +166,7 @@ def moe_bound(x, ids, tw, w13, w2, out_dtype, intermediate_dtype=None, silu_roun
     w = tw.double().reshape(-1, 1) * live
     o = torch.einsum("ti,thi->th", h, a2) * w
     hmax = h.abs() + dh
-    do = (torch.einsum("ti,thi->th", dh, a2.abs()) + accumulation_constant(I)
+    do = (torch.einsum("ti,thi->th", dh, a2.abs()) + (accumulation_constant(I) + uw)
           * torch.einsum("ti,thi->th", hmax, a2.abs()) + 2 * U32 * torch.einsum("ti,thi->th", hmax, a2.abs())) * w.abs()
     do = do + um * (o.abs() + do)  # the weighted row, rounded once
     y = o.view(M, topk, H).sum(1)
@@ -261,6 +265,24 @@ def test_moe_kernel_configs(split13, split2, bk2, device):
     assert_moe_close(moe_w4a16_launch(*args, configs=cfgs).cpu(), ref, bound)
 
 
+@pytest.mark.parametrize("gs,sym,dtype,I,act_order", [(128, True, BF16, 128, False), (-1, False, F16, 160, False),
+                                                      (256, False, F16, 128, True), (64, True, F16, 128, False)])
+def test_moe_scale_acc_per_element(gs, sym, dtype, I, act_order, device):
+    """Configs with scale_acc (kernels/moe._dot_tile: q - z dequantized, the group scale on the fp32
+    product; per channel the scale after the K loop) in both GEMMs, a ragged I (160: the down
+    GEMM's masked K tail) and act-order included, within the bound; group 64 under a 128-channel K
+    tile does not fit (scale_acc_fits) and runs the per-weight scaling instead."""
+    from sailfish.ops.moe import scale_acc_fits
+
+    assert scale_acc_fits(128, 128) and scale_acc_fits(-1, 256) and scale_acc_fits(256, 128)
+    assert not scale_acc_fits(64, 128) and not scale_acc_fits(128, 256)
+    args, w13, w2 = make_problem(4, 2, 24, 256, I, gs, sym, dtype, device, act_order=act_order)
+    ref, bound = moe_bound(args[0].cpu(), args[1].cpu(), args[2].cpu(), w13.dequantize(False).cpu(),
+                           w2.dequantize(False).cpu(), dtype, weights_rounded=True)
+    cfgs = tuple(Config(32, 64, 128, 1, 8, 4, 4, kernel="moe", scale_acc=True) for _ in range(2))
+    assert_moe_close(moe_w4a16_launch(*args, configs=cfgs).cpu(), ref, bound)
+
+
 @pytest.mark.parametrize("M,split13,split2,bk2", [(3, 2, 2, 128), (3, 1, 1, 256), (20, 2, 1, 128)])
 def test_moe_fused_decode_path_matches_separate_launches(M, split13, split2, bk2, device):
     """kernel "moe_fused" (gate_up's split-K sum and the top-k sum by the last program to finish,
@@ -308,8 +330,8 @@ def test_moe_gemv_per_element(case, device):
     E, topk, M, H, I, gs, sym, dtype, bn, bk, s13, s2, stages = case
     args, w13, w2 = make_problem(E, topk, M, H, I, gs, sym, dtype, device)
     args[1][0, topk - 1] = E  # not routed
-    ref, bound = moe_bound(args[0].cpu(), args[1].cpu(), args[2].cpu(), w13.dequantize().cpu(),
-                           w2.dequantize().cpu(), dtype)
+    ref, bound = moe_bound(args[0].cpu(), args[1].cpu(), args[2].cpu(), w13.dequantize(False).cpu(),
+                           w2.dequantize(False).cpu(), dtype, weights_rounded=True)  # (scale_acc or not)
     cfgs = (Config(1, bn, bk, s13, 8, 4, stages, kernel="moe_gemv", scale_acc=True),
             Config(1, bn, 128, s2, 8, 4, stages, kernel="moe_gemv", scale_acc=stages == 1))
     y = moe_w4a16_launch(*args, configs=cfgs)
@@ -351,7 +373,8 @@ def test_moe_shared_experts_per_element(case, device):
     ids[0, topk - 1] = E
     args = (args[0], ids.to(device)) + args[2:]
     ext_ids, ext_tw = with_shared(ids, args[2].cpu(), E, S)
-    ref, bound = moe_bound(args[0].cpu(), ext_ids, ext_tw, w13.dequantize().cpu(), w2.dequantize().cpu(), dtype)
+    ref, bound = moe_bound(args[0].cpu(), ext_ids, ext_tw, w13.dequantize(False).cpu(), w2.dequantize(False).cpu(),
+                           dtype, weights_rounded=True)  # (the GEMV's scale_acc or the per-weight scaling)
     cfgs = None
     if kind == "moe_gemv":
         cfgs = (Config(1, 16, 128, 2, 8, 4, 1, kernel=kind, scale_acc=True),
@@ -654,6 +677,7 @@ for gated, cfg, route, chained, S in sorted(tiles, key=str):
                       BLOCK_N=cfg.BLOCK_N,
                       BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, ACC_FENCE=acc_fence(),
                       FUSED=cfg.kernel == "moe_fused", **(dict(ROUTE=True, **dict(route)) if route else {}),
+                      **(dict(SCALE_ACC=True) if cfg.scale_acc else {}),
                       **({} if not chained else dict(PDL_EARLY=True) if gated else dict(PDL=True)),
                       **(dict(HAS_PERM=True) if perm else dict(perm_ptr=None)))
         names = list(sig)
@@ -746,6 +770,6 @@ def test_moe_cuda_graph_and_determinism(M):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
-    ref, bound = moe_bound(args[0].cpu(), args[1].cpu(), args[2].cpu(), w13.dequantize().cpu(),
-                           w2.dequantize().cpu(), BF16)
+    ref, bound = moe_bound(args[0].cpu(), args[1].cpu(), args[2].cpu(), w13.dequantize(False).cpu(),
+                           w2.dequantize(False).cpu(), BF16, weights_rounded=True)  # (M = 1: the GEMV's scale_acc)
     assert_moe_close(eager.cpu(), ref, bound)

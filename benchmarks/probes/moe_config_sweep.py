@@ -4,7 +4,12 @@ family's kernel kind, ops/moe.moe_kind: at decode the split-K and top-k sums ins
 launches), whole-block time in one CUDA graph (bench/timing.py). Prints the heuristic's time, the best of each GEMM, and
 the combined best; writes JSON rows to argv[1].
 
-    PYTHONPATH=src python benchmarks/probes/moe_config_sweep.py /tmp/sweep.json [models] [Ms]
+    PYTHONPATH=src python benchmarks/probes/moe_config_sweep.py /tmp/sweep.json [models] [Ms] [wide|scale]
+
+wide: also gate_up BLOCK_N 256, down BLOCK_K 512, 4 and 8 warps, 3 and 4 stages (v46's look at
+Mixtral's M = 256-1024, where the heuristic's tiles run at 0.3-0.5 of the limit). scale: the
+same warps / stages / BLOCK_N with scale_acc (BLOCK_K 128: one group of the benchmark's g128 a K
+tile; v46).
 """
 import itertools
 import json
@@ -23,6 +28,8 @@ def main():
     out = sys.argv[1]
     names = sys.argv[2].split(",") if len(sys.argv) > 2 else list(MODELS)
     ms = [int(v) for v in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1, 16, 64, 256, 1024, 4096]
+    mode = sys.argv[4] if len(sys.argv) > 4 else ""
+    wide = mode in ("wide", "scale")
     dev = torch.device("cuda")
     sms = sms_for(dev)
     rows = []
@@ -52,11 +59,15 @@ def main():
             bms = sorted({h13.BLOCK_M, min(128, 2 * h13.BLOCK_M)} if h13.BLOCK_M > 16 else {16})
             for bm in bms:
                 blocks = max(min(E, T), -(-T // bm))
-                warps = 4 if bm <= 32 else 8
+                warps_list = ((4, 8) if wide else (4 if bm <= 32 else 8,))
+                stages_list = (3, 4) if wide else (3,)
                 for which in ("gate_up", "down"):
                     kp, N = (kp13, I) if which == "gate_up" else (kp2, H)
-                    for bn, bk in itertools.product((32, 64, 128) if which == "gate_up" else (64, 128, 256),
-                                                    (128, 256)):
+                    bns = ((32, 64, 128) + ((256,) if wide else ())) if which == "gate_up" else (64, 128, 256)
+                    bks = (128, 256, 512) if wide and which == "down" else (128, 256)
+                    if mode == "scale":
+                        bns, bks = (64, 128, 256), (128,)
+                    for bn, bk, warps, stages in itertools.product(bns, bks, warps_list, stages_list):
                         if kp % bk:
                             continue
                         tiles = blocks * -(-N // bn)
@@ -67,8 +78,9 @@ def main():
                                 sp *= 2
                             splits |= {sp, max(1, sp // 2)}
                         for split in sorted(splits):
-                            c = Config(bm, bn, bk, split, 8, warps, 3,
-                                       kernel=moe_kind(M, which == "gate_up", bm, split, kp))
+                            c = Config(bm, bn, bk, split, 8, warps, stages,
+                                       kernel=moe_kind(M, which == "gate_up", bm, split, kp),
+                                       scale_acc=mode == "scale")
                             other = h2 if which == "gate_up" else h13
                             other = Config(bm, other.BLOCK_N, other.BLOCK_K, other.SPLIT_K, 8, other.num_warps,
                                            other.num_stages, kernel=moe_kind(M, which != "gate_up", bm,
@@ -77,6 +89,7 @@ def main():
                             pair = (c, other) if which == "gate_up" else (other, c)
                             us = t(*pair)
                             rows.append(dict(model=name, M=M, which=which, cfg=c.__dict__, us=us))
+                            print(f"  {which} {c}: {us:.1f} us", flush=True)
                             key = (which, bm)
                             if us < best.get(key, (float("inf"),))[0]:
                                 best[key] = (us, c)

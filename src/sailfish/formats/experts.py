@@ -80,10 +80,10 @@ class PackedExperts:
         """Exact inverse of `stack`: the experts' QuantizedWeights."""
         return [unpack(self.expert(e)) for e in range(self.num_experts)]
 
-    def dequantize(self) -> torch.Tensor:
+    def dequantize(self, rounded: bool = True) -> torch.Tensor:
         """float32 (E, N, K): every expert's effective weight (QuantizedWeight.dequantize: what
-        the kernels multiply)."""
-        return torch.stack([qw.dequantize() for qw in self.unstack()])
+        the kernels multiply; rounded=False: s * (q - z) exactly, a SCALE_ACC kernel's weight)."""
+        return torch.stack([qw.dequantize(rounded) for qw in self.unstack()])
 
 
 def _is_identity(perm: torch.Tensor) -> bool:

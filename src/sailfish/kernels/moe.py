@@ -80,19 +80,26 @@ def _slot_weight(tw_ptr, slot, mask, TOPK: tl.constexpr, SHARED: tl.constexpr):
 @triton.jit
 def _dot_tile(acc, w_ptrs, xt, s_e, z_e, rn, k0, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, DTYPE: tl.constexpr, EMU_BF16: tl.constexpr,
-              USE_ASM: tl.constexpr, ACC_FENCE: tl.constexpr):
+              USE_ASM: tl.constexpr, ACC_FENCE: tl.constexpr, SCALE_ACC: tl.constexpr = False):
     """acc (BLOCK_N, BLOCK_M) += W[rn, k0 : k0 + BLOCK_K] @ xt: w_ptrs (BLOCK_N, BLOCK_K // 8) the
     tile's packed words, xt (BLOCK_K, BLOCK_M) its x, s_e / z_e the expert's scales and zero
     points. ACC_FENCE: the dense kernel's guard against Triton < 3.9 leaving wgmmas in flight
-    across the loop's back edge (kernels/w4a16._w4a16_kernel)."""
+    across the loop's back edge (kernels/w4a16._w4a16_kernel). SCALE_ACC (the dense kernel's, one
+    group per K tile: BLOCK_K divides GROUP_SIZE, or per channel): the tile dequantized to q - z
+    only and the group scale multiplies the fp32 product (per channel: the caller scales the
+    accumulator after the loop), a multiply per output element instead of per weight."""
     words = tl.load(w_ptrs, eviction_policy="evict_first")
     sv = _load_groups(s_e, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE)
     zv = _load_groups(z_e, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE)
     w, xt = _tile_operands(words, xt, sv, zv, s_e, z_e, s_e, rn, k0, stride_sn, BLOCK_N, BLOCK_K,
-                           GROUP_SIZE, HAS_ZEROS, False, DTYPE, EMU_BF16, USE_ASM, True)
-    acc = tl.dot(w, xt, acc)
-    if ACC_FENCE:
-        acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
+                           GROUP_SIZE, HAS_ZEROS, False, DTYPE, EMU_BF16, USE_ASM, not SCALE_ACC)
+    if SCALE_ACC and GROUP_SIZE != 0:
+        acc += tl.dot(w, xt) * sv.to(tl.float32)[:, None]
+    else:
+        acc = tl.dot(w, xt, acc)
+        if ACC_FENCE:
+            acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True,
+                                            pack=1)
     return acc
 
 
@@ -161,6 +168,7 @@ def _moe_w4a16_kernel(
     ACC_FENCE: tl.constexpr = False, FUSED: tl.constexpr = False, ROUTE: tl.constexpr = False,
     E_POW2: tl.constexpr = 16, T_POW2: tl.constexpr = 16, PDL_EARLY: tl.constexpr = False,
     PDL: tl.constexpr = False, HAS_PERM: tl.constexpr = False, SHARED: tl.constexpr = 0,
+    SCALE_ACC: tl.constexpr = False,
 ):
     """One GEMM of a MoE block over all experts (module docstring): E routed experts (SHARED shared
     ones stacked after them), T = M * (TOPK + SHARED) slots. N: output columns (GATED:
@@ -233,13 +241,17 @@ def _moe_w4a16_kernel(
         else:
             xt = tl.load(x_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0)
         acc = _dot_tile(acc, w_ptrs, xt, s_e, z_e, rn, k0, stride_sn, BLOCK_N, BLOCK_K, GROUP_SIZE, HAS_ZEROS,
-                        DTYPE, EMU_BF16, USE_ASM, ACC_FENCE)
+                        DTYPE, EMU_BF16, USE_ASM, ACC_FENCE, SCALE_ACC)
         if GATED:
             up = _dot_tile(up, u_ptrs, xt, s_e, z_e, rn + N, k0, stride_sn, BLOCK_N, BLOCK_K, GROUP_SIZE,
-                           HAS_ZEROS, DTYPE, EMU_BF16, USE_ASM, ACC_FENCE)
+                           HAS_ZEROS, DTYPE, EMU_BF16, USE_ASM, ACC_FENCE, SCALE_ACC)
         w_ptrs += BLOCK_K // 8
         u_ptrs += BLOCK_K // 8
         x_ptrs += BLOCK_K
+    if SCALE_ACC and GROUP_SIZE == 0:  # per channel: the scale once, after the K loop
+        acc *= tl.load(s_e + rn * stride_sn).to(tl.float32)[:, None]
+        if GATED:
+            up *= tl.load(s_e + (rn + N) * stride_sn).to(tl.float32)[:, None]
     om = slot[None, :]
     on = offs_n.to(tl.int64)[:, None]
     mask = valid[None, :] & (on < N)

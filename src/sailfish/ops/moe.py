@@ -272,6 +272,12 @@ def moe_heuristic(*, device, M, topk, E, N, Kp, gated, block_m) -> Config:
         return _gemv_config(sms, M * topk, N, Kp, gated, 16, bk)
     blocks = _blocks(M, topk, E, bm)
     bk256 = 256 if Kp % 256 == 0 else K_CHUNK
+    stages, scale = 3, False
+    # experts as large as Mixtral's (N x K >= 32M weights a GEMM): at BLOCK_M 64 the gate_up and at
+    # BLOCK_M 128 the down GEMM take BLOCK_K 128 with the group scale on the product (scale_acc) and a
+    # 4-deep ring (H100 sweep, moe_config_sweep.py scale, docs/perf_log.md v46: Mixtral M = 256
+    # 856 -> 795 us, M = 1024 1835 -> 1788 us; the other GEMM lost with it)
+    large = N * Kp >= 1 << 25
     if bm == 16:  # decode
         if gated:  # 128 columns of each; 64 (and BLOCK_K 128) where even that leaves most SMs idle
             bn, bk = (128, bk256) if blocks * -(-N // 128) >= sms // 2 else (64, K_CHUNK)
@@ -284,13 +290,17 @@ def moe_heuristic(*, device, M, topk, E, N, Kp, gated, block_m) -> Config:
         # down: BLOCK_K 256 over a long K (Mixtral's 14336 at M = 256: 979 -> 839 us, H100 autotune,
         # docs/perf_log.md v46); 128 elsewhere (the v39 sweep's choice, measured on shorter K)
         bn, bk, warps = (128, bk256, 8) if gated else (256, bk256 if Kp >= 8192 else K_CHUNK, 8)
+        if gated and large:
+            bk, stages, scale = K_CHUNK, 4, True
     else:
         bn, bk, warps = (128, K_CHUNK, 8) if gated else ((128, 256, 8) if Kp % 256 == 0 else (256, K_CHUNK, 8))
+        if not gated and large:
+            bn, bk, stages, scale = 128, K_CHUNK, 4, True
     split = 1
     tiles = blocks * -(-N // bn)
     if bm == 16 and tiles < sms:  # split K until every SM has a program (twice, for the gate_up)
         split = _decode_split(tiles, Kp, bk, 2 * sms if gated else sms)
-    return Config(bm, bn, bk, split, 8, warps, 3, kernel=moe_kind(M, gated, bm, split, Kp))
+    return Config(bm, bn, bk, split, 8, warps, stages, kernel=moe_kind(M, gated, bm, split, Kp), scale_acc=scale)
 
 
 def _gemv_config(sms: int, T: int, N: int, Kp: int, gated: bool, bn: int, bk: int, stages: int = 1) -> Config:
@@ -304,6 +314,13 @@ def _gemv_config(sms: int, T: int, N: int, Kp: int, gated: bool, bn: int, bk: in
     return Config(1, bn, bk, split, 8, gemv_warps(bn, bk, 8), stages, kernel="moe_gemv", scale_acc=True)
 
 
+def scale_acc_fits(group_size: int, block_k: int) -> bool:
+    """Whether the grouped kernel's SCALE_ACC (kernels/moe._dot_tile: the group scale on the fp32
+    product) can take this format and K tile: one group per K tile, or per channel. A config's
+    scale_acc elsewhere runs the per-weight scaling (the same values up to rounding)."""
+    return group_size == -1 or group_size % block_k == 0
+
+
 def moe_kind(M: int, gated: bool, block_m: int, split: int, Kp: int) -> str:
     """The decode path ("moe_fused") at BLOCK_M 16 and M <= FUSED_MAX_M where it saves a launch:
     gate_up only when split (else there is no reduce to fold), down when split or its K (Kp) is
@@ -315,8 +332,9 @@ def moe_kind(M: int, gated: bool, block_m: int, split: int, Kp: int) -> str:
 def moe_candidates(*, device, M, topk, E, N, Kp, gated, block_m):
     """The heuristic's config (and, where it is "moe_fused", its tile as "moe": the separate
     reduce launches), then the tiles of moe_config_sweep.py at the routing's BLOCK_M: BLOCK_N
-    32-128 (gate_up) / 64-256 (down), BLOCK_K 128 / 256, unsplit and, at BLOCK_M 16, the split
-    giving 2 programs per SM and half that; each of the heuristic's kind rule (moe_kind)."""
+    32-128 (gate_up) / 64-256 (down), BLOCK_K 128 / 256 (128 also with scale_acc and 4 stages),
+    unsplit and, at BLOCK_M 16, the split giving 2 programs per SM and half that; each of the
+    heuristic's kind rule (moe_kind)."""
     sms = sms_for(device)
     first = moe_heuristic(device=device, M=M, topk=topk, E=E, N=N, Kp=Kp, gated=gated, block_m=block_m)
     yield first
@@ -344,8 +362,10 @@ def moe_candidates(*, device, M, topk, E, N, Kp, gated, block_m):
             for split in sorted(splits):
                 cfg = Config(block_m, bn, bk, split, 8, 4 if block_m <= 32 else 8, 3,
                              kernel=moe_kind(M, gated, block_m, split, Kp))
-                if cfg != first:
-                    yield cfg
+                # (and at BLOCK_K 128 with the group scale on the product, 4 stages: moe_heuristic's large experts)
+                for c in (cfg, replace(cfg, num_stages=4, scale_acc=True)) if bk == K_CHUNK else (cfg,):
+                    if c != first:
+                        yield c
 
 
 def check_moe_config(cfg: Config, *, M: int, topk: int, E: int, N: int, Kp: int, block_m: int, gated: bool,
@@ -483,8 +503,10 @@ class MoEPlan(Plan):
 
         def gemm(cfg: Config, gated: bool, zeros: bool, K: int, perm: bool) -> Launch:
             link = {} if not chained else dict(PDL_EARLY=True) if gated else dict(PDL=True, launch_pdl=True)
-            # (act-order only where there is a perm: the other kernels compile as before)
+            # (act-order only where there is a perm, SCALE_ACC where the config asks for it and the
+            # format allows it (scale_acc_fits): the other kernels compile as before)
             link.update(dict(HAS_PERM=True) if perm else {})
+            link.update(dict(SCALE_ACC=True) if cfg.scale_acc and scale_acc_fits(group_size, cfg.BLOCK_K) else {})
             return Launch(_moe_w4a16_kernel, dict(
                 TOPK=topk, **slots, GATED=gated, GROUP_SIZE=gs, HAS_ZEROS=zeros, EVEN_K=K % cfg.BLOCK_K == 0,
                 SPLIT_K=cfg.SPLIT_K, EMU_BF16=emu, USE_ASM=asm, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
