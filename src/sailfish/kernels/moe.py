@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from .common import SYNC_TILES, arrive_last, cast_out, grouped_tile, pdl_release, pdl_wait, split_k_range
-from .w4a16 import _gemv_mma_loop, _gemv_rows, _load_groups, _tile_operands
+from .w4a16 import _acc_dot, _gemv_mma_loop, _gemv_rows, _load_groups, _tile_operands
 
 
 @triton.jit
@@ -93,14 +93,7 @@ def _dot_tile(acc, w_ptrs, xt, s_e, z_e, rn, k0, stride_sn, BLOCK_N: tl.constexp
     zv = _load_groups(z_e, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE)
     w, xt = _tile_operands(words, xt, sv, zv, s_e, z_e, s_e, rn, k0, stride_sn, BLOCK_N, BLOCK_K,
                            GROUP_SIZE, HAS_ZEROS, False, DTYPE, EMU_BF16, USE_ASM, not SCALE_ACC)
-    if SCALE_ACC and GROUP_SIZE != 0:
-        acc += tl.dot(w, xt) * sv.to(tl.float32)[:, None]
-    else:
-        acc = tl.dot(w, xt, acc)
-        if ACC_FENCE:
-            acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True,
-                                            pack=1)
-    return acc
+    return _acc_dot(acc, w, xt, sv, SCALE_ACC and GROUP_SIZE != 0, ACC_FENCE)
 
 
 @triton.jit

@@ -352,6 +352,21 @@ def _tile_operands(words, xt, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn,
 
 
 @triton.jit
+def _acc_dot(acc, w, xt, sv, SCALED_PRODUCT: tl.constexpr, ACC_FENCE: tl.constexpr):
+    """acc + w @ xt, or with SCALED_PRODUCT (SCALE_ACC, one group per K tile) acc + (w @ xt) * sv
+    per row (w then holds q - z). ACC_FENCE (the unscaled form): read the accumulator after its
+    wgmmas (an identity asm; _w4a16_kernel's docstring says why)."""
+    if SCALED_PRODUCT:
+        acc += tl.dot(w, xt) * sv.to(tl.float32)[:, None]
+    else:
+        acc = tl.dot(w, xt, acc)
+        if ACC_FENCE:
+            acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True,
+                                            pack=1)
+    return acc
+
+
+@triton.jit
 def _half_product(w_ptrs, x_ptrs, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, K, stride_sn, BLOCK_N: tl.constexpr,
                   HK: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, DTYPE: tl.constexpr,
                   EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr, EVEN_K: tl.constexpr):
@@ -451,13 +466,7 @@ def _w4a16_kernel(
             zv = _load_groups(z_ptr, rn, k0, stride_sn, BLOCK_K, GROUP_SIZE, PAIRED_S)
             w, xt = _tile_operands(words, xt, sv, zv, s_ptr, z_ptr, gidx_ptr, rn, k0, stride_sn, BLOCK_N, BLOCK_K,
                                    GROUP_SIZE, HAS_ZEROS, HAS_GIDX, DTYPE, EMU_BF16, USE_ASM, not SCALE_ACC)
-            if SCALE_ACC and GROUP_SIZE != 0:
-                acc += tl.dot(w, xt) * sv.to(tl.float32)[:, None]
-            else:
-                acc = tl.dot(w, xt, acc)
-                if ACC_FENCE:
-                    acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32,
-                                                    is_pure=True, pack=1)
+            acc = _acc_dot(acc, w, xt, sv, SCALE_ACC and GROUP_SIZE != 0, ACC_FENCE)
         w_ptrs += W
         x_ptrs += BLOCK_K
     if SCALE_ACC and GROUP_SIZE == 0:
