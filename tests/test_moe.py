@@ -130,14 +130,16 @@ def test_routing_kernels_match_torch(M, topk, E, bm, device):
 # ----------------------------------------------------------------------------------
 # Kernels against the float64 per-element bound
 # ----------------------------------------------------------------------------------
-def moe_bound(x, ids, tw, w13, w2, out_dtype, intermediate_dtype=None, silu_rounded=False):
+def moe_bound(x, ids, tw, w13, w2, out_dtype, intermediate_dtype=None, silu_rounded=False, gate_up_rounded=False):
     """(ref, bound): the float64 MoE block y = sum_k w_k down(silu(gate) * up) on the exact
     operands (w13 (E, 2I, H), w2 (E, H, I) the dequantized weights) and the largest |y - ref| a
     correct implementation can give per element: fp32 accumulation (accumulation_constant) in
     both GEMMs, fp32 silu / products (16 u32 relative), h rounded to intermediate_dtype (default
     out_dtype; its error propagated through the down GEMM), the weighted (token, k) rows rounded
     once to it, the fp32 top-k sum and the final rounding to out_dtype. silu_rounded: silu(gate)
-    is also rounded to intermediate_dtype before the product (transformers', vLLM's silu_and_mul)."""
+    is also rounded to intermediate_dtype before the product (transformers', vLLM's silu_and_mul).
+    gate_up_rounded: gate and up are rounded to intermediate_dtype before silu (a dense MLP of
+    separate layers: each layer's output)."""
     mid = out_dtype if intermediate_dtype is None else intermediate_dtype
     u, um = UNIT_ROUNDOFF[out_dtype], UNIT_ROUNDOFF[mid]
     M, topk = ids.shape
@@ -151,6 +153,8 @@ def moe_bound(x, ids, tw, w13, w2, out_dtype, intermediate_dtype=None, silu_roun
     gu = torch.einsum("th,tnh->tn", xs, a13)
     mag = torch.einsum("th,tnh->tn", xs.abs(), a13.abs())
     d = accumulation_constant(H) * mag
+    if gate_up_rounded:
+        d = d + um * (gu.abs() + d)
     g, up, dg, du = gu[:, :I], gu[:, I:], d[:, :I], d[:, I:]
     s = torch.nn.functional.silu(g)
     h = s * up
