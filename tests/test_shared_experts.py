@@ -13,6 +13,7 @@ from helpers import UNIT_ROUNDOFF, assert_compiles_to_eager_logits, desc_act_g_i
 from test_moe import assert_moe_close, moe_bound, with_shared
 import sailfish
 from sailfish import QuantExperts, QuantLinear, load_quantized, save_quantized
+from sailfish.formats.experts import stack
 from sailfish.formats.shard import concat_quantized, slice_quantized
 from sailfish.fuse import SharedExpertsMoE, fuse_projections, unfused_layers
 
@@ -187,15 +188,25 @@ def test_blocks_that_stay_unfolded(reference_ops):
         reasons["model.layers.0.mlp.shared_experts"]
     assert "the experts have act-order" in reasons["model.layers.1.mlp.shared_experts"]
 
+    # rank 0's tensor-parallel shard of the shared MLP (width S * I / 2 = I): one shared expert of
+    # the routed width, but only part of the sum (its down_proj's output is summed over the ranks)
+    model = sailfish.quantize_model(tiny_deepseek("deepseek_v2", F16), group_size=32, fuse=False)
+    mlp = model.model.layers[0].mlp.shared_experts
+    for name, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
+        setattr(mlp, name, getattr(mlp, name).shard(0, 2, dim))
+    fuse_projections(model)
+    assert model.sailfish_report["shared_experts_folded"] == ["model.layers.1.mlp"]
+    assert "has width 32, not config.n_shared_experts=2 times the experts' intermediate size 32" in \
+        model.sailfish_report["not_fused"]["model.layers.0.mlp.shared_experts"]
+
 
 def test_quant_experts_with_shared_state_dict():
     """A QuantExperts holding shared experts on its own: its state_dict holds the routed experts
     under its keys and the shared MLP's projections under `shared_experts.*`, which load back
     (strictly: a missing or stray shared key is reported)."""
     torch.manual_seed(1)
-    routed = QuantExperts(E, H, I, group_size=32, sym=False, dtype=BF16)
-    for name, b in routed.named_buffers():
-        b.copy_(torch.randint(0, 16, b.shape) if b.dtype == torch.int32 else torch.rand(b.shape))
+    routed = QuantExperts.from_packed(stack([random_quantized(H, 2 * I, 32, False, BF16) for _ in range(E)]),
+                                      stack([random_quantized(I, H, 32, False, BF16) for _ in range(E)]))
     weights = (random_quantized(H, S * I, 32, False, BF16), random_quantized(H, S * I, 32, False, BF16),
                random_quantized(S * I, H, 32, False, BF16))
     layer = routed.with_shared(*weights)
@@ -214,7 +225,9 @@ def test_quant_experts_with_shared_state_dict():
     assert all(torch.equal(a, b) for a, b in zip(fresh.buffers(), layer.buffers()))
     x = torch.randn(3, H).to(BF16)
     ids, tw = torch.tensor([[0, 1], [2, 5], [4, 3]]), torch.rand(3, TOPK)
-    assert torch.equal(fresh(x, ids, tw), layer(x, ids, tw))
+    y = layer(x, ids, tw)  # (the kernels, or the interpreter) with the shared experts at weight 1
+    assert_moe_close(y, *moe_bound(x, *with_shared(ids, tw, E, S), *layer.dequantize(), BF16))
+    assert torch.equal(fresh(x, ids, tw), y)
     del sd["shared_experts.up_proj.scales"]
     sd["shared_experts.extra.weight"] = torch.zeros(1)
     result = fresh.load_state_dict(sd, strict=False)
