@@ -1,7 +1,8 @@
 """DeepSeek-V2 / V3 shared experts run inside the QuantExperts block (sailfish.fuse.fold_shared_experts,
 QuantExperts(num_shared=S)): tiny random transformers models (nothing downloaded), the folded model
 against the unfolded one (quantize_model(fuse=False)) per element, its state_dict and checkpoint the
-unfolded model's, and the blocks that must stay unfolded."""
+unfolded model's, and the blocks that must stay unfolded; QuantExperts holding shared experts on its
+own, and the input-feature concatenation that puts the shared down projection back together."""
 import copy
 import json
 
@@ -71,9 +72,10 @@ def unfolded_bound(block, x, ids, tw):
     mlp = block.shared_experts
     routed, d_routed = moe_bound(x, ids, tw, w13, w2, x.dtype)
     gate_up = torch.cat([mlp.gate_proj.dequantize(), mlp.up_proj.dequantize()]).double()[None]
-    ones = torch.ones(x.shape[0], 1)
-    shared, d_shared = moe_bound(x, ones.long() * 0, ones, gate_up, mlp.down_proj.dequantize().double()[None],
-                                 x.dtype, silu_rounded=True, gate_up_rounded=True)
+    m = x.shape[0]
+    shared, d_shared = moe_bound(x, torch.zeros(m, 1, dtype=torch.long), torch.ones(m, 1), gate_up,
+                                 mlp.down_proj.dequantize().double()[None], x.dtype, silu_rounded=True,
+                                 gate_up_rounded=True)
     ref, d = routed + shared, d_routed + d_shared
     return ref, d + UNIT_ROUNDOFF[x.dtype] * (ref.abs() + d)
 
