@@ -130,7 +130,8 @@ def test_routing_kernels_match_torch(M, topk, E, bm, device):
 # ----------------------------------------------------------------------------------
 # Kernels against the float64 per-element bound
 # ----------------------------------------------------------------------------------
-def moe_bound(x, ids, tw, w13, w2, out_dtype, intermediate_dtype=None, silu_rounded=False, weights_rounded=False):
+def moe_bound(x, ids, tw, w13, w2, out_dtype, intermediate_dtype=None, silu_rounded=False, gate_up_rounded=False,
+              weights_rounded=False):
     """(ref, bound): the float64 MoE block y = sum_k w_k down(silu(gate) * up) on the exact
     operands (w13 (E, 2I, H), w2 (E, H, I) the dequantized weights) and the largest |y - ref| a
     correct implementation can give per element: fp32 accumulation (accumulation_constant) in
@@ -138,6 +139,8 @@ def moe_bound(x, ids, tw, w13, w2, out_dtype, intermediate_dtype=None, silu_roun
     out_dtype; its error propagated through the down GEMM), the weighted (token, k) rows rounded
     once to it, the fp32 top-k sum and the final rounding to out_dtype. silu_rounded: silu(gate)
     is also rounded to intermediate_dtype before the product (transformers', vLLM's silu_and_mul).
+    gate_up_rounded: gate and up are rounded to intermediate_dtype before silu (a dense MLP of
+    separate layers: each layer's output).
     weights_rounded: w13 / w2 are the exact s * (q - z) (dequantize(rounded=False)) and a kernel may
     multiply them either so (SCALE_ACC: the scale on the fp32 product) or rounded to out_dtype (the
     per-weight scaling): each weight's rounding, u |w|, joins both GEMMs' bounds."""
@@ -155,6 +158,8 @@ def moe_bound(x, ids, tw, w13, w2, out_dtype, intermediate_dtype=None, silu_roun
     mag = torch.einsum("th,tnh->tn", xs.abs(), a13.abs())
     uw = u if weights_rounded else 0.0
     d = (accumulation_constant(H) + uw) * mag
+    if gate_up_rounded:
+        d = d + um * (gu.abs() + d)
     g, up, dg, du = gu[:, :I], gu[:, I:], d[:, :I], d[:, I:]
     s = torch.nn.functional.silu(g)
     h = s * up

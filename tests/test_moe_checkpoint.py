@@ -107,6 +107,9 @@ def test_roundtrip(tmp_path, reference_path, arch, fmt, gs, sym, dtype):  # noqa
     assert ours.keys() == theirs.keys()
     for key, value in ours.items():
         assert value.dtype == theirs[key].dtype and torch.equal(value, theirs[key]), key
+    if arch == "deepseek_v2":  # the saved model runs its shared experts in the block (fuse.fold_shared_experts):
+        loaded = load_quantized(str(tmp_path))  # so does the model loaded with fuse=True, bit for bit
+        assert loaded.sailfish_report["shared_experts_folded"] == ["model.layers.1.mlp"]
     assert torch.equal(logits(model), logits(loaded))
 
 

@@ -302,8 +302,8 @@ def load_quantized(path: str, *, dtype: Optional[torch.dtype] = None, device="cp
     into a QuantExperts (model.sailfish_report["experts"] lists them); act-order experts
     (GPTQ desc_act) load with a permutation per expert, a general g_idx is refused
     (checkpoint_moe.read_experts); 16-bit per-expert weights stack into the module's own parameters.
-    fuse (default True): q/k/v and gate/up then run as one layer each where exact
-    (sailfish.fuse; model.sailfish_report says which).
+    fuse (default True): q/k/v and gate/up then run as one layer each, and DeepSeek's shared
+    experts inside the MoE block, where exact (sailfish.fuse; model.sailfish_report says which).
     device_mesh (a 1-D torch DeviceMesh): tensor parallelism. Each rank reads only its shard
     of every layer the plan names, straight from the files (safetensors slices), and gets
     the model that loading it whole and sharding it with sailfish.parallel would give (the

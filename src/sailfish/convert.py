@@ -106,12 +106,15 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 128, sy
     MoE experts modules of transformers 5 (3-D gate_up_proj / down_proj: Mixtral, Qwen2-MoE,
     Qwen3-MoE, DeepSeek-V2/V3) become sailfish.QuantExperts (W4A16, round to nearest, also
     with method="gptq"), listed under the report's "experts" when there are any; routers stay
-    in 16 bits, shared experts' Linears are quantized as any other. A weight that cannot be
+    in 16 bits, shared experts' Linears are quantized as any other (fuse=True then runs
+    DeepSeek's inside the experts' block: sailfish.fuse.fold_shared_experts). A weight that cannot be
     quantized (NaN / Inf, or its scales under- or overflow the layer dtype) raises ValueError
     naming the module (the modules before it stay converted).
 
     fuse (default True): then run q/k/v and gate/up of supported transformers models as one
-    layer each (sailfish.fuse.fuse_projections; report keys "fused" and "not_fused"), and the
+    layer each and DeepSeek-V2 / V3's shared experts inside the MoE block where exact
+    (sailfish.fuse.fuse_projections; report keys "fused", "shared_experts_folded" and
+    "not_fused"), and the
     row-wise ops, decode attention and MoE routers of known formulas in one launch each
     (sailfish.fuse.fuse_row_ops; report key "row_ops").
     """

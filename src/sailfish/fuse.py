@@ -31,6 +31,11 @@ module of another class, a forward that fails the check, hooks or an instance-le
 already on the module, projections that are not Sailfish layers of one format, or act-order
 weights with different g_idx leave the projections separate, each with its reason in
 model.sailfish_report["not_fused"].
+
+DeepSeek-V2 / V3's shared experts (fold_shared_experts, called by fuse_projections first): a MoE
+block's shared MLP of width S * I runs inside its QuantExperts as S experts of the routed width
+I (moe.py), where the block's forward and the layers are of the checked form; the block takes
+a Sailfish forward (SharedExpertsMoE) and keeps the unfolded block's state_dict keys.
 """
 from __future__ import annotations
 
@@ -47,12 +52,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from .formats.shard import concat_weight, shard_bias, shard_quantized, slice_weight
-from .nn import QuantLinear, QuantLinearW4A8
+from .moe import SHARED_MLP, SHARED_PROJECTIONS, QuantExperts
+from .nn import QuantLinear, QuantLinearW4A8, parent_prefix
 from .ops.rowwise import (quantize_per_token_torch, rms_norm, rms_norm_impl, rms_norm_quant, rms_norm_quant_fp8,
                           rms_norm_quant_fp8_impl, rms_norm_quant_impl, rms_norm_torch, silu_mul, silu_mul_impl,
                           silu_mul_quant, silu_mul_quant_fp8, silu_mul_quant_fp8_impl, silu_mul_quant_impl,
                           silu_mul_torch)
 from .ops.attention import decode_attention, decode_attention_launch, decode_attention_problem
+from .ops.moe import MAX_TOPK
 from .ops.router import ROUTER_MAX_EXPERTS, router_linear_topk, router_linear_topk_impl, router_topk_reference
 from .runtime.device import use_triton
 from .runtime.dispatch import direct_call_ok
@@ -78,12 +85,6 @@ SUPPORTED = {
     "transformers.models.deepseek_v3.modeling_deepseek_v3": ("DeepseekV3MLP",),
 }
 ARCHITECTURES = "Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 / V3 (MLPs)"
-
-
-def _parent_prefix(prefix: str) -> str:
-    """'model.layers.0.self_attn.qkv_proj.' -> 'model.layers.0.self_attn.' ('' at the top)."""
-    parent = prefix[:-1].rpartition(".")[0]
-    return parent + "." if parent else ""
 
 
 class _Fused:
@@ -154,7 +155,7 @@ class _Fused:
 
     # -- state dict: the per-projection tensors, under the projections' names ---------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        parent = _parent_prefix(prefix)
+        parent = parent_prefix(prefix)
         for name, part in self.parts():
             part._save_to_state_dict(destination, f"{parent}{name}.", keep_vars)
 
@@ -163,7 +164,7 @@ class _Fused:
         # load_state_dict hands each module only the keys under its own prefix, so inside a
         # model the parent's pre-hook (_load_fused) reads the projections' keys; a fused layer
         # loaded on its own (prefix "") reads them here.
-        mine = tuple(f"{_parent_prefix(prefix)}{name}." for name, _ in self.segments)
+        mine = tuple(f"{parent_prefix(prefix)}{name}." for name, _ in self.segments)
         if strict:  # the fused layer's own names never occur in a state dict
             unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and not k.startswith(mine))
         if not prefix:
@@ -352,11 +353,13 @@ def check_fuse_flag(fuse) -> None:
 
 def fuse_projections(model: nn.Module) -> nn.Module:
     """Fuse, in place, the q/k/v and gate/up projections of every supported module whose
-    projections are Sailfish layers (see the module doc). When the model has such groups of
+    projections are Sailfish layers (see the module doc), after running DeepSeek's shared MLPs
+    inside their experts (fold_shared_experts). When the model has such groups of
     projections, records model.sailfish_report["fused"] = {fused layer name: [projection
-    names]} and ["not_fused"] = {would-be fused layer name: reason}; returns the model."""
+    names]}, ["shared_experts_folded"] = [MoE block names] and ["not_fused"] = {would-be fused
+    layer or shared_experts name: reason}; returns the model."""
+    folded, not_fused = fold_shared_experts(model)  # (before gate / up of the shared MLPs fuse)
     fused: Dict[str, List[str]] = {}
-    not_fused: Dict[str, str] = {}
     for name, module in list(model.named_modules()):
         for attr, names in PROJECTIONS:
             if not all(n in module._modules for n in names):
@@ -387,12 +390,13 @@ def fuse_projections(model: nn.Module) -> nn.Module:
             module.register_load_state_dict_pre_hook(functools.partial(_load_fused, attr))
             fused[where] = list(names)
     rows = fuse_row_ops(model)
-    if fused or not_fused or any(rows.values()):  # (a model without any keeps its report as it was)
-        log.info("sailfish: fused %d projection groups, left %d unfused; row ops: %s", len(fused), len(not_fused),
+    if fused or folded or not_fused or any(rows.values()):  # (a model without any keeps its report as it was)
+        log.info("sailfish: fused %d projection groups, folded %d shared MLPs into their experts, left %d "
+                 "unfused; row ops: %s", len(fused), len(folded), len(not_fused),
                  ", ".join(f"{len(v)} {k}" for k, v in rows.items()))
         report = getattr(model, "sailfish_report", None)
         model.sailfish_report = {**(report if isinstance(report, dict) else {}), "fused": fused,
-                                 "not_fused": not_fused, "row_ops": rows}
+                                 "shared_experts_folded": folded, "not_fused": not_fused, "row_ops": rows}
     return model
 
 
@@ -832,6 +836,142 @@ def _rebuild_router(router_cls: type, state: dict) -> SailfishTopKRouter:
 
 
 # ----------------------------------------------------------------------------------
+# MoE shared experts: DeepSeek-V2 / V3's shared MLP run inside the experts' block (moe.py)
+# ----------------------------------------------------------------------------------
+# transformers 5's DeepseekV2Moe / DeepseekV3MoE forward (5.24: the same text in both): the routed
+# experts' sum plus the shared MLP of the block's input. A class whose forward is this, statement
+# for statement (_same_forward), folds whatever its name.
+_SHARED_MOE_FORWARD = """
+def forward(self, hidden_states):
+    residuals = hidden_states
+    orig_shape = hidden_states.shape
+    _, topk_weights, topk_indices = self.gate(hidden_states)
+    hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
+    hidden_states = self.experts(hidden_states, topk_indices, topk_weights).view(*orig_shape)
+    hidden_states = hidden_states + self.shared_experts(residuals)
+    return hidden_states
+"""
+
+
+def _fold_reason(block: nn.Module) -> Optional[str]:
+    """None if the block's shared MLP is exactly shared experts its QuantExperts can run (see
+    fold_shared_experts), else why not."""
+    cls, experts, shared = type(block), block._modules["experts"], block._modules[SHARED_MLP]
+    if not _same_forward(cls, _SHARED_MOE_FORWARD):
+        return (f"{cls.__qualname__}.forward is not transformers' DeepSeek-V2 / V3 MoE forward (the routed "
+                f"experts plus {SHARED_MLP}(x))")
+    if type(experts) is not QuantExperts:
+        return f"experts is a {type(experts).__name__}, not a QuantExperts"
+    if experts.act_order:
+        return "the experts have act-order (GPTQ desc_act); shared experts go only with experts without it"
+    if not (_same_forward(type(shared), _MLP_FORWARD) and _is_silu(shared._modules.get("act_fn"))):
+        return f"{SHARED_MLP} ({type(shared).__name__}) does not compute down(silu(gate(x)) * up(x))"
+    layers = [shared._modules.get(n) for n in SHARED_PROJECTIONS]
+    for n, m in zip(SHARED_PROJECTIONS, layers):
+        if type(m) is not QuantLinear:
+            return f"{SHARED_MLP}.{n} is a {type(m).__name__}, not a W4A16 QuantLinear"
+        got, want = (m.group_size, m.sym, m.dtype), (experts.group_size, experts.sym, experts.dtype)
+        if m.bias is not None or m.act_order or got != want:
+            return (f"{SHARED_MLP}.{n} has (group_size, sym, dtype) {got}{', a bias' if m.bias is not None else ''}"
+                    f"{', act-order' if m.act_order else ''}; the experts' are {want}, no bias, no act-order")
+    for name, m in (("the block", block), ("experts", experts), (SHARED_MLP, shared), *zip(SHARED_PROJECTIONS, layers)):
+        if not _plain(m) or "forward" in m.__dict__:
+            return f"{name} has hooks or an instance-level forward (e.g. accelerate's device hooks)"
+    gate, up, down = layers
+    i, h, w = experts.intermediate_dim, experts.hidden_dim, gate.out_features
+    if (gate.in_features, up.in_features, up.out_features, down.in_features, down.out_features) != (h, h, w, w, h):
+        return f"{SHARED_MLP}'s projections are not gate / up ({w}, {h}) and down ({h}, {w}), H the experts' {h}"
+    configured = getattr(getattr(block, "config", None), "n_shared_experts", None)
+    if w != (configured if type(configured) is int else 0) * i:
+        return (f"{SHARED_MLP} has width {w}, not config.n_shared_experts={configured!r} times the experts' "
+                f"intermediate size {i} (e.g. a tensor-parallel shard)")
+    if experts.group_size != -1 and i % experts.group_size:
+        return (f"the experts' intermediate size {i} is not a multiple of group_size={experts.group_size}: a group "
+                f"of {SHARED_MLP}.down_proj would span two shared experts")
+    top_k = getattr(block._modules.get("gate"), "top_k", None)
+    if type(top_k) is not int or top_k + configured > MAX_TOPK:
+        return f"the router's top_k={top_k!r} plus {configured} shared experts is not an int of at most {MAX_TOPK}"
+    if len({m.qweight.device for m in layers} | {experts.w13_qweight.device}) > 1:
+        return f"{SHARED_MLP} and experts are on different devices"
+    return None
+
+
+class SharedExpertsMoE(nn.Module):
+    """What a DeepSeek-V2 / V3 MoE block whose shared MLP was folded into its experts runs
+    (fold_shared_experts; each such block is of a subclass of its own class and this one,
+    _folded_class): the router, then the QuantExperts with its num_shared shared experts, one
+    sailfish::moe_w4a16 call that adds the shared MLP's output too. No state between calls
+    (torch.compile(fullgraph=True), CUDA graphs). load_state_dict hands the shared MLP's keys
+    (`shared_experts.*`, which the experts module writes) to the experts module."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        orig_shape = hidden_states.shape
+        _, topk_weights, topk_indices = self.gate(hidden_states)
+        hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
+        return self.experts(hidden_states, topk_indices, topk_weights).view(*orig_shape)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        shared = f"{prefix}{SHARED_MLP}."
+        self._modules["experts"]._load_shared(state_dict, shared, *args)
+        super()._load_from_state_dict({k: v for k, v in state_dict.items() if not k.startswith(shared)}, prefix, *args)
+
+    def __reduce_ex__(self, protocol):
+        # pickle by the block's own class, not by the generated subclass (as SailfishTopKRouter)
+        return _rebuild_folded, (type(self).__bases__[1], self.__getstate__())
+
+    def extra_repr(self) -> str:
+        return f"{SHARED_MLP} run as the experts' last {self._modules['experts'].num_shared}"
+
+
+@functools.lru_cache(maxsize=None)
+def _folded_class(block_cls: type) -> type:
+    return type(f"Sailfish{block_cls.__name__}", (SharedExpertsMoE, block_cls), {"__module__": __name__})
+
+
+def _rebuild_folded(block_cls: type, state: dict) -> nn.Module:
+    sub = _folded_class(block_cls)
+    new = sub.__new__(sub)
+    new.__setstate__(state)
+    return new
+
+
+def fold_shared_experts(model: nn.Module) -> Tuple[List[str], Dict[str, str]]:
+    """Run, in place, the shared MLP of every DeepSeek-V2 / V3 MoE block inside its QuantExperts
+    (moe.py: its width S * I as S shared experts of the routed width I, sailfish::moe_w4a16's
+    num_shared), where that is exact: the block's class forward is transformers' (checked
+    statement for statement), its experts a QuantExperts without act-order, its shared MLP
+    down(silu(gate(x)) * up(x)) of plain W4A16 QuantLinears of the experts' group size,
+    symmetry and dtype, without bias or act-order, of width config.n_shared_experts * I with I
+    a multiple of the group size (or per-channel scales), no hooks. The block then drops
+    its shared_experts module and takes a Sailfish forward (SharedExpertsMoE); its state_dict
+    keeps the unfolded block's keys (moe.py). Returns ([folded block names], {block's
+    shared_experts name: why it was left as it is}) for the blocks that have experts and
+    shared_experts."""
+    folded: List[str] = []
+    not_folded: Dict[str, str] = {}
+    for name, block in list(model.named_modules()):
+        if isinstance(block, SharedExpertsMoE) or not {"experts", SHARED_MLP} <= block._modules.keys():
+            continue
+        where = f"{name}.{SHARED_MLP}" if name else SHARED_MLP
+        reason = _fold_reason(block)
+        if reason is None:
+            layers = [block._modules[SHARED_MLP]._modules[n] for n in SHARED_PROJECTIONS]
+            try:
+                experts = block._modules["experts"].with_shared(*(m.quantized_weight() for m in layers))
+            except (TypeError, ValueError) as e:
+                reason = str(e)
+        if reason:
+            not_folded[where] = reason
+            log.info("sailfish: %s left outside the experts: %s", where, reason)
+            continue
+        block._modules["experts"] = experts
+        del block._modules[SHARED_MLP]
+        block.__class__ = _folded_class(type(block))
+        folded.append(name)
+    return folded, not_folded
+
+
+# ----------------------------------------------------------------------------------
 # Decode attention
 # ----------------------------------------------------------------------------------
 ATTENTION = "sailfish"  # the name registered with transformers' attention and mask interfaces
@@ -908,12 +1048,16 @@ def use_decode_attention(model: nn.Module) -> List[str]:
 
 def unfused_layers(model: nn.Module) -> Dict[str, nn.Module]:
     """{name: layer} of every Sailfish layer of the model, a fused layer given as its
-    projections (plain layers, under their own names): what a checkpoint stores."""
+    projections (plain layers, under their own names), a shared MLP folded into its experts as
+    its projections too: what a checkpoint stores."""
     out: Dict[str, nn.Module] = {}
     for name, module in model.named_modules():
+        parent = name.rpartition(".")[0]
         if isinstance(module, _Fused):
-            parent = name.rpartition(".")[0]
             out.update({f"{parent}.{n}" if parent else n: part for n, part in module.parts()})
+        elif isinstance(module, QuantExperts) and module.num_shared:  # a folded shared MLP (fold_shared_experts)
+            mlp = f"{parent}.{SHARED_MLP}" if parent else SHARED_MLP
+            out.update({f"{mlp}.{n}": part for n, part in module.shared_layers()})
         elif isinstance(module, (QuantLinear, QuantLinearW4A8)):
             out[name] = module
     return out
@@ -921,4 +1065,5 @@ def unfused_layers(model: nn.Module) -> Dict[str, nn.Module]:
 
 __all__ = ["check_fuse_flag", "FusedQuantLinear", "FusedQuantLinearW4A8", "FusedOutput", "fuse_projections", "unfused_layers",
            "shard_fused", "SUPPORTED", "ARCHITECTURES", "fuse_row_ops", "SailfishRMSNorm", "DeferredRMSNorm",
-           "GatedMLP", "NORMS", "SailfishTopKRouter", "sailfish_attention", "use_decode_attention", "ATTENTION_MODELS"]
+           "GatedMLP", "NORMS", "SailfishTopKRouter", "fold_shared_experts", "SharedExpertsMoE",
+           "sailfish_attention", "use_decode_attention", "ATTENTION_MODELS"]

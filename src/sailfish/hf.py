@@ -48,8 +48,8 @@ class SailfishConfig(QuantizationConfigMixin):
     (Marlin) or asymmetric weights. act_bits: 16 (W4A16 QuantLinear) or 8 (W4A8).
     modules_to_not_convert: module names (or name components) left in full precision,
     default ["lm_head"]; one name may be given as a str. lm_head=True: quantize the lm_head
-    too (then the default list is empty). fuse: q/k/v and gate/up as one layer each where
-    exact (sailfish.fuse).
+    too (then the default list is empty). fuse: q/k/v and gate/up as one layer each, and
+    DeepSeek's shared experts inside the MoE block, where exact (sailfish.fuse).
     """
 
     def __init__(self, bits: int = 4, group_size: int = 128, sym: bool = True, act_bits: int = 16,

@@ -41,6 +41,14 @@ def _upgrade_qweight_layout(state_dict, prefix: str, current: int, from_v1, what
 _SCALE_BUFFERS = ("scales", "zeros", "s_ch", "s_g")
 
 
+def parent_prefix(prefix: str) -> str:
+    """'model.layers.0.self_attn.qkv_proj.' -> 'model.layers.0.self_attn.' ('' at the top): where a
+    layer that stands in for its siblings (fuse.FusedQuantLinear, a QuantExperts holding shared
+    experts) writes and reads their state_dict keys."""
+    parent = prefix[:-1].rpartition(".")[0]
+    return parent + "." if parent else ""
+
+
 def _check_loaded(module: nn.Module, state_dict, prefix: str, error_msgs: list) -> bool:
     """A load error (True: appended to error_msgs) for a tensor of the wrong dtype or non-finite
     scales. load_state_dict would copy_ a float16 checkpoint into a bfloat16 layer (or float

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..convert import quantize_model
 from ..fuse import fuse_row_ops
-from ..moe import QuantExperts, is_experts_module
+from ..moe import SHARED_MLP, QuantExperts, is_experts_module
 from ..nn import QuantLinear, QuantLinearW4A8
 
 
@@ -199,7 +199,9 @@ def dequantized_reference(model: nn.Module, base: Optional[nn.Module] = None) ->
     holding layer.dequantize(): the weights the kernels multiply by, so the two models differ
     only in how the products are computed (and, W4A8, in the int8 activations). A QuantExperts
     becomes a copy of the experts module of the same name in `base` (the model it was quantized
-    from: transformers' own experts code) holding the dequantized experts."""
+    from: transformers' own experts code) holding the dequantized experts; one holding a
+    DeepSeek block's shared MLP (fuse.fold_shared_experts) gives the routed experts, and the block
+    its transformers class and shared MLP back, of nn.Linears holding the shared MLP's weights."""
     ref = shared_copy(model)
     dtype = base_dtype(model)
     for name, mod in list(ref.named_modules()):
@@ -210,21 +212,32 @@ def dequantized_reference(model: nn.Module, base: Optional[nn.Module] = None) ->
             twin = copy.copy(orig)  # transformers' module, its own parameter dict (base keeps its own)
             twin._parameters = dict(orig._parameters)
             w13, w2 = mod.dequantize()
-            twin.gate_up_proj = nn.Parameter(w13.to(dtype), requires_grad=False)
-            twin.down_proj = nn.Parameter(w2.to(dtype), requires_grad=False)
+            twin.gate_up_proj = nn.Parameter(w13[:mod.num_experts].to(dtype), requires_grad=False)
+            twin.down_proj = nn.Parameter(w2[:mod.num_experts].to(dtype), requires_grad=False)
             parent, _, child = name.rpartition(".")
-            setattr(ref.get_submodule(parent) if parent else ref, child, twin)
+            block = ref.get_submodule(parent) if parent else ref
+            setattr(block, child, twin)
+            if mod.num_shared:  # unfolded: transformers' block class (SharedExpertsMoE's subclass of it)
+                block.__class__ = type(block).__bases__[1]
+                orig = base.get_submodule(f"{parent}.{SHARED_MLP}" if parent else SHARED_MLP)
+                mlp = copy.copy(orig)
+                mlp._modules = {**orig._modules, **{n: _linear(m, dtype) for n, m in mod.shared_layers()}}
+                block.add_module(SHARED_MLP, mlp)
             continue
-        if not isinstance(mod, (QuantLinear, QuantLinearW4A8)):
-            continue
-        lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None,
-                        dtype=dtype, device=next(mod.buffers()).device)
-        lin.weight.data.copy_(mod.dequantize())
-        if mod.bias is not None:
-            lin.bias.data.copy_(mod.bias)
-        parent, _, child = name.rpartition(".")
-        setattr(ref.get_submodule(parent) if parent else ref, child, lin.requires_grad_(False))
+        if isinstance(mod, (QuantLinear, QuantLinearW4A8)):
+            parent, _, child = name.rpartition(".")
+            setattr(ref.get_submodule(parent) if parent else ref, child, _linear(mod, dtype))
     return ref
+
+
+def _linear(layer: nn.Module, dtype: torch.dtype) -> nn.Linear:
+    """An nn.Linear holding a Sailfish layer's dequantized weight (and bias), in `dtype`."""
+    lin = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                    dtype=dtype, device=next(layer.buffers()).device)
+    lin.weight.data.copy_(layer.dequantize())
+    if layer.bias is not None:
+        lin.bias.data.copy_(layer.bias)
+    return lin.requires_grad_(False)
 
 
 def tensor_bytes(module: nn.Module) -> int:

@@ -14,6 +14,11 @@ fused projection (q, k, v or gate, up) stacked into one weight. Every tensor ind
 joined; what the parts share (K, group size, dtype, symmetry, g_idx) must be equal, so an
 act-order weight joins only parts with the same g_idx (GPTQ gives projections that read one
 input the same g_idx; parts with different ones cannot share one K order and raise).
+Concatenation along K (concat_quantized(parts, dim=1), W4A16 without g_idx) is the exact
+inverse of dim=1 slices on group boundaries: a shared MLP's down projection put back together
+from the shared experts it was split into (moe.py). Codes and scale / zero rows are joined;
+every part but the last must be whole groups; per-channel parts (group_size -1) must have equal
+scales and zero points, which the result keeps.
 
 Act-order (g_idx) weights can be cut anywhere: the slice keeps its channels in the original
 order, its g_idx is renumbered 0 .. T-1 over the T groups it touches (in increasing order,
@@ -127,7 +132,7 @@ def _check_parts(parts, kind) -> None:
             raise TypeError(f"parts[{i}] must be a {kind.__name__}, got {type(p).__name__}")
 
 
-def _check_shared(parts, what: str, value) -> None:
+def _check_shared(parts, what: str, value, along: str = "output features") -> None:
     """Every part's value(part) must equal parts[0]'s: the features the parts of one weight share."""
     first = value(parts[0])
     for i, p in enumerate(parts[1:], 1):
@@ -135,23 +140,28 @@ def _check_shared(parts, what: str, value) -> None:
         if isinstance(first, torch.Tensor):
             if not torch.equal(v, first):
                 raise ValueError(f"parts[{i}] has a different {what} than parts[0]: a concatenation "
-                                 f"along output features needs one {what} for all parts")
+                                 f"along {along} needs one {what} for all parts")
         elif v != first:
             raise ValueError(f"parts[{i}] has {what}={v!r} but parts[0] has {what}={first!r}: a "
-                             f"concatenation along output features needs equal {what}")
+                             f"concatenation along {along} needs equal {what}")
 
 
 def _join(ts, dim: int) -> Optional[torch.Tensor]:
     return None if ts[0] is None else torch.cat(ts, dim=dim)
 
 
-def concat_quantized(parts) -> QuantizedWeight:
-    """W4A16 weights stacked along output features (N), exactly: the result's dequantize()
+def concat_quantized(parts, dim: int = 0) -> QuantizedWeight:
+    """W4A16 weights stacked along output features (N, dim=0), exactly: the result's dequantize()
     is torch.cat of the parts' along dim 0, and slice_quantized(result, 0, ...) over each
     part's rows gives that part back bit for bit. The parts must share in_features, group
     size, bits, dtype, symmetry, device, the number of scale rows and g_idx (None for all,
-    or equal: ValueError otherwise)."""
+    or equal: ValueError otherwise). dim=1: joined along input features (K), the same
+    guarantees for dim=1 slices (module docstring: no g_idx, whole groups)."""
     _check_parts(parts, QuantizedWeight)
+    if dim == 1:
+        return _concat_k(parts)
+    if dim != 0:
+        raise ValueError(f"dim={dim!r} is not supported; allowed: 0 (output features), 1 (input features)")
     for what, value in (("in_features", lambda p: p.in_features), ("group_size", lambda p: p.group_size),
                         ("bits", lambda p: p.bits), ("dtype", lambda p: p.dtype), ("sym", lambda p: p.sym),
                         ("device", lambda p: p.qweight.device), ("scale rows", lambda p: p.scales.shape[0]),
@@ -162,6 +172,30 @@ def concat_quantized(parts) -> QuantizedWeight:
     return QuantizedWeight(torch.cat([p.qweight for p in parts]), _join([p.scales for p in parts], 1),
                            _join([p.zeros for p in parts], 1), _cut(parts[0].g_idx, slice(None)),
                            parts[0].group_size, parts[0].bits)
+
+
+def _concat_k(parts) -> QuantizedWeight:
+    along = "input features"
+    for what, value in (("out_features", lambda p: p.out_features), ("group_size", lambda p: p.group_size),
+                        ("bits", lambda p: p.bits), ("dtype", lambda p: p.dtype), ("sym", lambda p: p.sym),
+                        ("device", lambda p: p.qweight.device)):
+        _check_shared(parts, what, value, along)
+    for i, p in enumerate(parts):
+        if p.g_idx is not None:
+            raise ValueError(f"parts[{i}] has a g_idx (act-order); a concatenation along input features takes "
+                             "weights without one")
+    gs = parts[0].group_size
+    if gs == -1:  # one scale per output channel over all of K: every part holds the same
+        _check_shared(parts, "scales", lambda p: p.scales, along)
+        _check_shared(parts, "zeros", lambda p: p.zeros, along)
+        scales, zeros = _cut(parts[0].scales, slice(None)), _cut(parts[0].zeros, slice(None))
+    else:
+        for i, p in enumerate(parts[:-1]):
+            if p.in_features % gs:
+                raise ValueError(f"parts[{i}] has in_features={p.in_features}, not a multiple of group_size={gs}: "
+                                 "a group would span two parts")
+        scales, zeros = _join([p.scales for p in parts], 0), _join([p.zeros for p in parts], 0)
+    return QuantizedWeight(torch.cat([p.qweight for p in parts], 1), scales, zeros, None, gs, parts[0].bits)
 
 
 def concat_qqq(parts) -> QQQWeight:
