@@ -411,6 +411,15 @@ def test_routing_with_shared_experts(M, topk, E, S, bm, device):
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
 
 
+def test_op_shared_experts_opcheck(device):
+    """num_shared through the op's schema, fake implementation and AOT dispatch."""
+    args, _, _ = make_problem(5, 2, 3, 128, 64, 64, True, F16, device)
+    ids = torch.stack([torch.randperm(4)[:2] for _ in range(3)]).to(device)
+    args = (args[0], ids) + args[2:] + (None, None, 1)
+    torch.library.opcheck(torch.ops.sailfish.moe_w4a16.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
 def test_op_shared_experts_bad_input():
     args = zero_problem(E=4, topk=2)
     for S, match in ((-1, r"num_shared=-1 must be an int in \[0, E=4\)"), (4, r"num_shared=4 must be"),
