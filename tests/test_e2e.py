@@ -399,6 +399,24 @@ def test_moe_model_cpu_check(tmp_path, capsys):
     assert "vs bf16" in out
 
 
+def test_deepseek_model_cpu_check(tmp_path, capsys):
+    """The DeepSeek-V2-shaped model (multi-head latent attention, whose cache the Decoder allocates
+    with one forward; a dense first layer; shared experts): W4A16 folds every MoE block's shared
+    MLP into its QuantExperts, and the correctness line holds against transformers' own block
+    code holding the dequantized weights."""
+    rc = E.main(["--device", "cpu", "--model", "tiny-deepseek", "--batches", "1", "--prefill", "0",
+                 "--check-steps", "1", "--out-dir", str(tmp_path), "--name", "ds", "--no-plots"])
+    out = capsys.readouterr().out
+    assert rc == 0, out[-3000:]
+    doc = json.loads((tmp_path / "ds.json").read_text())
+    shape = L.MODELS["tiny-deepseek"]
+    info = doc["variants"]["w4a16-bf16"]
+    assert info["experts_modules"] == shape.layers - shape.dense_layers
+    assert info["shared_experts_folded"] == [f"model.layers.{i}.mlp" for i in range(shape.dense_layers, shape.layers)]
+    check = next(c for c in doc["correctness"] if c["variant"] == "w4a16-bf16")
+    assert check["ok"] and check["agreement"] >= 0.9 and check["logits_rel_err"] < 1e-2
+
+
 def test_moe_split_times_the_experts(monkeypatch):
     from sailfish.bench import timing as T
     from sailfish.moe import QuantExperts

@@ -6,12 +6,15 @@
     python -m sailfish.bench.e2e --batches 1,16 --variants fp16,w4a16,w4a16-unfused,w4a8,w4a8-unfused  # fusion's gain
     python -m sailfish.bench.e2e --model 70b --layers 8        # 70B layer shapes, 8 of its 80 layers
     python -m sailfish.bench.e2e --model qwen3-moe             # Qwen3-30B-A3B shapes (MoE), 8 of 48 layers, bf16
+    python -m sailfish.bench.e2e --model deepseek-v2-lite      # DeepSeek-V2-Lite shapes (MLA, 2 shared experts), 8 of 27
     python -m sailfish.bench.e2e --quick                       # 4 layers of the 8B, batches 1,16
     python -m sailfish.bench.e2e --device cpu                  # tiny model: every code path, times meaningless
 
 Models: transformers' LlamaForCausalLM from a LlamaConfig (Qwen3MoeForCausalLM for qwen3-moe and
 tiny-moe: 128 experts of width 768, top-8, experts run by transformers' grouped_mm; quantized:
-sailfish.QuantExperts) with random weights (nothing is downloaded), sdpa attention,
+sailfish.QuantExperts; DeepseekV2ForCausalLM for deepseek-v2-lite and tiny-deepseek: multi-head
+latent attention, 64 routed experts of width 1408, top-6, 2 shared experts, which the quantized
+model runs inside its QuantExperts, the first layer dense) with random weights (nothing is downloaded), sdpa attention,
 transformers' StaticCache. Variants, converted with
 sailfish.quantize_model (lm_head stays in the model dtype, except in w4a16-lmhead): fp16, bf16,
 w4a16 (sym, group 128, fp16), w4a16-asym-bf16 (asym, group 128, bf16: the GPTQ format), w4a8 (int8 per-token
@@ -87,7 +90,7 @@ GEN_PROMPT = 16  # prompt tokens of the generate mode (CPU: 4)
 GEN_SHORT = 4  # new tokens of its short call
 DEFAULT_BATCHES = (1, 4, 16, 64)
 DEFAULT_70B_LAYERS = 8
-DEFAULT_LAYERS = {"70b": DEFAULT_70B_LAYERS, "qwen3-moe": 8}  # models run extrapolated by default
+DEFAULT_LAYERS = {"70b": DEFAULT_70B_LAYERS, "qwen3-moe": 8, "deepseek-v2-lite": 8}  # run extrapolated by default
 QUICK = dict(layers=4, batches=(1, 16), variants=("fp16", "w4a16", "w4a8"), prefill=512)
 CPU = dict(model="tiny", context=32, batches=(1, 2), prefill=16, warmup=0, steps=1, prefill_reps=1, gen_tokens=2,
            check_batch=2, check_steps=2, check_prompt=8)
@@ -376,6 +379,7 @@ class Runner:
                 "experts_modules": None if report is None else len(report.get("experts", [])),
                 "skipped_layers": None if report is None else report["skipped"],
                 "fused_layers": None if report is None else sorted(report.get("fused", {})),
+                "shared_experts_folded": None if report is None else report.get("shared_experts_folded", []),
                 "not_fused": None if report is None else report.get("not_fused", {}),
                 "row_ops": None if report is None else {k: len(v) for k, v in report.get("row_ops", {}).items()}}
         self.res.variants.setdefault(name, info)

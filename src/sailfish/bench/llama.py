@@ -1,7 +1,9 @@
-"""Llama-3- and Qwen3-MoE-shaped `transformers` models for the end-to-end benchmark (bench/e2e.py).
+"""Llama-3-, Qwen3-MoE- and DeepSeek-V2-shaped `transformers` models for the end-to-end benchmark
+(bench/e2e.py).
 
-The models are transformers' own LlamaForCausalLM / Qwen3MoeForCausalLM (its experts run by
-transformers' default experts implementation, grouped_mm in transformers 5) with random weights
+The models are transformers' own LlamaForCausalLM / Qwen3MoeForCausalLM / DeepseekV2ForCausalLM
+(their experts run by transformers' default experts implementation, grouped_mm in transformers 5)
+with random weights
 (nothing is downloaded)
 and its own StaticCache, so a decode step here is the step a transformers user runs. That needs
 transformers >= 5, whose StaticCache layers keep their write position in a device tensor
@@ -40,6 +42,13 @@ class ModelShape:
     topk: int = 0
     moe_intermediate: int = 0
     head_dim: int = 0  # 0: hidden // heads
+    # DeepSeek-V2 architecture when mla is set: multi-head latent attention (kv_lora_rank,
+    # qk_nope_head_dim, qk_rope_head_dim, v_head_dim), `shared` shared experts of width
+    # moe_intermediate beside the routed ones, the first `dense_layers` layers a dense MLP of
+    # width intermediate
+    mla: Tuple[int, int, int, int] = ()
+    shared: int = 0
+    dense_layers: int = 0
 
     @property
     def moe(self) -> bool:
@@ -56,6 +65,10 @@ MODELS: Dict[str, ModelShape] = {
                             moe_intermediate=768, head_dim=128),
     "tiny-moe": ModelShape("tiny Qwen3-MoE (CPU check)", 128, 256, 2, 4, 2, 512, experts=4, topk=2,
                            moe_intermediate=128, head_dim=32),
+    "deepseek-v2-lite": ModelShape("DeepSeek-V2-Lite", 2048, 10944, 27, 16, 16, 102400, experts=64, topk=6,
+                                   moe_intermediate=1408, mla=(512, 128, 64, 128), shared=2, dense_layers=1),
+    "tiny-deepseek": ModelShape("tiny DeepSeek-V2 (CPU check)", 128, 256, 3, 4, 4, 512, experts=4, topk=2,
+                                moe_intermediate=128, mla=(128, 32, 16, 32), shared=1, dense_layers=1),
 }
 
 
@@ -121,6 +134,21 @@ def require_transformers() -> str:
 
 
 def llama_config(shape: ModelShape, layers: int):
+    if shape.mla:
+        from transformers import DeepseekV2Config
+
+        kv_lora, nope, rope, v = shape.mla
+        return DeepseekV2Config(
+            vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+            moe_intermediate_size=shape.moe_intermediate, n_routed_experts=shape.experts,
+            n_shared_experts=shape.shared, num_experts_per_tok=shape.topk, first_k_dense_replace=shape.dense_layers,
+            topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0, q_lora_rank=None,
+            kv_lora_rank=kv_lora, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v,
+            num_hidden_layers=layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+            hidden_act="silu", max_position_embeddings=8192, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+            attention_bias=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+            attn_implementation="sdpa")
     if shape.moe:
         from transformers import Qwen3MoeConfig
 
@@ -156,14 +184,15 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(shape: ModelShape, layers: int, device: torch.device, seed: int = 0) -> nn.Module:
-    """A float16 LlamaForCausalLM (Qwen3MoeForCausalLM for a MoE shape) with `layers` decoder
-    layers and transformers' random init (normal, std 0.02), created directly on `device` in
-    float16 (no float32 copy)."""
-    from transformers import LlamaForCausalLM, Qwen3MoeForCausalLM
+    """A float16 LlamaForCausalLM (Qwen3MoeForCausalLM for a MoE shape, DeepseekV2ForCausalLM for
+    one with mla) with `layers` decoder layers and transformers' random init (normal, std 0.02),
+    created directly on `device` in float16 (no float32 copy)."""
+    from transformers import DeepseekV2ForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
+    cls = DeepseekV2ForCausalLM if shape.mla else Qwen3MoeForCausalLM if shape.moe else LlamaForCausalLM
     with _default_dtype(torch.float16), torch.device(device):
-        model = (Qwen3MoeForCausalLM if shape.moe else LlamaForCausalLM)(llama_config(shape, layers))
+        model = cls(llama_config(shape, layers))
     return model.eval().requires_grad_(False)
 
 
@@ -279,12 +308,19 @@ class Decoder:
         self.model, self.batch, self.context = model, batch, context
         device = model.get_input_embeddings().weight.device
         self.cache = StaticCache(config=cfg, max_cache_len=context)
-        # Allocate the cache now rather than on the first step, so that it exists before
-        # seek() and outside any graph capture.
-        self.cache.early_initialization(batch_size=batch, num_heads=cfg.num_key_value_heads,
-                                        head_dim=cfg.head_dim, dtype=base_dtype(model), device=device)
         gen = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(cfg.vocab_size, (batch, 1), generator=gen).to(device)
+        # Allocate the cache now rather than on the first step, so that it exists before
+        # seek() and outside any graph capture. Multi-head latent attention (DeepSeek) caches
+        # keys and values of the version's own shapes, unlike early_initialization's one head_dim:
+        # one forward allocates them, and seek(0) rewinds (what it wrote is overwritten or masked).
+        if getattr(cfg, "kv_lora_rank", None):
+            with torch.no_grad():
+                self.forward(self.ids)
+            self.seek(0)
+        else:
+            self.cache.early_initialization(batch_size=batch, num_heads=cfg.num_key_value_heads,
+                                            head_dim=cfg.head_dim, dtype=base_dtype(model), device=device)
 
     def seek(self, position: int) -> None:
         if not 0 <= position < self.context:
