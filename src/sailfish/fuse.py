@@ -345,6 +345,17 @@ def _fuse_reason(module: nn.Module, attr: str, names: Tuple[str, ...]) -> Option
     return None
 
 
+def _build_unless(reason: Optional[str], build):
+    """(build(), None) where there is no reason against it and build() succeeds; else (None, the
+    reason, or the TypeError / ValueError build() raised): the fusing passes' refusal rule."""
+    if reason is not None:
+        return None, reason
+    try:
+        return build(), None
+    except (TypeError, ValueError) as e:
+        return None, str(e)
+
+
 def check_fuse_flag(fuse) -> None:
     """fuse= of quantize_model / load_quantized / SailfishConfig must be a bool."""
     if not isinstance(fuse, bool):
@@ -367,14 +378,9 @@ def fuse_projections(model: nn.Module) -> nn.Module:
             if any(isinstance(module._modules[n], FusedOutput) for n in names):
                 continue  # fused already
             where = f"{name}.{attr}" if name else attr
-            reason = _fuse_reason(module, attr, names)
-            if reason is None:
-                layers = [module._modules[n] for n in names]
-                cls = FusedQuantLinear if isinstance(layers[0], QuantLinear) else FusedQuantLinearW4A8
-                try:
-                    layer = cls.from_layers(layers, names)
-                except (TypeError, ValueError) as e:
-                    reason = str(e)
+            layers = [module._modules.get(n) for n in names]
+            cls = FusedQuantLinear if isinstance(layers[0], QuantLinear) else FusedQuantLinearW4A8
+            layer, reason = _build_unless(_fuse_reason(module, attr, names), lambda: cls.from_layers(layers, names))
             if reason:
                 not_fused[where] = reason
                 log.info("sailfish: %s left unfused: %s", where, reason)
@@ -953,13 +959,9 @@ def fold_shared_experts(model: nn.Module) -> Tuple[List[str], Dict[str, str]]:
         if isinstance(block, SharedExpertsMoE) or not {"experts", SHARED_MLP} <= block._modules.keys():
             continue
         where = f"{name}.{SHARED_MLP}" if name else SHARED_MLP
-        reason = _fold_reason(block)
-        if reason is None:
-            layers = [block._modules[SHARED_MLP]._modules[n] for n in SHARED_PROJECTIONS]
-            try:
-                experts = block._modules["experts"].with_shared(*(m.quantized_weight() for m in layers))
-            except (TypeError, ValueError) as e:
-                reason = str(e)
+        layers = [block._modules[SHARED_MLP]._modules.get(n) for n in SHARED_PROJECTIONS]
+        experts, reason = _build_unless(_fold_reason(block), lambda: block._modules["experts"].with_shared(
+            *(m.quantized_weight() for m in layers)))
         if reason:
             not_folded[where] = reason
             log.info("sailfish: %s left outside the experts: %s", where, reason)
