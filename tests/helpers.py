@@ -196,7 +196,7 @@ def incompatible_gluon() -> Exception:
 
 
 # the Gluon compile checks' K-loop verdict (prepended to their child scripts: tests/test_w4a16_gluon.py,
-# tests/test_w4a8.py): ptxas serialization or spill, a wgmma register hazard, local memory in the loop
+# tests/test_w4a8.py, tests/test_moe.py): ptxas serialization or spill, a wgmma register hazard, local memory in the loop
 LOOP_PROBLEMS = r"""
 from sailfish.tools.ptx import wgmma_register_hazard as _hazard
 
@@ -210,6 +210,34 @@ def loop_problems(rep, text, body):
     if any(t.startswith(("LDL", "STL")) for t in body):
         why.append("local memory in the K loop")
     return why
+
+"""
+
+# loop_problems and pipe_problems, for the pipe kernels' compile children
+PIPE_PROBLEMS = LOOP_PROBLEMS + r"""
+
+def pipe_problems(k, ring):
+    '''The warp-specialized pipe kernels' checks on compiled kernel k (x rings of `ring` bytes):
+    loop_problems, the K loop's A operand in registers with no shared-memory store or ldmatrix,
+    waits 1 (a chunk in flight) and 0 only, the rings' shared memory plus Triton's < 1 KiB, 12
+    warps with TMA and setmaxnreg. Returns (why, the SASS K loop).'''
+    from sailfish.tools.ptx import k_loop_stats, ptxas_report, sass, wgmma_loop
+
+    ptx = k.asm["ptx"]
+    st = k_loop_stats(ptx)
+    text = sass(k.asm["cubin"])
+    body = wgmma_loop(text) or []
+    why = loop_problems(ptxas_report(ptx), text, body)
+    if st is None or st.st_shared or st.ldmatrix or not st.wgmma_a_in_registers:
+        why.append(f"K loop {st}")
+    waits = sorted(set(re.findall(r"wgmma.wait_group.sync.aligned (\d+)", ptx)))
+    if waits != ["0", "1"]:  # one chunk's wgmmas left in flight while the next is dequantized
+        why.append(f"waits {waits}")
+    if not ring <= k.metadata.shared < ring + 1024:
+        why.append(f"shared memory {k.metadata.shared}, rings {ring}")
+    if ".reqntid 384" not in ptx or "cp.async.bulk.tensor" not in ptx or "setmaxnreg" not in ptx:
+        why.append("not the warp-specialized TMA kernel")
+    return why, body
 """
 
 

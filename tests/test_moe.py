@@ -628,10 +628,12 @@ def test_bench_moe_smoke(tmp_path):
     from sailfish.bench import moe as bench
 
     out = tmp_path / "moe.json"
-    assert bench.main(["--smoke", "--routing", "skewed", "--kernels", "sailfish-moe-w4a16,grouped",
-                       "--models", "tiny-shared", "--m", "3", "--out", str(out)]) == 0
+    # (the loop's shared experts: QuantLinears joined from the same codes; a second quantization failed its check)
+    assert bench.main(["--smoke", "--routing", "skewed", "--kernels",
+                       "sailfish-moe-w4a16,grouped,sailfish-quantlinear-loop", "--models", "tiny-shared", "--m", "3",
+                       "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert {r["kernel"] for r in doc["rows"]} == {"sailfish-moe-w4a16", "bf16-grouped"}
+    assert {r["kernel"] for r in doc["rows"]} == {"sailfish-moe-w4a16", "bf16-grouped", "sailfish-quantlinear-loop"}
     assert {r["M"] for r in doc["rows"]} == {3} and all(c["ok"] for c in doc["checks"])
     for r in doc["rows"]:
         assert set(r) == {"model", "kernel", "M", "time_us", "limit_fraction", "dtype", "group_size"}
@@ -643,6 +645,7 @@ def test_bench_moe_smoke(tmp_path):
     assert len(again["runs"]) == 2 and len(again["rows"]) == len(doc["rows"])
     assert [r for r in again["rows"] if r["kernel"] != "bf16-grouped"] == \
         [r for r in doc["rows"] if r["kernel"] != "bf16-grouped"]
+    assert all(c["ok"] for c in again["checks"])
 
 
 _SM90_CHILD = r"""
@@ -787,3 +790,113 @@ def test_moe_cuda_graph_and_determinism(M):
     ref, bound = moe_bound(args[0].cpu(), args[1].cpu(), args[2].cpu(), w13.dequantize(False).cpu(),
                            w2.dequantize(False).cpu(), BF16, weights_rounded=True)  # (M = 1: the GEMV's scale_acc)
     assert_moe_close(eager.cpu(), ref, bound)
+
+
+# ----------------------------------------------------------------------------------
+# "moe_gluon": the Hopper Gluon GEMMs (kernels/moe_gluon.py); elsewhere their Triton twin
+# ----------------------------------------------------------------------------------
+#   bm   M    E  S  topk H    I    gs   sym    dtype  skew
+GLUON_CASES = [
+    (64, 40, 4, 0, 2, 256, 256, 128, True, BF16, False),
+    (64, 70, 3, 1, 2, 512, 256, -1, False, F16, True),     # per channel, asymmetric, a shared expert, skewed
+    (128, 150, 2, 0, 2, 256, 512, 256, False, BF16, False),  # group 256, BLOCK_M 128, expert 0's three blocks
+    (64, 33, 4, 0, 2, 320, 384, 128, True, F16, False),     # K not whole 256-steps: the twin on every device
+]
+
+
+@pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: "bm{}-M{}-E{}-S{}-k{}-H{}-I{}-g{}-{}-{}{}".format(
+    *c[:8], "sym" if c[8] else "asym", DTYPE_NAMES[c[9]], "-skew" if c[10] else ""))
+def test_moe_gluon_config_per_element(case, device):
+    """"moe_gluon" configs in both GEMMs (the Gluon kernels on a Hopper GPU where the format takes
+    them, gluon_moe_format; their Triton twin elsewhere) within the bound of the block: the group
+    scale on the weights or per channel on the product, a routed id E (no local expert) left out,
+    shared experts; on Hopper the plan is the Gluon one where the format allows."""
+    from sailfish.ops.moe import MoEPlan, gluon_config, gluon_moe_format
+
+    bm, M, E, S, topk, H, I, gs, sym, dtype, skew = case
+    args, w13, w2 = make_problem(E + S, topk, M, H, I, gs, sym, dtype, device, skew)
+    ids = args[1].cpu().clone()
+    ids[ids >= E] = 0 if skew else ids[ids >= E] % E  # (routed ids in [0, E))
+    ids[1, -1] = E
+    args = (args[0], ids.to(device)) + args[2:]
+    ext_ids, ext_tw = with_shared(ids, args[2].cpu(), E, S)
+    ref, bound = moe_bound(args[0].cpu(), ext_ids, ext_tw, w13.dequantize(False).cpu(), w2.dequantize(False).cpu(),
+                           dtype, weights_rounded=True)
+    cfgs = (gluon_config(bm, True), gluon_config(bm, False))
+    y = moe_w4a16_launch(*args, num_shared=S, configs=cfgs)
+    assert_moe_close(y.cpu(), ref, bound)
+    kp13, kp2 = padded_k_experts(H), padded_k_experts(I)
+    gluon = gluon_moe_format(gs, H, I, kp13, kp2, (False, False), torch.device(device))
+    plan = MoEPlan(*cfgs, torch.device(device), dtype, M, topk, E, I, H, gs, not sym, not sym, shared=S, gluon=gluon)
+    assert plan.kind == ("moe_gluon" if gluon else "moe")
+    if device == "cuda" and torch.cuda.get_device_capability() == (9, 0) and kp13 % 256 == 0 and kp2 % 256 == 0:
+        assert gluon, "a Hopper GPU and a format the Gluon kernels take"
+
+
+def test_moe_gluon_pairing_heuristic_and_checks():
+    """Both GEMMs run the Gluon kernels or neither (pair_gluon: h's routing order is theirs); the
+    heuristic takes them at BLOCK_M 64 / 128 where the format allows (gluon) and not at decode's
+    BLOCK_M 16; a "moe_gluon" config other than its tile is refused, naming what it takes."""
+    from sailfish.ops.moe import check_moe_config, gluon_config, gluon_twin, moe_heuristic, pair_gluon
+
+    g13, g2 = gluon_config(128, True), gluon_config(128, False)
+    assert (g13.BLOCK_N, g2.BLOCK_N, g13.BLOCK_K, g13.num_stages, gluon_config(64, True).num_stages) == (64, 128, 256,
+                                                                                                        3, 4)
+    assert pair_gluon(g13, g2, 128, True) == (g13, g2)
+    assert pair_gluon(g13, g2, 128, False) == (gluon_twin(g13, 128), gluon_twin(g2, 128))
+    other = Config(128, 128, 128, 1, 8, 8, 3, kernel="moe")
+    assert pair_gluon(g13, other, 128, True) == (gluon_twin(g13, 128), other)
+    twin = gluon_twin(g2, -1)
+    assert (twin.kernel, twin.BLOCK_K, twin.scale_acc, gluon_twin(g2, 128).scale_acc) == ("moe", 128, True, False)
+    cpu = torch.device("cpu")
+    p = dict(device=cpu, M=4096, topk=2, E=8, N=14336, Kp=4096, gated=True)
+    assert moe_heuristic(**p, block_m=128, gluon=True) == g13
+    assert moe_heuristic(**p, block_m=128).kernel == "moe"
+    assert moe_heuristic(**{**p, "M": 1}, block_m=16, gluon=True).kernel != "moe_gluon"
+    assert moe_heuristic(**{**p, "M": 256}, block_m=64, gluon=True) == gluon_config(64, True)  # (large experts)
+    small = dict(p, M=1024, E=128, topk=8, N=768, Kp=2048)  # Qwen3-30B-A3B: BLOCK_M 64 keeps the Triton tiles
+    assert moe_heuristic(**small, block_m=64, gluon=True).kernel == "moe"
+    assert moe_heuristic(**small, block_m=128, gluon=True) == g13
+    chk = dict(M=4096, topk=2, E=8, N=14336, Kp=4096, block_m=128, gated=True)
+    check_moe_config(g13, **chk)
+    for bad, match in ((replace(g13, BLOCK_N=128), "BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, num_warps=8"),
+                       (replace(g13, num_stages=4), "num_stages=4: the x rings of BLOCK_M=128 take 3 to 3"),
+                       (replace(g13, BLOCK_M=32), r"takes BLOCK_M in \(64, 128\)"),
+                       (replace(g13, SPLIT_K=2), "SPLIT_K=1")):
+        with pytest.raises(ValueError, match=match):
+            check_moe_config(bad, **{**chk, "block_m": bad.BLOCK_M})
+
+
+_GLUON_MOE_CHILD = r"""
+import re
+import triton
+from sailfish.kernels.gluon_common import pipe_shared_bytes
+from sailfish.kernels.moe_gluon import compile_moe_sm90
+cases = [dict(gated=True), dict(gated=False), dict(gated=True, dtype="bf16", has_zeros=True),
+         dict(gated=False, group_size=-1, has_zeros=True, dtype="fp16"),
+         dict(gated=True, BLOCK_M=64, STAGES=4, group_size=256), dict(gated=False, BLOCK_M=64, STAGES=4)]
+bad = []
+for kw in cases:
+    k = compile_moe_sm90(**kw)
+    why, _ = pipe_problems(k, pipe_shared_bytes(kw.get("BLOCK_M", 128), kw.get("STAGES", 3)))
+    # gate_up's silu(gate) * up from registers: the epilogue adds no shared-memory trip
+    if k.asm["ptx"].count("st.shared") != 2:
+        why.append(f"{k.asm['ptx'].count('st.shared')} st.shared (the mbarrier setup has 2)")
+    if why:
+        bad.append((kw, why))
+assert not bad, bad
+print("checked", triton.__version__, len(cases))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
+def test_moe_gluon_kernel_compiles_for_sm90(tmp_path):
+    """The "moe_gluon" GEMMs on the compiler's output for sm_90a (both GEMMs, formats, BLOCK_M 64 /
+    128): the dense pipe kernel's checks (A in registers, waits 1 and 0, no serialization, spill or
+    wgmma register hazard, the rings' shared memory, warp-specialized TMA) and gate_up's epilogue
+    without a shared-memory trip."""
+    from helpers import PIPE_PROBLEMS, run_compile_child
+
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    run_compile_child(_GLUON_MOE_CHILD.replace("bad = []", PIPE_PROBLEMS + "bad = []", 1), tmp_path)

@@ -16,7 +16,7 @@ import torch
 
 import sailfish
 
-from helpers import DTYPE_NAMES, LOOP_PROBLEMS, TOL, StandInKernel, incompatible_gluon, rel_err, run_compile_child
+from helpers import DTYPE_NAMES, PIPE_PROBLEMS, TOL, StandInKernel, incompatible_gluon, rel_err, run_compile_child
 from sailfish.runtime.flags import FLAGS
 from sailfish import Config, QuantLinear, QuantLinearW4A8, quantize_model
 from sailfish.formats.nibbles import pack_nibbles
@@ -991,7 +991,6 @@ _GLUON_PIPE_CHILD = r"""
 import json
 import re
 import triton
-from sailfish.tools.ptx import k_loop_stats, ptxas_report, sass, wgmma_loop
 from sailfish.kernels.gluon_common import pipe_shared_bytes
 from sailfish.kernels.w4a8_gluon import compile_sm90
 from sailfish.tuning import CONFIG_DIR, Config
@@ -1009,27 +1008,13 @@ for path in sorted(CONFIG_DIR.glob("*.json")):  # every shipped tile, per channe
 bad = []
 for kw in cases:
     k = compile_sm90(**kw)
-    ptx = k.asm["ptx"]
-    st = k_loop_stats(ptx)
-    rep = ptxas_report(ptx)
-    text = sass(k.asm["cubin"])
-    body = wgmma_loop(text) or []
-    waits = sorted(set(re.findall(r"wgmma.wait_group.sync.aligned (\d+)", ptx)))
-    why = []
-    if st is None or st.st_shared or st.ldmatrix or not st.wgmma_a_in_registers or ".s32.s8.s8" not in ptx:
-        why.append(f"K loop {st}")
-    if waits != ["0", "1"]:  # one chunk's wgmmas left in flight while the next is unpacked
-        why.append(f"waits {waits}")
-    why += loop_problems(rep, text, body)
+    why, body = pipe_problems(k, pipe_shared_bytes(kw.get("BLOCK_M", 128), kw.get("STAGES", 3), elem_bytes=1))
+    if ".s32.s8.s8" not in k.asm["ptx"]:
+        why.append("not the int8 wgmma")
     # the int8 tile is made by register renaming: no byte permutes in the loop but the group asm's
     # own two per word (a join of the int8 values compiled to ~18 PRMT per word)
     if sum("PRMT" in t for t in body) > (2 * 16 * 2 if kw.get("group_size") == 128 else 0):
         why.append(f"{sum('PRMT' in t for t in body)} PRMT in the K loop")
-    ring = pipe_shared_bytes(kw.get("BLOCK_M", 128), kw.get("STAGES", 3), elem_bytes=1)
-    if not ring <= k.metadata.shared < ring + 1024:
-        why.append(f"shared memory {k.metadata.shared}, rings {ring}")
-    if ".reqntid 384" not in ptx or "cp.async.bulk.tensor" not in ptx or "setmaxnreg" not in ptx:
-        why.append("not the warp-specialized TMA kernel")
     if why:
         bad.append((kw, why))
 assert not bad, bad
@@ -1045,7 +1030,7 @@ def test_gluon_pipe_kernel_compiles_for_sm90(tmp_path):
     permutes of the weights, waits 1 and 0, no serialization, spill or wgmma register hazard, the
     rings' shared memory as the launcher counts it, 12 warps with setmaxnreg and TMA."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    run_compile_child(_GLUON_PIPE_CHILD.replace("bad = []", LOOP_PROBLEMS + "bad = []", 1), tmp_path)
+    run_compile_child(_GLUON_PIPE_CHILD.replace("bad = []", PIPE_PROBLEMS + "bad = []", 1), tmp_path)
 
 
 # ----------------------------------------------------------------------------------

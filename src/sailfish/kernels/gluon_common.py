@@ -61,21 +61,29 @@ def rows(ptr, pid_n, N, stride, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
 
 @gluon.jit
 def pipe_loader(x_desc, M, K, x0_buf, x1_buf, ready0, ready1, empty0, empty1, SPLIT_K: gl.constexpr,
-                 BLOCK_M: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr):
-    """The pipe kernel's producer warp: each K step's two x chunks into their rings by TMA (rows
-    past M zero-filled), a slot refilled once both consumer warpgroups released it."""
+                BLOCK_M: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr):
+    """The dense pipe kernels' producer warp: the program's x rows and K steps (program) by pipe_copy."""
     pid_n, pid_m, pid_k, first, n = program(M, K, SPLIT_K, BLOCK_M)
+    pipe_copy(x_desc, pid_m * BLOCK_M, first, n, x0_buf, x1_buf, ready0, ready1, empty0, empty1, S0, S1)
+
+
+@gluon.jit
+def pipe_copy(x_desc, row0, first, n, x0_buf, x1_buf, ready0, ready1, empty0, empty1, S0: gl.constexpr,
+              S1: gl.constexpr):
+    """A pipe kernel's producer warp: the two x chunks of each of the n K steps from step `first`
+    on, rows row0 .. + BLOCK_M (the descriptor's block; rows and channels past the tensor
+    zero-filled), into their rings by TMA, a slot refilled once both consumer warpgroups released it."""
     nbytes: gl.constexpr = x_desc.block_type.nbytes  # (fp16 / bf16 x, or W4A8's int8 x_q)
     for j in range(n):
         k0 = (first + j) * STEP_C
         a = j % S0
         mbarrier.wait(empty0.index(a), ((j // S0) & 1) ^ 1)
         mbarrier.expect(ready0.index(a), nbytes)
-        tma_load(x_desc, [pid_m * BLOCK_M, k0], ready0.index(a), x0_buf.index(a))
+        tma_load(x_desc, [row0, k0], ready0.index(a), x0_buf.index(a))
         b = j % S1
         mbarrier.wait(empty1.index(b), ((j // S1) & 1) ^ 1)
         mbarrier.expect(ready1.index(b), nbytes)
-        tma_load(x_desc, [pid_m * BLOCK_M, k0 + CHUNK_C], ready1.index(b), x1_buf.index(b))
+        tma_load(x_desc, [row0, k0 + CHUNK_C], ready1.index(b), x1_buf.index(b))
 
 
 @gluon.jit

@@ -200,8 +200,13 @@ def _load_step(w_buf, x_buf, slot, w_ptrs, x_ptrs, step, ok, WITH_WORDS: gl.cons
 @gluon.jit
 def _word_rows(qw_ptr, pid_n, N, stride_qn, first, BLOCK_N: gl.constexpr, WORDS: gl.constexpr):
     """(BLOCK_N, 16) pointers to the program's first step's words in the WORDS layout, for _words."""
-    return (rows(qw_ptr, pid_n, N, stride_qn, BLOCK_N, WORDS)[:, None]
-            + (first * 32 + gl.arange(0, 16, layout=gl.SliceLayout(0, WORDS)))[None, :])
+    return row_words(rows(qw_ptr, pid_n, N, stride_qn, BLOCK_N, WORDS), first, WORDS)
+
+
+@gluon.jit
+def row_words(row_ptrs, first, WORDS: gl.constexpr):
+    """_word_rows from one pointer per row (SliceLayout(1, WORDS)): step `first`'s 16 words of each row."""
+    return row_ptrs[:, None] + (first * 32 + gl.arange(0, 16, layout=gl.SliceLayout(0, WORDS)))[None, :]
 
 
 @gluon.jit
@@ -541,18 +546,13 @@ def _pipe_step(i, n, first, acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1, s_b
 
 
 @gluon.jit
-def _pipe_consumer(qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_ym, stride_qn, stride_sn,
-                   x0_buf, x1_buf, ready0, ready1, empty0, empty1, HALF: gl.constexpr, GROUP_CHUNKS: gl.constexpr,
-                   HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
-                   S0: gl.constexpr, S1: gl.constexpr, MMA: gl.constexpr, WORDS: gl.constexpr,
-                   DOT_A: gl.constexpr, DT: gl.constexpr):
-    """One consumer warpgroup of w4a16_gluon_pipe_kernel: rows HALF * 64 .. + 64 of the N tile,
-    all of its K steps, and their store."""
-    pid_n, pid_m, pid_k, first, n = program(M, K, SPLIT_K, BLOCK_M)
-    pn = 2 * pid_n + HALF  # this warpgroup's 64 rows, as an N tile of 64
-    w_rows = _word_rows(qw_ptr, pn, N, stride_qn, first, WG_ROWS, WORDS)
-    s_base = rows(s_ptr, pn, N, stride_sn, WG_ROWS, WORDS)
-    z_base = rows(z_ptr, pn, N, stride_sn, WG_ROWS, WORDS)
+def pipe_mainloop(w_rows, s_base, z_base, first, n, x0_buf, x1_buf, ready0, ready1, empty0, empty1,
+                  GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_M: gl.constexpr, S0: gl.constexpr,
+                  S1: gl.constexpr, MMA: gl.constexpr, DOT_A: gl.constexpr, DT: gl.constexpr):
+    """One consumer warpgroup's K loop (n >= 1 steps from `first`) of the pipe kernels: the
+    (64, BLOCK_M) fp32 product of the 64 weight rows whose words start at w_rows (row_words;
+    scales and zero points one pointer per row, s_base / z_base in the words' rows) and the x
+    chunks the producer puts in the rings, every wgmma retired; per channel still unscaled."""
     qa0, qa1 = _words(w_rows, 0)
     qb0, qb1 = _words(w_rows, gl.minimum(1, n - 1))
     sn0, sn1 = _step_scales(s_base, first, GROUP_CHUNKS)
@@ -571,6 +571,24 @@ def _pipe_consumer(qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, strid
             i, n, first, acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1, s_base, z_base, w_rows, x0_buf, x1_buf,
             ready0, ready1, empty0, empty1, GROUP_CHUNKS, HAS_ZEROS, S0, S1, DT, DOT_A, True)
     acc, w1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w1))
+    return acc
+
+
+@gluon.jit
+def _pipe_consumer(qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_ym, stride_qn, stride_sn,
+                   x0_buf, x1_buf, ready0, ready1, empty0, empty1, HALF: gl.constexpr, GROUP_CHUNKS: gl.constexpr,
+                   HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
+                   S0: gl.constexpr, S1: gl.constexpr, MMA: gl.constexpr, WORDS: gl.constexpr,
+                   DOT_A: gl.constexpr, DT: gl.constexpr):
+    """One consumer warpgroup of w4a16_gluon_pipe_kernel: rows HALF * 64 .. + 64 of the N tile,
+    all of its K steps, and their store."""
+    pid_n, pid_m, pid_k, first, n = program(M, K, SPLIT_K, BLOCK_M)
+    pn = 2 * pid_n + HALF  # this warpgroup's 64 rows, as an N tile of 64
+    w_rows = _word_rows(qw_ptr, pn, N, stride_qn, first, WG_ROWS, WORDS)
+    s_base = rows(s_ptr, pn, N, stride_sn, WG_ROWS, WORDS)
+    z_base = rows(z_ptr, pn, N, stride_sn, WG_ROWS, WORDS)
+    acc = pipe_mainloop(w_rows, s_base, z_base, first, n, x0_buf, x1_buf, ready0, ready1, empty0, empty1,
+                        GROUP_CHUNKS, HAS_ZEROS, BLOCK_M, S0, S1, MMA, DOT_A, DT)
     if GROUP_CHUNKS == 0:
         acc = acc * gl.load(rows(s_ptr, pn, N, stride_sn, WG_ROWS, MMA)).to(gl.float32)[:, None]
     _store(acc, y_ptr, ws_ptr, bias_ptr, pid_m, pn, pid_k, M, N, stride_ym, HAS_BIAS, SPLIT_K, BLOCK_M, WG_ROWS, MMA)

@@ -40,11 +40,12 @@ from ..formats.experts import PackedExperts, check_perms, padded_k_experts
 from ..formats.int4 import GROUP_SIZES, K_CHUNK, check_int_choice, unpack
 from ..runtime.device import check_devices, device_of, has_bf16x2, pdl, sms_for, use_triton
 from ..runtime.dispatch import define_op
+from ..runtime.flags import FLAGS
 from ..runtime.launch import Launch
 from ..runtime.plan import Plan, keep, run_built, run_steady
 from ..tuning import Config, Tuner, check_blocks, check_fit, check_kernel, next_pow2, problem_key
 # acc_fence: the Triton-version rule of the dense path; the split-K counters: one buffer per stream, shared
-from .common import SYNC_CAP, acc_fence, sync_buffer
+from .common import GLUON_STEP, SYNC_CAP, acc_fence, gluon_device, sync_buffer
 
 MAX_TOPK = 32  # the top-k sum is unrolled (kernels/moe._topk_sum_kernel)
 # the routing kernels hold a (slots x experts) one-hot tile in registers (Router); the largest
@@ -61,7 +62,14 @@ FUSED_MAX_M = 4
 # 15 us at M = 4 with it in two H100 runs (v42: 185 -> 200 us; v45: 186 -> 201), the 768-1408 wide
 # experts of Qwen3-30B-A3B and DeepSeek-V2-Lite gained 2 us
 FUSED_MAX_K = 8192
-KINDS = ("moe", "moe_fused", "moe_gemv")
+KINDS = ("moe", "moe_fused", "moe_gemv", "moe_gluon")
+# Large M on Hopper: config kernel "moe_gluon" (kernels/moe_gluon.py), the dense pipe kernel's
+# warp-specialized K loop over the routing's blocks, x by TMA in routing order. Both GEMMs of a
+# block take it together (gate_up writes h in the order the down GEMM's TMA reads it; pair_gluon).
+# Its tile: BLOCK_N 64 gate_up columns (128 weight rows) / 128 down columns over two consumer
+# warpgroups, BLOCK_K one 256-channel step, no split; the x rings take BLOCK_M 128 at 3 stages
+# (224 KiB, one CTA per SM), BLOCK_M 64 at 4
+GLUON_STAGES = {64: 4, 128: 3}
 # Decode with about one slot per routed expert: config kernel "moe_gemv" (BLOCK_M 1), one
 # tensor-core GEMV per slot (kernels/moe._moe_gemv_kernel), no routing. Each slot reads its
 # expert's tiles, so an expert routed twice is read twice: from L2 when the expert is small, from
@@ -255,7 +263,7 @@ def _decode_split(tiles: int, Kp: int, bk: int, want: int) -> int:
     return split
 
 
-def moe_heuristic(*, device, M, topk, E, N, Kp, gated, block_m) -> Config:
+def moe_heuristic(*, device, M, topk, E, N, Kp, gated, block_m, gluon=False) -> Config:
     """The tile of one GEMM of the block (N output columns, Kp padded K; gated: gate_up, whose
     program holds a gate and an up tile of BLOCK_N columns each; block_m: the routing's
     BLOCK_M, moe_block_m's). From the H100 sweep of the three benchmark models at M = 1, 16,
@@ -270,14 +278,22 @@ def moe_heuristic(*, device, M, topk, E, N, Kp, gated, block_m) -> Config:
         cap = 512 if gated else 1024
         bk = max([bk for bk in (256, 512, 1024) if bk <= cap and Kp % bk == 0 and Kp // bk >= 3], default=K_CHUNK)
         return _gemv_config(sms, M * topk, N, Kp, gated, 16, bk)
+    # experts as large as Mixtral's: N x K >= 32M weights a GEMM (the same for both GEMMs of a block)
+    large = N * Kp >= 1 << 25
+    # the Hopper Gluon GEMMs ("moe_gluon"; gluon: the format and GPU take them, gluon_moe_format) at
+    # BLOCK_M 128, and at 64 for large experts. H100, same machine (docs/perf_log.md v47): Mixtral
+    # M = 512-4096 1.13-1.38x the Triton tiles (M = 4096 6060 -> 5160 us), M = 256 (BLOCK_M 64) even
+    # (skewed 1.09x); Qwen3-30B-A3B M = 2048 / 4096 1.09x / 1.03x, but at BLOCK_M 64 (M = 1024, K 768
+    # for down: 3 K steps) 0.83x
+    if gluon and (bm == 128 or (bm == 64 and large)):
+        return gluon_config(bm, gated)
     blocks = _blocks(M, topk, E, bm)
     bk256 = 256 if Kp % 256 == 0 else K_CHUNK
     stages, scale = 3, False
-    # experts as large as Mixtral's (N x K >= 32M weights a GEMM): at BLOCK_M 64 the gate_up and at
-    # BLOCK_M 128 the down GEMM take BLOCK_K 128 with the group scale on the product (scale_acc) and a
-    # 4-deep ring (H100 sweep, moe_config_sweep.py scale, docs/perf_log.md v46: Mixtral M = 256
-    # 856 -> 795 us, M = 1024 1835 -> 1788 us; the other GEMM lost with it)
-    large = N * Kp >= 1 << 25
+    # large experts: at BLOCK_M 64 the gate_up and at BLOCK_M 128 the down GEMM take BLOCK_K 128 with
+    # the group scale on the product (scale_acc) and a 4-deep ring (H100 sweep, moe_config_sweep.py
+    # scale, docs/perf_log.md v46: Mixtral M = 256 856 -> 795 us, M = 1024 1835 -> 1788 us; the other
+    # GEMM lost with it)
     if bm == 16:  # decode
         if gated:  # 128 columns of each; 64 (and BLOCK_K 128) where even that leaves most SMs idle
             bn, bk = (128, bk256) if blocks * -(-N // 128) >= sms // 2 else (64, K_CHUNK)
@@ -314,6 +330,37 @@ def _gemv_config(sms: int, T: int, N: int, Kp: int, gated: bool, bn: int, bk: in
     return Config(1, bn, bk, split, 8, gemv_warps(bn, bk, 8), stages, kernel="moe_gemv", scale_acc=True)
 
 
+def gluon_config(block_m: int, gated: bool) -> Config:
+    """The "moe_gluon" tile of one GEMM (KINDS' comment)."""
+    return Config(block_m, 64 if gated else 128, GLUON_STEP, 1, 8, 8, GLUON_STAGES[block_m], kernel="moe_gluon")
+
+
+def gluon_moe_format(group_size: int, H: int, I: int, kp13: int, kp2: int, perms: Tuple[bool, bool],
+                     device: torch.device) -> bool:
+    """Whether "moe_gluon" runs its Gluon kernel for these experts on this device: a Hopper GPU
+    with Gluon (ops/common.gluon_device), groups of whole 128-channel chunks or per channel, no
+    act-order, both GEMMs' padded K whole 256-channel steps, and rows of x and h that TMA can
+    address (16-byte strides: H and I multiples of 8). Elsewhere its Triton twin runs (gluon_twin)."""
+    return (device.type == "cuda" and (group_size == -1 or group_size % K_CHUNK == 0) and not any(perms)
+            and kp13 % GLUON_STEP == 0 and kp2 % GLUON_STEP == 0 and H % 8 == 0 and I % 8 == 0
+            and gluon_device(device.index or 0))
+
+
+def gluon_twin(cfg: Config, group_size: int) -> Config:
+    """The Triton config that computes what a "moe_gluon" config does: its tile with BLOCK_K 128,
+    the group scale on the weights (rounded once to x's dtype), per channel on the product."""
+    return replace(cfg, kernel="moe", BLOCK_K=K_CHUNK, num_stages=3, scale_acc=group_size == -1)
+
+
+def pair_gluon(cfg13: Config, cfg2: Config, group_size: int, gluon: bool) -> Tuple[Config, Config]:
+    """The configs a plan runs: "moe_gluon" only where the Gluon kernel applies (gluon:
+    gluon_moe_format) and both GEMMs ask for it (gate_up writes h in the routing order that only
+    the Gluon down GEMM reads); otherwise each "moe_gluon" config runs its Triton twin."""
+    if gluon and cfg13.kernel == cfg2.kernel == "moe_gluon":
+        return cfg13, cfg2
+    return tuple(gluon_twin(c, group_size) if c.kernel == "moe_gluon" else c for c in (cfg13, cfg2))
+
+
 def scale_acc_fits(group_size: int, block_k: int) -> bool:
     """Whether the grouped kernel's SCALE_ACC (kernels/moe._dot_tile: the group scale on the fp32
     product) can take this format and K tile: one group per K tile, or per channel. A config's
@@ -329,15 +376,18 @@ def moe_kind(M: int, gated: bool, block_m: int, split: int, Kp: int) -> str:
     return "moe_fused" if fused else "moe"
 
 
-def moe_candidates(*, device, M, topk, E, N, Kp, gated, block_m):
+def moe_candidates(*, device, M, topk, E, N, Kp, gated, block_m, gluon=False):
     """The heuristic's config (and, where it is "moe_fused", its tile as "moe": the separate
     reduce launches), then the tiles of moe_config_sweep.py at the routing's BLOCK_M: BLOCK_N
     32-128 (gate_up) / 64-256 (down), BLOCK_K 128 / 256 (128 also with scale_acc and 4 stages),
     unsplit and, at BLOCK_M 16, the split giving 2 programs per SM and half that; each of the
     heuristic's kind rule (moe_kind)."""
     sms = sms_for(device)
-    first = moe_heuristic(device=device, M=M, topk=topk, E=E, N=N, Kp=Kp, gated=gated, block_m=block_m)
+    first = moe_heuristic(device=device, M=M, topk=topk, E=E, N=N, Kp=Kp, gated=gated, block_m=block_m,
+                          gluon=gluon)
     yield first
+    if gluon and block_m in GLUON_STAGES and first.kernel != "moe_gluon":
+        yield gluon_config(block_m, gated)
     if block_m == 1:  # "moe_gemv": BLOCK_N 16-64, BLOCK_K 128-1024, words prefetched or not
         for bn in (16, 32, 64):
             for bk in (K_CHUNK, 256, 512, 1024):
@@ -382,6 +432,18 @@ def check_moe_config(cfg: Config, *, M: int, topk: int, E: int, N: int, Kp: int,
         if tiles > SYNC_CAP:
             raise ValueError(f"{what} config kernel='moe_fused' with BLOCK_N={cfg.BLOCK_N} needs {tiles} tile "
                              f"counters for M={M}, more than the {SYNC_CAP} there are; use kernel='moe'")
+    if cfg.kernel == "moe_gluon":
+        want = gluon_config(cfg.BLOCK_M if cfg.BLOCK_M in GLUON_STAGES else 128, gated)
+        if cfg.BLOCK_M not in GLUON_STAGES or (cfg.BLOCK_N, cfg.BLOCK_K, cfg.SPLIT_K, cfg.num_warps) != (
+                want.BLOCK_N, want.BLOCK_K, want.SPLIT_K, want.num_warps):
+            raise ValueError(f"{what} config kernel='moe_gluon' takes BLOCK_M in {tuple(GLUON_STAGES)}, "
+                             f"BLOCK_N={want.BLOCK_N}, BLOCK_K={want.BLOCK_K}, SPLIT_K=1, num_warps=8; got {cfg}")
+        from ..kernels.gluon_common import CTA_RESERVED_SHARED, SM_SHARED_BYTES, pipe_shared_bytes
+
+        if cfg.num_stages < 3 or pipe_shared_bytes(cfg.BLOCK_M, cfg.num_stages) + CTA_RESERVED_SHARED > \
+                SM_SHARED_BYTES:
+            raise ValueError(f"{what} config kernel='moe_gluon' num_stages={cfg.num_stages}: the x rings of "
+                             f"BLOCK_M={cfg.BLOCK_M} take 3 to {GLUON_STAGES[cfg.BLOCK_M]} (shared memory)")
     if cfg.kernel == "moe_gemv":
         tiles = (M * topk if gated and cfg.SPLIT_K > 1 else 1) * -(-N // (cfg.BLOCK_N // 2 if gated else cfg.BLOCK_N))
         if tiles > SYNC_CAP:
@@ -397,7 +459,8 @@ def check_moe_config(cfg: Config, *, M: int, topk: int, E: int, N: int, Kp: int,
                          "gate_up and down BLOCK_M must agree (one routing serves both GEMMs)")
     if cfg.BLOCK_K % K_CHUNK:
         raise ValueError(f"{what} config BLOCK_K={cfg.BLOCK_K} must be a multiple of {K_CHUNK}")
-    check_fit(cfg, Kp, Kp)
+    # ("moe_gluon" where K is not whole 256-channel steps: its twin's 128-channel K tiles)
+    check_fit(gluon_twin(cfg, -1) if cfg.kernel == "moe_gluon" and Kp % cfg.BLOCK_K else cfg, Kp, Kp)
 
 
 MOE_TUNER = Tuner("moe_w4a16", moe_heuristic, moe_candidates, check_moe_config)
@@ -408,20 +471,21 @@ def moe_key(M: int, topk: int, E: int, N: int, Kp: int, gated: bool, block_m: in
 
 
 def moe_config(device: torch.device, M: int, topk: int, E: int, I: int, H: int, kp13: int, kp2: int,
-               make_run=None, gemv_format: bool = False) -> Tuple[Config, Config]:
+               make_run=None, gemv_format: bool = False, gluon: bool = False) -> Tuple[Config, Config]:
     """The (gate_up, down) configs moe_w4a16_launch runs when given none: per GEMM the cached
     one, else on a problem's first call the tuner's answer (table entry, autotuning with
     make_run(gated) where enabled, the heuristic), checked. M is exact (BLOCK_M follows it:
-    1, kernel "moe_gemv", where moe_gemv_applies with gemv_format, moe_gemv_format's answer)."""
+    1, kernel "moe_gemv", where moe_gemv_applies with gemv_format, moe_gemv_format's answer).
+    gluon: gluon_moe_format's answer (the heuristic takes "moe_gluon" at BLOCK_M 64 / 128)."""
     bm = 1 if moe_gemv_applies(M, topk, E, H, I, gemv_format) else moe_block_m(M, topk, E)
     out = []
     for gated, N, Kp in ((True, I, kp13), (False, H, kp2)):
-        memo = (M, topk, E, N, Kp, gated, bm)
+        memo = (M, topk, E, N, Kp, gated, bm, gluon)
         cfg = MOE_TUNER.lookup(device, memo)
         if cfg is None:  # first call of this problem on this device
             cfg = MOE_TUNER.get(moe_key(M, topk, E, N, Kp, gated, bm), device,
                                 None if make_run is None else make_run(gated, out), memo_key=memo,
-                                M=M, topk=topk, E=E, N=N, Kp=Kp, gated=gated, block_m=bm)
+                                M=M, topk=topk, E=E, N=N, Kp=Kp, gated=gated, block_m=bm, gluon=gluon)
         out.append(cfg)
     return out[0], out[1]
 
@@ -460,10 +524,11 @@ class MoEPlan(Plan):
 
     def __init__(self, cfg13: Config, cfg2: Config, device: torch.device, dtype: torch.dtype, M: int, topk: int,
                  E: int, I: int, H: int, group_size: int, z13: bool, z2: bool, p13: bool = False,
-                 p2: bool = False, shared: int = 0):
+                 p2: bool = False, shared: int = 0, gluon: bool = False):
         from ..kernels.moe import _gated_reduce_kernel, _moe_w4a16_kernel, _topk_sum_kernel
 
-        self.config, self.cfg2, self.kind = cfg13, cfg2, "moe"
+        cfg13, cfg2 = pair_gluon(cfg13, cfg2, group_size, gluon)
+        self.config, self.cfg2, self.kind = cfg13, cfg2, cfg13.kernel if cfg13.kernel == "moe_gluon" else "moe"
         # (E: the routed experts; shared: the shared experts stacked after them, taken by every token)
         self.M, self.topk, self.E, self.I, self.H, self.shared = M, topk, E, I, H, shared
         slots = dict(SHARED=shared) if shared else {}  # (without: the kernels compile as before)
@@ -494,6 +559,21 @@ class MoEPlan(Plan):
                     num_warps=gemv_warps(cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_warps), num_stages=1), dev)
 
             self.gemm, self.down = gemv(cfg13, True, z13, H), gemv(cfg2, False, z2, I)
+            return
+        if self.kind == "moe_gluon":  # routing, x gathered, the two Gluon GEMMs, the top-k sum
+            from ..kernels.moe_gluon import moe_gluon_meta, moe_w4a16_gluon_kernel
+
+            def gluon_gemm(cfg: Config, gated: bool, zeros: bool) -> Launch:
+                return Launch(moe_w4a16_gluon_kernel, dict(
+                    GATED=gated, GROUP_CHUNKS=gs // K_CHUNK, HAS_ZEROS=zeros, GROUP_B=cfg.GROUP_M,
+                    BLOCK_M=cfg.BLOCK_M, STAGES=cfg.num_stages, **moe_gluon_meta(cfg.BLOCK_M)), dev)
+
+            self.router = Router(E, cfg13.BLOCK_M, dev, topk, shared)
+            self.nb = max_blocks(M * (topk + shared), E + shared, cfg13.BLOCK_M)
+            self.gemm, self.down = gluon_gemm(cfg13, True, z13), gluon_gemm(cfg2, False, z2)
+            self.reduce = self.gated_reduce = None
+            self.topk_sum = Launch(_topk_sum_kernel, dict(TOPK=topk, **slots, SPLIT_K=1, WEIGHTED=True, EMU_BF16=emu,
+                                                          BLOCK=_REDUCE_BLOCK, num_warps=4), dev)
             return
         route = route_inline(M, topk + shared, E + shared, cfg2)
         # (the routing tile's constexprs only where it is used: one compile serves every M otherwise)
@@ -538,6 +618,10 @@ class MoEPlan(Plan):
         if c13.kernel == "moe_gemv":
             self._gemv_call(y, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales,
                             w2_zeros)
+            return
+        if self.kind == "moe_gluon":
+            self._gluon_call(y, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales,
+                             w2_zeros)
             return
         nb = self.nb
         sorted_slots = block_expert = None  # (route_inline: the GEMMs' programs route themselves)
@@ -595,6 +679,35 @@ class MoEPlan(Plan):
                   E, I, w2_qweight.stride(0), w2_qweight.stride(1), w2_scales.stride(0), w2_scales.stride(1))
 
 
+    def _gluon_call(self, y, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales,
+                    w2_zeros) -> None:
+        """The "moe_gluon" block (kernels/moe_gluon.py): routing; x's rows gathered into routing order
+        (padding places: token 0); gate_up -> h in routing order; down -> the weighted slot rows; the
+        top-k sum."""
+        from ..kernels.w4a16_gluon import pipe_descriptor
+
+        M, topk, I, H, E, S = self.M, self.topk, self.I, self.H, self.E, self.shared
+        T, nb = M * (topk + S), self.nb
+        c13, c2 = self.config, self.cfg2
+        bm = c13.BLOCK_M
+        sorted_slots, block_expert = self.router(topk_ids)
+        tokens = torch.where(sorted_slots < T, sorted_slots // (topk + S), 0)
+        xs = x.index_select(0, tokens)
+        h = x.new_empty((nb * bm, I))
+        tw = slot_weights(topk_weights, S).contiguous()
+        z13 = w13_scales if w13_zeros is None else w13_zeros  # symmetric: an unread pointer
+        kp13, kp2 = w13_qweight.shape[2] * 8, w2_qweight.shape[2] * 8
+        self.gemm((nb * -(-I // c13.BLOCK_N), 1), pipe_descriptor(xs, bm), w13_qweight, w13_scales, z13,
+                  block_expert, sorted_slots, tw, h, T, I, kp13, nb, I, w13_qweight.stride(0), w13_qweight.stride(1),
+                  w13_scales.stride(0), w13_scales.stride(1))
+        rows = x.new_empty((T, H))
+        z2 = w2_scales if w2_zeros is None else w2_zeros
+        self.down((nb * -(-H // c2.BLOCK_N), 1), pipe_descriptor(h, bm), w2_qweight, w2_scales, z2,
+                  block_expert, sorted_slots, tw, rows, T, H, kp2, nb, H, w2_qweight.stride(0),
+                  w2_qweight.stride(1), w2_scales.stride(0), w2_scales.stride(1))
+        self.topk_sum((-(-M * H // _REDUCE_BLOCK), 1), rows, topk_ids, None, y, M, H, E)
+
+
 def moe_w4a16_launch(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales,
                      w2_zeros, group_size, w13_perm=None, w2_perm=None, num_shared: int = 0,
                      configs: Optional[Tuple[Config, Config]] = None) -> torch.Tensor:
@@ -626,9 +739,11 @@ def moe_w4a16_launch(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zer
     plans = None if key is None else MOE_TUNER.plans_for_build()  # before the config lookup
     kp13, kp2 = kw13 * 8, w2_qweight.shape[2] * 8
 
+    gluon = gluon_moe_format(group_size, H, I, kp13, kp2, perms, x.device)
+
     def build(cfg13: Config, cfg2: Config) -> MoEPlan:
         return MoEPlan(cfg13, cfg2, x.device, x.dtype, M, topk, E, I, H, group_size, w13_zeros is not None,
-                       w2_zeros is not None, *perms, shared=S)
+                       w2_zeros is not None, *perms, shared=S, gluon=gluon and FLAGS.gluon)
 
     def make_run(gated: bool, chosen: list):
         """The tuner's run(cfg) for one GEMM: the whole block, the other GEMM at the chosen
@@ -642,7 +757,7 @@ def moe_w4a16_launch(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zer
     gemv_format = moe_gemv_format(group_size, H, I, perms)
     with device_of(x):
         if configs is None:
-            configs = moe_config(x.device, M, topk + S, E + S, I, H, kp13, kp2, make_run, gemv_format)
+            configs = moe_config(x.device, M, topk + S, E + S, I, H, kp13, kp2, make_run, gemv_format, gluon)
         else:
             bm = configs[0].BLOCK_M
             for cfg, gated, N, Kp in ((configs[0], True, I, kp13), (configs[1], False, H, kp2)):
@@ -654,7 +769,7 @@ def moe_w4a16_launch(x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zer
         if configs[0].kernel == "moe_gemv" and x.data_ptr() % 4:  # (the GEMV reads 4-byte channel pairs)
             x = x.clone()
             operands = (x,) + operands[1:]
-        plan = run_built(lambda: build(*configs), lambda p: p(y, *operands), (), "MoE W4A16")
+        plan = run_built(lambda: build(*configs), lambda p: p(y, *operands), ("moe_gluon",), "MoE W4A16")
     keep(plans, key, plan, *operands)
     return y
 
