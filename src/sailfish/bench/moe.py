@@ -88,6 +88,7 @@ def make_experts(H, I, E, shared, dtype, group_size, device, loop: bool, seed: i
     from dataclasses import replace
 
     from ..formats.experts import quantize_experts
+    from ..formats.shard import concat_quantized, slice_quantized
     from ..nn import QuantLinear
 
     g = torch.Generator(device=device).manual_seed(seed)  # (weights made and quantized on the device: fast)
@@ -105,14 +106,12 @@ def make_experts(H, I, E, shared, dtype, group_size, device, loop: bool, seed: i
         s13, s2 = all13.dequantize()[E:], all2.dequantize()[E:]  # (S, 2I, H), (S, H, I)
         gu = torch.cat([s13[:, :I].reshape(S * I, H), s13[:, I:].reshape(S * I, H)]).to(dtype)
         dn = s2.permute(1, 0, 2).reshape(H, S * I).to(dtype)
-        lin_gu = torch.nn.Linear(H, 2 * I * S, bias=False, device=device, dtype=dtype)
-        lin_d = torch.nn.Linear(I * S, H, bias=False, device=device, dtype=dtype)
-        with torch.no_grad():
-            lin_gu.weight.copy_(gu)
-            lin_d.weight.copy_(dn)
-        # (for the QuantLinear rows: these values quantized again, a round trip)
-        qgu = QuantLinear.from_linear(lin_gu, group_size=group_size)
-        qd = QuantLinear.from_linear(lin_d, group_size=group_size)
+        # the QuantLinears of the loop and peer columns from the same codes and scales, joined exactly
+        # (quantizing the dequantized values again moved them by ~12%: their checks failed, v47)
+        p13, p2 = all13.unstack()[E:], all2.unstack()[E:]
+        qgu = QuantLinear.from_quantized(concat_quantized([slice_quantized(q, 0, 0, I) for q in p13]
+                                                          + [slice_quantized(q, 0, I, 2 * I) for q in p13]), None)
+        qd = QuantLinear.from_quantized(concat_quantized(p2, 1), None)
         sh = (qgu, qd, gu, dn)
     return Experts(q13, q2, all13, all2, d13.transpose(1, 2), d2.transpose(1, 2), linears, sh)
 
