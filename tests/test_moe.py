@@ -768,10 +768,12 @@ def test_moe_kernel_compiles_for_hopper(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("M", [1, 16, 300])
+@pytest.mark.parametrize("M", [1, 16, 300, 600])
 def test_moe_cuda_graph_and_determinism(M):
     """On the GPU: the block replayed from a CUDA graph gives the eager bits, and repeated eager
-    calls give the same bits (no atomics); the per-element bound holds."""
+    calls give the same bits (no atomics); the per-element bound holds. M = 600 (150 slots per
+    expert, BLOCK_M 128): on Hopper the "moe_gluon" GEMMs (gather, TMA descriptors, the routing
+    order) inside the graph."""
     args, w13, w2 = make_problem(16, 4, M, 512, 256, 128, False, BF16, "cuda")
     op = torch.ops.sailfish.moe_w4a16
     eager = op(*args)
@@ -900,3 +902,33 @@ def test_moe_gluon_kernel_compiles_for_sm90(tmp_path):
 
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     run_compile_child(_GLUON_MOE_CHILD.replace("bad = []", PIPE_PROBLEMS + "bad = []", 1), tmp_path)
+
+
+def test_moe_gluon_compile_failure_falls_back_to_the_twin(monkeypatch, device):
+    """A Triton whose Gluon does not compile the MoE kernel gives a warning and the Triton twin's
+    result (both GEMMs), and Gluon is not tried again; other errors are raised."""
+    import warnings
+
+    import sailfish.kernels.moe_gluon as mg
+    import sailfish.ops.moe as opsmoe
+    from helpers import StandInKernel, incompatible_gluon
+    from sailfish.runtime.flags import FLAGS
+
+    monkeypatch.setattr(mg, "moe_w4a16_gluon_kernel", StandInKernel(incompatible_gluon()))
+    monkeypatch.setattr(FLAGS, "gluon", True)
+    monkeypatch.setattr(opsmoe, "gluon_moe_format", lambda *a: FLAGS.gluon)
+    args, _, _ = make_problem(3, 2, 20, 256, 256, 128, True, F16, device)
+    cfgs = (opsmoe.gluon_config(64, True), opsmoe.gluon_config(64, False))
+    with pytest.warns(RuntimeWarning, match="Gluon MoE W4A16 kernel does not compile"):
+        y = moe_w4a16_launch(*args, configs=cfgs)
+    assert not FLAGS.gluon
+    twins = tuple(opsmoe.gluon_twin(c, 128) for c in cfgs)
+    assert torch.equal(y, moe_w4a16_launch(*args, configs=twins))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second attempt, no second warning
+        assert torch.equal(moe_w4a16_launch(*args, configs=cfgs), y)
+
+    monkeypatch.setattr(mg, "moe_w4a16_gluon_kernel", StandInKernel(RuntimeError("a launch error")))
+    monkeypatch.setattr(FLAGS, "gluon", True)
+    with pytest.raises(RuntimeError, match="a launch error"):
+        moe_w4a16_launch(*args, configs=cfgs)
