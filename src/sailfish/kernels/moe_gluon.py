@@ -48,7 +48,7 @@ def _moe_program(bexp_ptr, num_blocks, N, K, GATED: gl.constexpr, GROUP_B: gl.co
     b = b0 + (pid % width) % size
     pid_n = (pid % width) // size
     e = gl.load(bexp_ptr + b)
-    return b, pid_n, e, gl.where(e >= 0, K // STEP_C, 0)
+    return b, pid_n, e, gl.where(e >= 0, gl.cdiv(K, STEP_C), 0)
 
 
 @gluon.jit
@@ -111,7 +111,8 @@ def _moe_consumer(qw_ptr, s_ptr, z_ptr, bexp_ptr, sorted_ptr, tw_ptr, y_ptr, T, 
                   stride_qe, stride_qn, stride_se, stride_sn, x0_buf, x1_buf, ready0, ready1, empty0, empty1,
                   HALF: gl.constexpr, GATED: gl.constexpr, GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr,
                   GROUP_B: gl.constexpr, BLOCK_M: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr,
-                  MMA: gl.constexpr, WORDS: gl.constexpr, DOT_A: gl.constexpr, DT: gl.constexpr):
+                  MMA: gl.constexpr, WORDS: gl.constexpr, DOT_A: gl.constexpr, DT: gl.constexpr,
+                  HALF_LAST: gl.constexpr):
     """One consumer warpgroup of moe_w4a16_gluon_kernel: its 64 weight rows of the program's
     expert (gate_up: 32 columns' gate and up rows), every K step, and the store."""
     b, pid_n, e, n = _moe_program(bexp_ptr, num_blocks, N, K, GATED, GROUP_B)
@@ -123,7 +124,7 @@ def _moe_consumer(qw_ptr, s_ptr, z_ptr, bexp_ptr, sorted_ptr, tw_ptr, y_ptr, T, 
         s_base = _expert_rows(s_e, pn, N, stride_sn, GATED, WORDS)
         z_base = _expert_rows(z_ptr + e64 * stride_se, pn, N, stride_sn, GATED, WORDS)
         acc = pipe_mainloop(w_rows, s_base, z_base, 0, n, x0_buf, x1_buf, ready0, ready1, empty0, empty1,
-                            GROUP_CHUNKS, HAS_ZEROS, BLOCK_M, S0, S1, MMA, DOT_A, DT)
+                            GROUP_CHUNKS, HAS_ZEROS, BLOCK_M, S0, S1, MMA, DOT_A, DT, HALF_LAST)
         if GROUP_CHUNKS == 0:
             acc = acc * gl.load(_expert_rows(s_e, pn, N, stride_sn, GATED, MMA)).to(gl.float32)[:, None]
         if GATED:
@@ -146,11 +147,12 @@ def moe_w4a16_gluon_kernel(x_desc, qw_ptr, s_ptr, z_ptr, bexp_ptr, sorted_ptr, t
                            stride_ym, stride_qe, stride_qn, stride_se, stride_sn, GATED: gl.constexpr,
                            GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr, GROUP_B: gl.constexpr,
                            BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr, WORDS: gl.constexpr,
-                           DOT_A: gl.constexpr, X_SMEM: gl.constexpr):
+                           DOT_A: gl.constexpr, X_SMEM: gl.constexpr, HALF_LAST: gl.constexpr = False):
     """One GEMM of the MoE block over every block of the routing (module docstring). x_desc: the
     input in routing order (num_blocks * BLOCK_M rows: xs, or h), block (BLOCK_M, 128). qw_ptr /
-    s_ptr / z_ptr: the stacked experts (E, rows, Kp // 8) / (E, rows, groups), K = Kp, a multiple
-    of 256 (the launcher checks). bexp_ptr / sorted_ptr: the routing's block_expert / sorted_slots
+    s_ptr / z_ptr: the stacked experts (E, rows, Kp // 8) / (E, rows, groups), K = Kp, whole
+    128-channel chunks; HALF_LAST: an odd number of them (DeepSeek-V2-Lite's 1408 = 11 x 128), the
+    last 256-channel step half past K (kernels/w4a16_gluon._pipe_words). bexp_ptr / sorted_ptr: the routing's block_expert / sorted_slots
     (T slots). GATED: N = I, y = h (num_blocks * BLOCK_M, I); else N = H, y the slot rows (T, H)
     and tw_ptr the slots' routing weights (fp32, T). Grid: num_blocks * cdiv(N, 64 if GATED else
     128) programs, each two consumer warpgroups and a TMA producer warp (pipe_meta's launch)."""
@@ -160,10 +162,12 @@ def moe_w4a16_gluon_kernel(x_desc, qw_ptr, s_ptr, z_ptr, bexp_ptr, sorted_ptr, t
     gl.warp_specialize([
         (_moe_consumer, (qw_ptr, s_ptr, z_ptr, bexp_ptr, sorted_ptr, tw_ptr, y_ptr, T, N, K, num_blocks, stride_ym,
                          stride_qe, stride_qn, stride_se, stride_sn, x0_buf, x1_buf, ready0, ready1, empty0, empty1,
-                         0, GATED, GROUP_CHUNKS, HAS_ZEROS, GROUP_B, BLOCK_M, STAGES, S1, MMA, WORDS, DOT_A, DT)),
+                         0, GATED, GROUP_CHUNKS, HAS_ZEROS, GROUP_B, BLOCK_M, STAGES, S1, MMA, WORDS, DOT_A, DT,
+                         HALF_LAST)),
         (_moe_consumer, (qw_ptr, s_ptr, z_ptr, bexp_ptr, sorted_ptr, tw_ptr, y_ptr, T, N, K, num_blocks, stride_ym,
                          stride_qe, stride_qn, stride_se, stride_sn, x0_buf, x1_buf, ready0, ready1, empty0, empty1,
-                         1, GATED, GROUP_CHUNKS, HAS_ZEROS, GROUP_B, BLOCK_M, STAGES, S1, MMA, WORDS, DOT_A, DT)),
+                         1, GATED, GROUP_CHUNKS, HAS_ZEROS, GROUP_B, BLOCK_M, STAGES, S1, MMA, WORDS, DOT_A, DT,
+                         HALF_LAST)),
         (_moe_loader, (x_desc, bexp_ptr, num_blocks, N, K, x0_buf, x1_buf, ready0, ready1, empty0, empty1, GATED,
                        GROUP_B, BLOCK_M, STAGES, S1)),
     ], [4, 1], [PIPE_CONSUMER_REGS, PIPE_PRODUCER_REGS])
@@ -175,7 +179,7 @@ def moe_gluon_meta(BLOCK_M: int) -> dict:
 
 
 def compile_moe_sm90(gated: bool = True, BLOCK_M: int = 128, STAGES: int = 3, group_size: int = 128,
-                     dtype: str = "bf16", has_zeros: bool = False, GROUP_B: int = 8):
+                     dtype: str = "bf16", has_zeros: bool = False, GROUP_B: int = 8, half_last: bool = False):
     """triton.compile of moe_w4a16_gluon_kernel for sm_90a without a GPU (PTX checks, tests).
     Needs a process in which the Triton interpreter has not run (it patches the frontend)."""
     import triton
@@ -190,7 +194,7 @@ def compile_moe_sm90(gated: bool = True, BLOCK_M: int = 128, STAGES: int = 3, gr
            "N": "i32", "K": "i32", "num_blocks": "i32", "stride_ym": "i32", "stride_qe": "i32", "stride_qn": "i32",
            "stride_se": "i32", "stride_sn": "i32"}
     consts = dict(GATED=gated, GROUP_CHUNKS=0 if group_size == -1 else group_size // CHUNK, HAS_ZEROS=has_zeros,
-                  GROUP_B=GROUP_B, BLOCK_M=BLOCK_M, STAGES=STAGES, **meta)
+                  GROUP_B=GROUP_B, BLOCK_M=BLOCK_M, STAGES=STAGES, **meta, HALF_LAST=half_last)
     sig.update({k: "constexpr" for k in consts})
     names = list(sig)
     aligned = ("qw_ptr", "s_ptr", "z_ptr", "bexp_ptr", "sorted_ptr", "tw_ptr", "y_ptr", "N", "K", "stride_ym",

@@ -501,21 +501,47 @@ def w4a16_gluon_overlap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_
 
 
 @gluon.jit
+def _pipe_words(w_rows, step, last, HALF_LAST: gl.constexpr):
+    """_words of step `step`. HALF_LAST (K an odd number of 128-channel chunks: the last step,
+    `last`, has chunk 0 only): that step's chunk 1 words are chunk 0's again, inside the row (the
+    producer's TMA fills x there with zeros, so they add nothing)."""
+    if HALF_LAST:
+        q0 = gl.load(w_rows + step * 32, eviction_policy="evict_first")
+        q1 = gl.load(w_rows + (step * 32 + 16 - 16 * (step == last).to(gl.int32)), eviction_policy="evict_first")
+        return q0, q1
+    else:
+        return _words(w_rows, step)
+
+
+@gluon.jit
+def _pipe_scales(base, step, last, GROUP_CHUNKS: gl.constexpr, HALF_LAST: gl.constexpr):
+    """_step_scales of step `step`; HALF_LAST: the last step's chunk 1 takes chunk 0's group (the
+    row has no group past K; _pipe_words)."""
+    if HALF_LAST and GROUP_CHUNKS > 0:
+        c1 = 2 * step + 1 - (step == last).to(gl.int32)
+        return gl.load(base + (2 * step) // GROUP_CHUNKS), gl.load(base + c1 // GROUP_CHUNKS)
+    else:
+        return _step_scales(base, step, GROUP_CHUNKS)
+
+
+@gluon.jit
 def _pipe_step(i, n, first, acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1, s_base, z_base, w_rows, x0_buf, x1_buf,
                ready0, ready1, empty0, empty1, GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr,
                S0: gl.constexpr, S1: gl.constexpr, DT: gl.constexpr, DOT_A: gl.constexpr,
-               RELEASE: gl.constexpr):
+               RELEASE: gl.constexpr, HALF_LAST: gl.constexpr = False):
     """K step i of one consumer warpgroup of w4a16_gluon_pipe_kernel. On entry chunk 1 of step
     i - 1 is in flight (w1 its A operand; RELEASE: there is one); qa / qb: the words of steps i
     and i + 1, sn / zn step i's scales and zero points, as loaded. Each chunk's x slot is waited
     for (ready) before its weights are made, so no wait loop sits between an A operand's
     definition and its wgmma (which made ptxas serialize them, docs/perf_log.md v27), and
-    released (empty) once its wgmmas retired. Returns the same one step on."""
+    released (empty) once its wgmmas retired. Returns the same one step on. HALF_LAST: K ends
+    half-way through the last step (_pipe_words)."""
     q0 = qa0
     q1 = qa1
     qa0 = qb0
     qa1 = qb1
-    qb0, qb1 = _words(w_rows, gl.minimum(i + 2, n - 1))  # (past the end: the last step again, an L2 hit)
+    # (past the end: the last step again, an L2 hit)
+    qb0, qb1 = _pipe_words(w_rows, gl.minimum(i + 2, n - 1), n - 1, HALF_LAST)
     s0 = None
     s1 = None
     z0 = None
@@ -523,10 +549,10 @@ def _pipe_step(i, n, first, acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1, s_b
     ahead = first + gl.minimum(i + 1, n - 1)
     if GROUP_CHUNKS > 0:
         s0, s1 = _scale_values(sn0, sn1, DT)
-        sn0, sn1 = _step_scales(s_base, ahead, GROUP_CHUNKS)
+        sn0, sn1 = _pipe_scales(s_base, ahead, first + n - 1, GROUP_CHUNKS, HALF_LAST)
     if HAS_ZEROS:
         z0, z1 = _scale_values(zn0, zn1, DT)
-        zn0, zn1 = _step_scales(z_base, ahead, GROUP_CHUNKS)
+        zn0, zn1 = _pipe_scales(z_base, ahead, first + n - 1, GROUP_CHUNKS, HALF_LAST)
     a = i % S0
     b = i % S1
     mbarrier.wait(ready0.index(a), (i // S0) & 1)
@@ -548,28 +574,30 @@ def _pipe_step(i, n, first, acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1, s_b
 @gluon.jit
 def pipe_mainloop(w_rows, s_base, z_base, first, n, x0_buf, x1_buf, ready0, ready1, empty0, empty1,
                   GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_M: gl.constexpr, S0: gl.constexpr,
-                  S1: gl.constexpr, MMA: gl.constexpr, DOT_A: gl.constexpr, DT: gl.constexpr):
+                  S1: gl.constexpr, MMA: gl.constexpr, DOT_A: gl.constexpr, DT: gl.constexpr,
+                  HALF_LAST: gl.constexpr = False):
     """One consumer warpgroup's K loop (n >= 1 steps from `first`) of the pipe kernels: the
     (64, BLOCK_M) fp32 product of the 64 weight rows whose words start at w_rows (row_words;
     scales and zero points one pointer per row, s_base / z_base in the words' rows) and the x
-    chunks the producer puts in the rings, every wgmma retired; per channel still unscaled."""
-    qa0, qa1 = _words(w_rows, 0)
-    qb0, qb1 = _words(w_rows, gl.minimum(1, n - 1))
-    sn0, sn1 = _step_scales(s_base, first, GROUP_CHUNKS)
+    chunks the producer puts in the rings, every wgmma retired; per channel still unscaled.
+    HALF_LAST: the last step has chunk 0 only (K an odd number of chunks; _pipe_words)."""
+    qa0, qa1 = _pipe_words(w_rows, 0, n - 1, HALF_LAST)
+    qb0, qb1 = _pipe_words(w_rows, gl.minimum(1, n - 1), n - 1, HALF_LAST)
+    sn0, sn1 = _pipe_scales(s_base, first, first + n - 1, GROUP_CHUNKS, HALF_LAST)
     zn0 = sn0  # (symmetric: unused)
     zn1 = sn1
     if HAS_ZEROS:
-        zn0, zn1 = _step_scales(z_base, first, GROUP_CHUNKS)
+        zn0, zn1 = _pipe_scales(z_base, first, first + n - 1, GROUP_CHUNKS, HALF_LAST)
     acc = warpgroup_mma_init(gl.zeros((WG_ROWS, BLOCK_M), gl.float32, layout=MMA))
     w1 = gl.zeros((WG_ROWS, CHUNK_C), DT, layout=DOT_A)
     # step 0 outside the loop: the loop carries an accumulator with a chunk in flight
     acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1 = _pipe_step(
         0, n, first, acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1, s_base, z_base, w_rows, x0_buf, x1_buf,
-        ready0, ready1, empty0, empty1, GROUP_CHUNKS, HAS_ZEROS, S0, S1, DT, DOT_A, False)
+        ready0, ready1, empty0, empty1, GROUP_CHUNKS, HAS_ZEROS, S0, S1, DT, DOT_A, False, HALF_LAST)
     for i in range(1, n):
         acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1 = _pipe_step(
             i, n, first, acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, zn0, zn1, s_base, z_base, w_rows, x0_buf, x1_buf,
-            ready0, ready1, empty0, empty1, GROUP_CHUNKS, HAS_ZEROS, S0, S1, DT, DOT_A, True)
+            ready0, ready1, empty0, empty1, GROUP_CHUNKS, HAS_ZEROS, S0, S1, DT, DOT_A, True, HALF_LAST)
     acc, w1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w1))
     return acc
 

@@ -339,10 +339,11 @@ def gluon_moe_format(group_size: int, H: int, I: int, kp13: int, kp2: int, perms
                      device: torch.device) -> bool:
     """Whether "moe_gluon" runs its Gluon kernel for these experts on this device: a Hopper GPU
     with Gluon (ops/common.gluon_device), groups of whole 128-channel chunks or per channel, no
-    act-order, both GEMMs' padded K whole 256-channel steps, and rows of x and h that TMA can
+    act-order, both GEMMs' padded K whole 128-channel chunks (an odd number of them: the last
+    256-channel step half, kernels/moe_gluon.py HALF_LAST), and rows of x and h that TMA can
     address (16-byte strides: H and I multiples of 8). Elsewhere its Triton twin runs (gluon_twin)."""
     return (device.type == "cuda" and (group_size == -1 or group_size % K_CHUNK == 0) and not any(perms)
-            and kp13 % GLUON_STEP == 0 and kp2 % GLUON_STEP == 0 and H % 8 == 0 and I % 8 == 0
+            and kp13 % K_CHUNK == 0 and kp2 % K_CHUNK == 0 and H % 8 == 0 and I % 8 == 0
             and gluon_device(device.index or 0))
 
 
@@ -563,14 +564,16 @@ class MoEPlan(Plan):
         if self.kind == "moe_gluon":  # routing, x gathered, the two Gluon GEMMs, the top-k sum
             from ..kernels.moe_gluon import moe_gluon_meta, moe_w4a16_gluon_kernel
 
-            def gluon_gemm(cfg: Config, gated: bool, zeros: bool) -> Launch:
+            def gluon_gemm(cfg: Config, gated: bool, zeros: bool, K: int) -> Launch:
+                # (an odd number of 128-channel chunks: the last K step has one; else compiled as before)
+                half = dict(HALF_LAST=True) if padded_k_experts(K) % GLUON_STEP else {}
                 return Launch(moe_w4a16_gluon_kernel, dict(
                     GATED=gated, GROUP_CHUNKS=gs // K_CHUNK, HAS_ZEROS=zeros, GROUP_B=cfg.GROUP_M,
-                    BLOCK_M=cfg.BLOCK_M, STAGES=cfg.num_stages, **moe_gluon_meta(cfg.BLOCK_M)), dev)
+                    BLOCK_M=cfg.BLOCK_M, STAGES=cfg.num_stages, **half, **moe_gluon_meta(cfg.BLOCK_M)), dev)
 
             self.router = Router(E, cfg13.BLOCK_M, dev, topk, shared)
             self.nb = max_blocks(M * (topk + shared), E + shared, cfg13.BLOCK_M)
-            self.gemm, self.down = gluon_gemm(cfg13, True, z13), gluon_gemm(cfg2, False, z2)
+            self.gemm, self.down = gluon_gemm(cfg13, True, z13, H), gluon_gemm(cfg2, False, z2, I)
             self.reduce = self.gated_reduce = None
             self.topk_sum = Launch(_topk_sum_kernel, dict(TOPK=topk, **slots, SPLIT_K=1, WEIGHTED=True, EMU_BF16=emu,
                                                           BLOCK=_REDUCE_BLOCK, num_warps=4), dev)
