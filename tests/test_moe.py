@@ -860,6 +860,13 @@ def test_moe_gluon_pairing_heuristic_and_checks():
     small = dict(p, M=1024, E=128, topk=8, N=768, Kp=2048)  # Qwen3-30B-A3B: BLOCK_M 64 keeps the Triton tiles
     assert moe_heuristic(**small, block_m=64, gluon=True).kernel == "moe"
     assert moe_heuristic(**small, block_m=128, gluon=True) == g13
+    # moe_config: large experts at 17-48 slots an expert take BLOCK_M 64 (its Gluon tiles) where the
+    # format allows, 32 (the Triton tiles) otherwise; small experts keep 32
+    from sailfish.ops.moe import moe_config
+    assert [c.BLOCK_M for c in moe_config(cpu, 128, 2, 8, 14336, 4096, 4096, 14336, gluon=True)] == [64, 64]
+    assert [c.kernel for c in moe_config(cpu, 128, 2, 8, 14336, 4096, 4096, 14336, gluon=True)] == ["moe_gluon"] * 2
+    assert [c.BLOCK_M for c in moe_config(cpu, 128, 2, 8, 14336, 4096, 4096, 14336)] == [32, 32]
+    assert [c.BLOCK_M for c in moe_config(cpu, 512, 8, 128, 768, 2048, 2048, 768, gluon=True)] == [32, 32]
     chk = dict(M=4096, topk=2, E=8, N=14336, Kp=4096, block_m=128, gated=True)
     check_moe_config(g13, **chk)
     for bad, match in ((replace(g13, BLOCK_N=128), "BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, num_warps=8"),

@@ -70,6 +70,7 @@ KINDS = ("moe", "moe_fused", "moe_gemv", "moe_gluon")
 # warpgroups, BLOCK_K one 256-channel step, no split; the x rings take BLOCK_M 128 at 3 stages
 # (224 KiB, one CTA per SM), BLOCK_M 64 at 4
 GLUON_STAGES = {64: 4, 128: 3}
+GLUON_LARGE_EXPERT = 1 << 25  # H x I from which BLOCK_M 64 takes "moe_gluon" (moe_heuristic, moe_config)
 # Decode with about one slot per routed expert: config kernel "moe_gemv" (BLOCK_M 1), one
 # tensor-core GEMV per slot (kernels/moe._moe_gemv_kernel), no routing. Each slot reads its
 # expert's tiles, so an expert routed twice is read twice: from L2 when the expert is small, from
@@ -279,7 +280,7 @@ def moe_heuristic(*, device, M, topk, E, N, Kp, gated, block_m, gluon=False) -> 
         bk = max([bk for bk in (256, 512, 1024) if bk <= cap and Kp % bk == 0 and Kp // bk >= 3], default=K_CHUNK)
         return _gemv_config(sms, M * topk, N, Kp, gated, 16, bk)
     # experts as large as Mixtral's: N x K >= 32M weights a GEMM (the same for both GEMMs of a block)
-    large = N * Kp >= 1 << 25
+    large = N * Kp >= GLUON_LARGE_EXPERT
     # the Hopper Gluon GEMMs ("moe_gluon"; gluon: the format and GPU take them, gluon_moe_format) at
     # BLOCK_M 128, and at 64 for large experts. H100, same machine (docs/perf_log.md v47): Mixtral
     # M = 512-4096 1.13-1.38x the Triton tiles (M = 4096 6060 -> 5160 us), M = 256 (BLOCK_M 64) even
@@ -477,8 +478,14 @@ def moe_config(device: torch.device, M: int, topk: int, E: int, I: int, H: int, 
     one, else on a problem's first call the tuner's answer (table entry, autotuning with
     make_run(gated) where enabled, the heuristic), checked. M is exact (BLOCK_M follows it:
     1, kernel "moe_gemv", where moe_gemv_applies with gemv_format, moe_gemv_format's answer).
-    gluon: gluon_moe_format's answer (the heuristic takes "moe_gluon" at BLOCK_M 64 / 128)."""
+    gluon: gluon_moe_format's answer (the heuristic takes "moe_gluon" at BLOCK_M 64 / 128; large
+    experts take BLOCK_M 64 where moe_block_m says 32)."""
     bm = 1 if moe_gemv_applies(M, topk, E, H, I, gemv_format) else moe_block_m(M, topk, E)
+    if gluon and bm == 32 and H * I >= GLUON_LARGE_EXPERT:
+        # large experts at 17-48 slots an expert: the BLOCK_M 64 Gluon tiles. H100, Mixtral M = 128
+        # (32 slots an expert), same process (docs/perf_log.md v47): 609 -> 495 us uniform, 594 -> 595
+        # skewed routing
+        bm = 64
     out = []
     for gated, N, Kp in ((True, I, kp13), (False, H, kp2)):
         memo = (M, topk, E, N, Kp, gated, bm, gluon)
