@@ -152,10 +152,11 @@ def moe_w4a16_gluon_kernel(x_desc, qw_ptr, s_ptr, z_ptr, bexp_ptr, sorted_ptr, t
     input in routing order (num_blocks * BLOCK_M rows: xs, or h), block (BLOCK_M, 128). qw_ptr /
     s_ptr / z_ptr: the stacked experts (E, rows, Kp // 8) / (E, rows, groups), K = Kp, whole
     128-channel chunks; HALF_LAST: an odd number of them (DeepSeek-V2-Lite's 1408 = 11 x 128), the
-    last 256-channel step half past K (kernels/w4a16_gluon._pipe_words). bexp_ptr / sorted_ptr: the routing's block_expert / sorted_slots
-    (T slots). GATED: N = I, y = h (num_blocks * BLOCK_M, I); else N = H, y the slot rows (T, H)
+    last 256-channel step half past K (kernels/w4a16_gluon._pipe_words). bexp_ptr / sorted_ptr: the
+    routing's block_expert / sorted_slots (T slots). GATED: N = I, y = h (num_blocks * BLOCK_M, I); else N = H, y the slot rows (T, H)
     and tw_ptr the slots' routing weights (fp32, T). Grid: num_blocks * cdiv(N, 64 if GATED else
-    128) programs, each two consumer warpgroups and a TMA producer warp (pipe_meta's launch)."""
+    128) programs, each two consumer warpgroups and a TMA producer warp (the dense pipe kernel's
+    launch: w4a16_gluon.pipe_meta)."""
     DT: gl.constexpr = y_ptr.dtype.element_ty
     S1: gl.constexpr = STAGES + 1
     x0_buf, x1_buf, ready0, ready1, empty0, empty1 = pipe_rings(DT, BLOCK_M, STAGES, X_SMEM)
@@ -173,11 +174,6 @@ def moe_w4a16_gluon_kernel(x_desc, qw_ptr, s_ptr, z_ptr, bexp_ptr, sorted_ptr, t
     ], [4, 1], [PIPE_CONSUMER_REGS, PIPE_PRODUCER_REGS])
 
 
-def moe_gluon_meta(BLOCK_M: int) -> dict:
-    """moe_w4a16_gluon_kernel's layout constexprs and launch options (the dense pipe kernel's)."""
-    return pipe_meta(BLOCK_M)
-
-
 def compile_moe_sm90(gated: bool = True, BLOCK_M: int = 128, STAGES: int = 3, group_size: int = 128,
                      dtype: str = "bf16", has_zeros: bool = False, GROUP_B: int = 8, half_last: bool = False):
     """triton.compile of moe_w4a16_gluon_kernel for sm_90a without a GPU (PTX checks, tests).
@@ -186,7 +182,7 @@ def compile_moe_sm90(gated: bool = True, BLOCK_M: int = 128, STAGES: int = 3, gr
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    meta = moe_gluon_meta(BLOCK_M)
+    meta = pipe_meta(BLOCK_M)
     options = {"num_warps": meta.pop("num_warps"), "maxnreg": meta.pop("maxnreg")}
     ty = "*fp16" if dtype == "fp16" else "*bf16"
     sig = {"x_desc": f"tensordesc<{dtype}[{BLOCK_M},{CHUNK}],{meta['X_SMEM']!r}>", "qw_ptr": "*i32", "s_ptr": ty,

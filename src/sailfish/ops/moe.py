@@ -527,7 +527,7 @@ class MoEPlan(Plan):
     route_inline). Its calls take the tensors (allocations, strides)."""
 
     __slots__ = ("cfg2", "M", "topk", "E", "I", "H", "router", "gated_reduce", "down", "topk_sum", "sync_at",
-                 "nb", "shared")
+                 "nb", "shared", "kp")
     takes_tensors = True
 
     def __init__(self, cfg13: Config, cfg2: Config, device: torch.device, dtype: torch.dtype, M: int, topk: int,
@@ -569,18 +569,20 @@ class MoEPlan(Plan):
             self.gemm, self.down = gemv(cfg13, True, z13, H), gemv(cfg2, False, z2, I)
             return
         if self.kind == "moe_gluon":  # routing, x gathered, the two Gluon GEMMs, the top-k sum
-            from ..kernels.moe_gluon import moe_gluon_meta, moe_w4a16_gluon_kernel
+            from ..kernels.moe_gluon import moe_w4a16_gluon_kernel
+            from ..kernels.w4a16_gluon import pipe_meta  # (the dense pipe kernel's layouts and launch)
 
-            def gluon_gemm(cfg: Config, gated: bool, zeros: bool, K: int) -> Launch:
+            def gluon_gemm(cfg: Config, gated: bool, zeros: bool, kp: int) -> Launch:
                 # (an odd number of 128-channel chunks: the last K step has one; else compiled as before)
-                half = dict(HALF_LAST=True) if padded_k_experts(K) % GLUON_STEP else {}
+                half = dict(HALF_LAST=True) if kp % GLUON_STEP else {}
                 return Launch(moe_w4a16_gluon_kernel, dict(
                     GATED=gated, GROUP_CHUNKS=gs // K_CHUNK, HAS_ZEROS=zeros, GROUP_B=cfg.GROUP_M,
-                    BLOCK_M=cfg.BLOCK_M, STAGES=cfg.num_stages, **half, **moe_gluon_meta(cfg.BLOCK_M)), dev)
+                    BLOCK_M=cfg.BLOCK_M, STAGES=cfg.num_stages, **half, **pipe_meta(cfg.BLOCK_M)), dev)
 
             self.router = Router(E, cfg13.BLOCK_M, dev, topk, shared)
             self.nb = max_blocks(M * (topk + shared), E + shared, cfg13.BLOCK_M)
-            self.gemm, self.down = gluon_gemm(cfg13, True, z13, H), gluon_gemm(cfg2, False, z2, I)
+            self.kp = (padded_k_experts(H), padded_k_experts(I))  # the GEMMs' K (their weights' padded rows)
+            self.gemm, self.down = gluon_gemm(cfg13, True, z13, self.kp[0]), gluon_gemm(cfg2, False, z2, self.kp[1])
             self.reduce = self.gated_reduce = None
             self.topk_sum = Launch(_topk_sum_kernel, dict(TOPK=topk, **slots, SPLIT_K=1, WEIGHTED=True, EMU_BF16=emu,
                                                           BLOCK=_REDUCE_BLOCK, num_warps=4), dev)
@@ -688,7 +690,6 @@ class MoEPlan(Plan):
         self.down((T, -(-H // c2.BLOCK_N), split), h, w2_qweight, w2_scales, z2, ids, tw, rows, ws2, y, sync, T, H, I,
                   E, I, w2_qweight.stride(0), w2_qweight.stride(1), w2_scales.stride(0), w2_scales.stride(1))
 
-
     def _gluon_call(self, y, x, topk_ids, topk_weights, w13_qweight, w13_scales, w13_zeros, w2_qweight, w2_scales,
                     w2_zeros) -> None:
         """The "moe_gluon" block (kernels/moe_gluon.py): routing; x's rows gathered into routing order
@@ -706,7 +707,7 @@ class MoEPlan(Plan):
         h = x.new_empty((nb * bm, I))
         tw = slot_weights(topk_weights, S).contiguous()
         z13 = w13_scales if w13_zeros is None else w13_zeros  # symmetric: an unread pointer
-        kp13, kp2 = w13_qweight.shape[2] * 8, w2_qweight.shape[2] * 8
+        kp13, kp2 = self.kp
         self.gemm((nb * -(-I // c13.BLOCK_N), 1), pipe_descriptor(xs, bm), w13_qweight, w13_scales, z13,
                   block_expert, sorted_slots, tw, h, T, I, kp13, nb, I, w13_qweight.stride(0), w13_qweight.stride(1),
                   w13_scales.stride(0), w13_scales.stride(1))
