@@ -868,6 +868,8 @@ def test_sailfish_config_from_pretrained(tmp_path, reference_path):
             assert torch.equal(got.dequantize(), projection(expected, name).dequantize()), name
     assert torch.equal(logits(model), logits(expected))
     assert len(model.sailfish_report["fused"]) == 4 and not model.sailfish_report["not_fused"]  # q/k/v, gate/up
+    # generate() may compile it, through Sailfish's decode graphs (sailfish.generation)
+    assert model.hf_quantizer.is_compileable and model.sailfish_report["row_ops"]["generate"][0] == "get_compiled_call"
 
 
 def test_sailfish_config_errors():

@@ -593,7 +593,8 @@ def test_row_ops_report_and_modules(reference_ops):
                                   for n in ("input_layernorm", "post_attention_layernorm"))
     # idempotent: fusing again changes nothing
     from sailfish.fuse import fuse_row_ops
-    assert fuse_row_ops(w4a8) == {"norms": [], "gated_mlp": [], "deferred_norms": [], "attention": [], "routers": []}
+    assert fuse_row_ops(w4a8) == {"norms": [], "gated_mlp": [], "deferred_norms": [], "attention": [], "routers": [],
+                                  "generate": []}
 
 
 @pytest.mark.parametrize("act_bits", [16, 8])

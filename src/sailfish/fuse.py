@@ -51,6 +51,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from . import generation
 from .formats.shard import concat_weight, shard_bias, shard_quantized, slice_weight
 from .moe import SHARED_MLP, SHARED_PROJECTIONS, QuantExperts
 from .nn import QuantLinear, QuantLinearW4A8, parent_prefix
@@ -650,11 +651,13 @@ def fuse_row_ops(model: nn.Module) -> Dict[str, List[str]]:
     gate/up MLP of the checked form for a GatedMLP, and for W4A8 fused layers
     defer the norm that feeds them into their input quantization (DeferredRMSNorm); run
     its decode attention through sailfish::decode_attention (use_decode_attention); and its MoE
-    routers of a known formula through sailfish::router_linear_topk (SailfishTopKRouter). Returns
-    {"norms": [...], "gated_mlp": [...], "deferred_norms": [...], "attention": [...],
-    "routers": [...]} (module names)."""
+    routers of a known formula through sailfish::router_linear_topk (SailfishTopKRouter); and give
+    transformers' generate() its decode step in CUDA graphs of Sailfish's (generation.install).
+    Returns {"norms": [...], "gated_mlp": [...], "deferred_norms": [...], "attention": [...],
+    "routers": [...]} (module names) and "generate": [...] (the functions installed)."""
     done: Dict[str, List[str]] = {"norms": [], "gated_mlp": [], "deferred_norms": [],
                                   "attention": use_decode_attention(model), "routers": []}
+    done["generate"] = generation.install(model)
     mods = list(model.named_modules())
     for name, module in mods:
         for attr, child in list(module._modules.items()):

@@ -112,6 +112,12 @@ class SailfishHfQuantizer(HfQuantizer):
     def is_trainable(self) -> bool:
         return False
 
+    @property
+    def is_compileable(self) -> bool:
+        # The layers are torch.library ops (fullgraph-compilable); without this generate() never
+        # compiles a quantizer-loaded model (transformers' default is False).
+        return True
+
 
 if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
     register_quantization_config(QUANT_METHOD)(SailfishConfig)

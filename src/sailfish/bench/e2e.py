@@ -34,9 +34,10 @@ Modes:
            ours, so the time is the device time of the compiled step, comparable to `graph`);
   generate (not run unless named in --modes or "all") transformers' own generation loop:
            model.generate(prompt, past_key_values=StaticCache(--context), greedy), which on
-           CUDA compiles the decode forward itself (its default CompileConfig); the time per
+           CUDA compiles the decode forward itself (its default CompileConfig; on a model Sailfish
+           converted, through sailfish.generation's DecodeGraphs: "compiled_call"); the time per
            token is (wall time of --gen-tokens + 4 new tokens - that of 4) / --gen-tokens,
-           median of 3 each after two warm-up calls: prefill and compilation cancel out, the
+           median of 7 each after two warm-up calls: prefill and compilation cancel out, the
            generate loop's own Python per token stays in, as a generate() user sees it.
 Per layer = (step - head) / layers run, head = embedding + final norm + lm_head + argmax timed
 in its own CUDA graph; whole model = head + per layer x the model's layers, which is the step
@@ -452,7 +453,8 @@ class Runner:
     def generate(self, model, batch: int) -> dict:
         """Time per new token of transformers' generate() with a StaticCache of --context tokens
         (on CUDA it compiles the decode forward itself): the difference of a long and a short
-        call, each the median of 3 after two warm-up calls of the long one."""
+        call, each the median of 7 after two warm-up calls of the long one (3 left the host's
+        jitter in: 3.0 and 4.0 ms a token for the same step in two runs, docs/perf_log.md v48)."""
         import torch
         from transformers import StaticCache
 
@@ -479,10 +481,13 @@ class Runner:
         try:
             for _ in range(2 if s.cuda else 1):
                 call(s.gen_long)
-            reps = 3 if s.cuda else 1
+            reps = 7 if s.cuda else 1
             long_us = statistics.median(call(s.gen_long) for _ in range(reps))
             short_us = statistics.median(call(GEN_SHORT) for _ in range(reps))
             compiled = hasattr(model, "_compiled_call") and not had_compiled
+            runner = model.__dict__.get("_compiled_call")
+            graphs = type(runner).__name__ == "DecodeGraphs"
+            calls = dict(runner.stats) if graphs else None
         finally:
             torch._dynamo.reset()
             if hasattr(model, "_compiled_call") and not had_compiled:
@@ -491,6 +496,8 @@ class Runner:
             raise RuntimeError(f"generate() of {s.gen_long} tokens took no longer than of {GEN_SHORT} "
                                f"({long_us:.0f} vs {short_us:.0f} us): timing noise; use more --gen-tokens")
         return {"step_us": (long_us - short_us) / s.gen_tokens, "compiled_by_generate": compiled,
+                "compiled_call": "sailfish DecodeGraphs" if graphs else "transformers (reduce-overhead)",
+                "decode_graph_calls": calls,
                 "timing": f"(median of {reps} generate() calls of {s.gen_long} new tokens - median of {reps} of "
                           f"{GEN_SHORT}) / {s.gen_tokens}, wall clock, prompt {s.gen_prompt}, greedy"}
 

@@ -1,0 +1,305 @@
+"""transformers' generate() at the compiled decode step's speed (issue 39 item 6): the model's
+compiled call replayed from CUDA graphs of its own, and the decode step's attention mask in a
+few ops.
+
+Why (docs/perf_log.md v48; H100, Llama-3-8B shapes, 32 layers, W4A16, transformers 5.17): with a
+static cache generate() compiles the forward (get_compiled_call: torch.compile, mode
+"reduce-overhead", inductor's cudagraph trees) and then, every token, waits for the GPU (its stop
+check reads a device flag), prepares the next step's inputs on the host, builds the 4-D attention
+mask in eager PyTorch (create_masks_for_generate) and calls the compiled forward. The GPU idles for
+all of that host time: the compiled call's wrappers 770-930 us a token, the inputs 450-730 us, of
+which the mask 240-340 us; generate() ran 4.2-4.8 ms a token at batch 1 against a 2.9 ms step.
+
+- DecodeGraphs (installed as the model's get_compiled_call): torch.compile of the forward with
+  the compile config's options but without inductor's CUDA graphs, and per call signature (the
+  keyword arguments' shapes / dtypes / devices, scalars by value, the cache by identity and the
+  addresses of its tensors, the embedding and output weights by address) the first call runs
+  compiled, the second is captured into a CUDA graph and replayed, and every later one copies its
+  tensors into the graph's inputs and replays it. As with "reduce-overhead", a call's outputs are
+  valid until the next call. Graphed only where a replay is the call: keyword arguments of CUDA
+  tensors, scalars and a cache whose layers are all transformers' StaticLayer (their state lives
+  in tensors updated in place; a layer with Python-side state would go stale in a replay);
+  anything else runs transformers' own compiled call (the same torch.compile arguments).
+- decode_masks (installed as the model's create_masks_for_generate): for a decode step (one
+  query token) over such a cache, with a 2-D padding mask and a full-attention causal config,
+  sdpa's boolean mask (B, 1, 1, kv) from the padding mask and the query position in four ops,
+  the values of transformers' create_causal_mask / sdpa_mask (tests/test_generation.py compares
+  them); everything else goes to transformers' create_masks_for_generate.
+
+install(model) puts both on a model instance (fuse.fuse_row_ops does, for the models it
+converts); remove(model) takes them off.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import operator
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+log = logging.getLogger("sailfish")
+
+MAX_GRAPHS = 8  # graphs kept per model (least recently used dropped): one per batch size and cache
+_SCALARS = (bool, int, float, str, type(None))
+_MASK_ATTENTION = ("sdpa", "sailfish")  # implementations whose masks are sdpa_mask's (fuse.ATTENTION: "sailfish")
+
+
+def _static_layer_type():
+    from transformers.cache_utils import StaticLayer
+    return StaticLayer
+
+
+def _static_layers(cache) -> Optional[list]:
+    """The cache's layers if every one is a StaticLayer (exact type) holding its tensors, else None."""
+    layers = getattr(cache, "layers", None)
+    static = _static_layer_type()
+    if not layers or any(type(layer) is not static or getattr(layer, "keys", None) is None for layer in layers):
+        return None
+    return layers
+
+
+_LAYER_TENSORS: list = []  # [attrgetter of StaticLayer's tensor attributes], read off the first layer seen
+
+
+def _cache_addresses(cache) -> Optional[tuple]:
+    """The addresses of every tensor of the cache's layers (keys, values, the position counter) if
+    they are all initialized StaticLayers, else None. ~12 us for 32 layers (a generic walk of each
+    layer's attributes took ~40)."""
+    layers = _static_layers(cache)
+    if layers is None:
+        return None
+    if not _LAYER_TENSORS:
+        names = [k for k, v in vars(layers[0]).items() if isinstance(v, torch.Tensor)]
+        _LAYER_TENSORS.append(operator.attrgetter(*names) if len(names) > 1 else lambda layer: (getattr(layer, names[0]),))
+    get = _LAYER_TENSORS[0]
+    try:
+        return tuple(t.data_ptr() for layer in layers for t in get(layer))
+    except AttributeError:  # (a layer without one of them)
+        return None
+
+
+class _Graph:
+    """One captured call: the CUDA graph, its input tensors (copied into before each replay) and
+    its outputs. `capture` runs the call under capture (a separate class so that tests can stand
+    in for the CUDA parts on the CPU)."""
+
+    def __init__(self, fn: Callable, kwargs: Dict[str, Any], names: List[str], pool):
+        static = {k: (v.clone() if k in names else v) for k, v in kwargs.items()}
+        self.inputs = [static[k] for k in names]
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = fn(**static)
+
+    def replay(self, tensors: List[torch.Tensor]):
+        if tensors:
+            torch._foreach_copy_(self.inputs, tensors)
+        self.graph.replay()
+        return self.out
+
+
+class DecodeGraphs:
+    """The model's compiled call for generate() (see the module docstring): `runner(**kwargs)`."""
+
+    graph_class = _Graph  # (tests stand in for the CUDA parts: graph_class, device_type)
+    device_type = "cuda"
+
+    def __init__(self, model: nn.Module, compile_config=None):
+        self.model_ref = model
+        self.config = compile_config
+        options = compile_config.to_dict() if compile_config is not None else {}
+        self.options = dict(options)
+        mode = options.pop("mode", None)
+        mode = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}.get(mode, mode)
+        if mode is not None:
+            options["mode"] = mode
+        self.compiled = torch.compile(model.__call__, **options)  # (no CUDA graphs of inductor's)
+        self._fallback: Optional[Callable] = None
+        self.graphs: "OrderedDict[tuple, Any]" = OrderedDict()
+        self.seen: set = set()
+        self.failed: set = set()
+        self.pool = None
+        self.stats = {"replays": 0, "captures": 0, "compiled": 0, "fallback": 0}  # calls by path
+        emb, out = model.get_input_embeddings(), model.get_output_embeddings()
+        self.weights = [m.weight for m in (emb, out) if isinstance(getattr(m, "weight", None), torch.Tensor)]
+
+    def fallback(self, *args, **kwargs):
+        """transformers' own compiled call (its torch.compile arguments, inductor's CUDA graphs)."""
+        if self._fallback is None:
+            self._fallback = torch.compile(self.model_ref.__call__, **self.options)
+        return self._fallback(*args, **kwargs)
+
+    def signature(self, kwargs: Dict[str, Any]) -> Optional[Tuple[tuple, List[str], List[torch.Tensor]]]:
+        """(key, tensor names, tensors) of a call that a replay can stand for, else None."""
+        key: list = [tuple(w.data_ptr() for w in self.weights)]
+        names, tensors = [], []
+        for name, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                if v.device.type != self.device_type or v.requires_grad:
+                    return None
+                key.append((name, v.shape, v.dtype, v.device.index))
+                names.append(name)
+                tensors.append(v)
+            elif isinstance(v, _SCALARS):
+                key.append((name, v))
+            else:
+                addresses = _cache_addresses(v)
+                if addresses is None:
+                    return None
+                key.append((name, id(v), addresses))
+        return tuple(key), names, tensors
+
+    def __call__(self, *args, **kwargs):
+        sig = None if args or torch.is_grad_enabled() else self.signature(kwargs)
+        if sig is None:
+            self.stats["fallback"] += 1
+            return self.fallback(*args, **kwargs)
+        key, names, tensors = sig
+        graph = self.graphs.get(key)
+        if graph is not None:
+            self.stats["replays"] += 1
+            self.graphs.move_to_end(key)
+            return graph.replay(tensors)
+        self.stats["compiled"] += 1
+        if key in self.failed:
+            return self.compiled(**kwargs)
+        if key not in self.seen:  # first call: compile (and run) outside a capture
+            if len(self.seen) > 4 * MAX_GRAPHS:
+                self.seen.clear()
+            self.seen.add(key)
+            return self.compiled(**kwargs)
+        try:
+            if self.pool is None and self.device_type == "cuda":
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = self.graph_class(self.compiled, kwargs, names, self.pool)
+        except Exception as e:  # noqa: BLE001 - a call that cannot be captured still runs
+            self.failed.add(key)
+            log.warning("sailfish: generate()'s decode step could not be captured in a CUDA graph (%s: %s); "
+                        "it runs compiled without one", type(e).__name__, e)
+            return self.compiled(**kwargs)
+        self.stats["compiled"] -= 1
+        self.stats["captures"] += 1
+        self.graphs[key] = graph
+        while len(self.graphs) > MAX_GRAPHS:
+            self.graphs.popitem(last=False)
+        return graph.replay([])  # (the captured inputs are this call's)
+
+
+class CompiledCall:
+    """The model's get_compiled_call (transformers' signature, `model.get_compiled_call(config)`):
+    a DecodeGraphs on CUDA, kept (as transformers keeps its own, in model._compiled_call) while
+    the compile config stays the same; transformers' own call elsewhere. A picklable object, not a
+    bound method, so that the model still pickles and deep-copies."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, compile_config=None) -> Callable:
+        model = self.model
+        if getattr(model, "device", torch.device("cpu")).type != "cuda":
+            return type(model).get_compiled_call(model, compile_config)
+        runner = model.__dict__.get("_compiled_call")
+        if not isinstance(runner, DecodeGraphs) or runner.config != compile_config:
+            runner = DecodeGraphs(model, compile_config)
+            model._compiled_call = runner
+        return runner
+
+
+# ----------------------------------------------------------------------------------
+# The decode step's mask
+# ----------------------------------------------------------------------------------
+_POSITIONS: Dict[tuple, torch.Tensor] = {}  # arange(kv_offset, kv_offset + kv_length) by (offset, length, device)
+
+
+def _full_attention_only(config) -> bool:
+    """The text config's masks are all create_causal_mask's: causal, no sliding window or chunks."""
+    if not getattr(config, "is_causal", True):
+        return False
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return set(types) == {"full_attention"}
+    return getattr(config, "sliding_window", None) is None and getattr(config, "attention_chunk_size", None) is None
+
+
+def decode_mask(attention_mask: torch.Tensor, q_offset, kv_length: int, kv_offset: int) -> torch.Tensor:
+    """sdpa_mask's boolean mask (B, 1, 1, kv_length) of one query token at position q_offset (an
+    int or a 0-d tensor) over cache positions kv_offset .. kv_offset + kv_length - 1, with the 2-D
+    padding mask attention_mask (B, L) (any dtype, nonzero = keep; positions past L are padding):
+    position j is kept where j <= q_offset and the padding mask keeps it."""
+    dev = attention_mask.device
+    k = (kv_offset, kv_length, dev)
+    positions = _POSITIONS.get(k)
+    if positions is None:
+        positions = _POSITIONS[k] = torch.arange(kv_offset, kv_offset + kv_length, device=dev)
+    pad = attention_mask.to(dtype=torch.bool)
+    missing = kv_offset + kv_length - pad.shape[-1]
+    if missing > 0:
+        pad = torch.nn.functional.pad(pad, (0, missing))
+    return (pad[:, kv_offset:kv_offset + kv_length] & (positions <= q_offset))[:, None, None, :]
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword() -> str:
+    """The name transformers' create_masks_for_generate takes the cache under ("cache" from 5.24,
+    "past_key_values" before)."""
+    from transformers.masking_utils import create_masks_for_generate
+
+    return "cache" if "cache" in inspect.signature(create_masks_for_generate).parameters else "past_key_values"
+
+
+def decode_masks(config, inputs_embeds: torch.Tensor, attention_mask: Optional[torch.Tensor], cache=None,
+                 position_ids: Optional[torch.Tensor] = None, or_mask_function=None, and_mask_function=None,
+                 block_sequence_ids=None, past_key_values=None, **kwargs):
+    """The model's create_masks_for_generate (transformers' signature, the cache as `cache` or
+    `past_key_values`): decode_mask where that is transformers' mask (see the module docstring),
+    else transformers' create_masks_for_generate."""
+    from transformers.masking_utils import create_masks_for_generate
+
+    cache = past_key_values if cache is None else cache
+    text = config.get_text_config()
+    if (inputs_embeds.shape[1] == 1 and attention_mask is not None and attention_mask.ndim == 2
+            and or_mask_function is None and and_mask_function is None and block_sequence_ids is None
+            and getattr(text, "_attn_implementation", None) in _MASK_ATTENTION and _full_attention_only(text)
+            and _static_layers(cache) is not None):
+        kv_length, kv_offset = cache.get_mask_sizes(1, 0)
+        offset = getattr(cache, "get_query_offset", cache.get_seq_length)(0)
+        mask = decode_mask(attention_mask.to(inputs_embeds.device), offset, kv_length, kv_offset)
+        return {"full_attention": mask} if getattr(text, "layer_types", None) is not None else mask
+    return create_masks_for_generate(config, inputs_embeds, attention_mask, position_ids=position_ids,
+                                     or_mask_function=or_mask_function, and_mask_function=and_mask_function,
+                                     block_sequence_ids=block_sequence_ids, **{_cache_keyword(): cache}, **kwargs)
+
+
+# ----------------------------------------------------------------------------------
+# Installing
+# ----------------------------------------------------------------------------------
+def install(model: nn.Module) -> List[str]:
+    """Put DecodeGraphs (as get_compiled_call) and decode_masks (as create_masks_for_generate,
+    where the model's attention takes sdpa's masks and its class has no mask function of its own)
+    on a transformers model instance. Returns the names installed ([] for a model without
+    get_compiled_call, or already done)."""
+    cls = type(model)
+    if not callable(getattr(cls, "get_compiled_call", None)) or "get_compiled_call" in model.__dict__:
+        return []
+    model.get_compiled_call = CompiledCall(model)
+    done = ["get_compiled_call"]
+    text = model.config.get_text_config() if hasattr(getattr(model, "config", None), "get_text_config") else None
+    if (text is not None and getattr(text, "_attn_implementation", None) in _MASK_ATTENTION
+            and getattr(cls, "create_masks_for_generate", None) is None):
+        model.create_masks_for_generate = decode_masks
+        done.append("create_masks_for_generate")
+    return done
+
+
+def remove(model: nn.Module) -> None:
+    """Take install's functions (and their graphs) off the model."""
+    for name in ("get_compiled_call", "create_masks_for_generate"):
+        model.__dict__.pop(name, None)
+    if isinstance(model.__dict__.get("_compiled_call"), DecodeGraphs):
+        del model.__dict__["_compiled_call"]
+
+
+__all__ = ["DecodeGraphs", "CompiledCall", "decode_mask", "decode_masks", "install", "remove", "MAX_GRAPHS"]

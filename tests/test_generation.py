@@ -1,0 +1,275 @@
+"""sailfish.generation: the decode step's mask against transformers' own, DecodeGraphs' choice of
+when a replay stands for a call (the CUDA graph replaced by a stand-in that re-runs the call on
+the captured inputs), and generate() through both on the CPU (and on a GPU when there is one)."""
+import copy
+import functools
+import pickle
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import StaticCache  # noqa: E402
+from transformers.generation.configuration_utils import CompileConfig  # noqa: E402
+from transformers.masking_utils import create_masks_for_generate  # noqa: E402
+
+import sailfish  # noqa: E402
+from sailfish import generation  # noqa: E402
+from sailfish.generation import DecodeGraphs, decode_mask, decode_masks  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _tiny(arch: str = "llama", device: str = "cpu", attn: str = "sdpa"):
+    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=96, pad_token_id=0, eos_token_id=None, bos_token_id=None)
+    config = {"llama": lambda: transformers.LlamaConfig(**common),
+              "qwen3": lambda: transformers.Qwen3Config(**common),
+              "mistral-window": lambda: transformers.MistralConfig(sliding_window=4, **common)}[arch]()
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float16,
+                                                         attn_implementation=attn).to(device).eval()
+
+
+def _cache_kw(fn) -> str:
+    """The name a transformers function takes the cache under ("cache" from 5.24)."""
+    import inspect
+    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
+
+
+def _prefilled(model, batch: int, prompt: int, context: int = 16, pad_left: int = 0):
+    """A StaticCache of `context` positions after the model's prefill of a (batch, prompt) input
+    (row 0 left-padded by pad_left tokens), and the 2-D padding mask."""
+    cache = StaticCache(config=model.config, max_cache_len=context)
+    ids = torch.randint(1, 96, (batch, prompt))
+    mask = torch.ones(batch, prompt, dtype=torch.long)
+    mask[0, :pad_left] = 0
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, use_cache=True, **{_cache_kw(model.forward): cache})
+    return cache, mask
+
+
+# ----------------------------------------------------------------------------------
+# The decode mask
+# ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("batch,pad_left", [(1, 0), (3, 2)])
+def test_decode_masks_are_transformers_masks(arch, batch, pad_left):
+    model = _tiny(arch)
+    cache, mask = _prefilled(model, batch, prompt=5, pad_left=pad_left)
+    for step in range(3):  # the 2-D mask grows by one each step, as generate() extends it
+        m2 = torch.cat([mask, torch.ones(batch, step + 1, dtype=mask.dtype)], dim=1)
+        emb = torch.empty((batch, 1, 0), dtype=torch.float16)
+        kwargs = dict(config=model.config, inputs_embeds=emb, attention_mask=m2, position_ids=None,
+                      **{_cache_kw(create_masks_for_generate): cache})
+        ours, theirs = decode_masks(**kwargs), create_masks_for_generate(**kwargs)
+        if isinstance(theirs, dict):  # (configs with layer_types: one mask per pattern)
+            assert isinstance(ours, dict) and ours.keys() == theirs.keys()
+            ours, theirs = ours["full_attention"], theirs["full_attention"]
+        assert ours.dtype == theirs.dtype == torch.bool and ours.shape == theirs.shape == (batch, 1, 1, 16)
+        assert torch.equal(ours, theirs)
+        assert not ours[0, 0, 0, :pad_left].any()  # the padding stays out
+        with torch.no_grad():  # the cache moves on by one position
+            model(input_ids=torch.randint(1, 96, (batch, 1)), attention_mask=m2, **{_cache_kw(model.forward): cache})
+
+
+def test_decode_mask_positions_and_tensor_offset():
+    pad = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    got = decode_mask(pad, torch.tensor(3), kv_length=6, kv_offset=0)
+    want = torch.tensor([[0, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.bool)  # 3 and later: padding
+    assert torch.equal(got[:, 0, 0], want)
+    assert torch.equal(decode_mask(torch.ones(1, 8), 2, 6, 0)[0, 0, 0], torch.tensor([1, 1, 1, 0, 0, 0]).bool())
+
+
+@pytest.mark.parametrize("case", ["prefill", "sliding", "dynamic", "and_mask"])
+def test_decode_masks_hand_everything_else_to_transformers(case, monkeypatch):
+    model = _tiny("mistral-window" if case == "sliding" else "llama")
+    cache, mask = _prefilled(model, 2, prompt=5)
+    q = 5 if case == "prefill" else 1
+    kwargs = dict(config=model.config, inputs_embeds=torch.empty((2, q, 0), dtype=torch.float16),
+                  attention_mask=torch.cat([mask, torch.ones(2, q, dtype=mask.dtype)], 1),
+                  **{_cache_kw(create_masks_for_generate): cache})
+    if case == "dynamic":
+        kwargs[_cache_kw(create_masks_for_generate)] = transformers.DynamicCache()
+    if case == "and_mask":
+        kwargs["and_mask_function"] = lambda b, h, q_idx, kv_idx: kv_idx >= 0
+    calls = []
+
+    @functools.wraps(create_masks_for_generate)  # (its signature: the cache's keyword is read from it)
+    def counted(*a, **k):
+        calls.append(1)
+        return create_masks_for_generate(*a, **k)
+    monkeypatch.setattr("transformers.masking_utils.create_masks_for_generate", counted)
+    decode_masks(**kwargs)
+    assert calls == [1]
+
+
+# ----------------------------------------------------------------------------------
+# DecodeGraphs, the CUDA graph replaced by a stand-in
+# ----------------------------------------------------------------------------------
+class _StandIn:
+    """A 'graph' that re-runs the call on its captured inputs: what a replay computes, so a replay
+    that missed copying an input shows up as a wrong output."""
+    captures = 0
+    fail = False
+
+    def __init__(self, fn, kwargs, names, pool):
+        if _StandIn.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        _StandIn.captures += 1
+        static = {k: (v.clone() if k in names else v) for k, v in kwargs.items()}
+        self.inputs = [static[k] for k in names]
+        self.fn, self.static, self.names = fn, static, names
+        self.out = fn(**static)
+
+    def replay(self, tensors):
+        for dst, src in zip(self.inputs, tensors):
+            dst.copy_(src)
+        return self.fn(**self.static)
+
+
+class _Runner(DecodeGraphs):
+    graph_class = _StandIn
+    device_type = "cpu"
+
+
+class _Counted(torch.nn.Module):
+    """A model whose calls are counted: y = x * w summed into the cache's first layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(4, 4)
+        self.calls = 0
+
+    def get_input_embeddings(self):
+        return self.emb
+
+    def get_output_embeddings(self):
+        return None
+
+    def forward(self, x, cache=None, scale=1.0):
+        self.calls += 1
+        layers = getattr(cache, "layers", None)
+        return x * self.emb.weight[0, 0] * scale + (layers[0].keys.sum() if layers else 0)
+
+
+def _static_cache():
+    model = _tiny("llama")
+    cache, _ = _prefilled(model, 1, prompt=3)
+    return cache
+
+
+@pytest.fixture
+def runner(monkeypatch):
+    _StandIn.captures, _StandIn.fail = 0, False
+    model = _Counted()
+    r = _Runner(model, CompileConfig(backend="eager", mode=None))
+    fallbacks = []
+    monkeypatch.setattr(r, "fallback", lambda *a, **k: fallbacks.append(1) or model(*a, **k))
+    return model, r, fallbacks
+
+
+def test_decode_graphs_first_call_compiled_second_captured_then_replayed(runner):
+    model, r, fallbacks = runner
+    cache = _static_cache()
+    with torch.no_grad():
+        outs = []
+        for i in range(5):
+            x = torch.full((2, 3), float(i))
+            got = r(x=x, cache=cache, scale=2.0)
+            outs.append(got.clone())
+            assert torch.equal(got, model(x, cache, 2.0))  # a replay computes the call on this call's x
+    assert _StandIn.captures == 1 and len(r.graphs) == 1 and not fallbacks
+    with torch.no_grad():  # another shape, another scalar: new signatures (first call compiled, no capture)
+        r(x=torch.ones(4, 3), cache=cache, scale=2.0)
+        r(x=torch.ones(2, 3), cache=cache, scale=3.0)
+    assert _StandIn.captures == 1
+    with torch.no_grad():  # the cache's tensors moved (e.g. reallocated): not the captured call
+        layer = cache.layers[0]
+        layer.keys = layer.keys.clone() + 1
+        r(x=torch.ones(2, 3), cache=cache, scale=2.0)
+        r(x=torch.ones(2, 3), cache=cache, scale=2.0)
+        got = r(x=torch.ones(2, 3), cache=cache, scale=2.0)
+    assert _StandIn.captures == 2 and torch.equal(got, model(torch.ones(2, 3), cache, 2.0))
+
+
+def test_decode_graphs_fall_back_where_a_replay_is_not_the_call(runner):
+    model, r, fallbacks = runner
+    x = torch.ones(2, 3)
+    with torch.no_grad():
+        r(x)  # positional
+        r(x=x, cache=transformers.DynamicCache())  # a cache with Python-side state
+        r(x=x, cache=object())  # an object it does not know
+    r(x=x)  # gradients on
+    assert len(fallbacks) == 4 and _StandIn.captures == 0
+
+
+def test_decode_graphs_capture_failure_runs_compiled(runner, caplog):
+    model, r, fallbacks = runner
+    _StandIn.fail = True
+    with torch.no_grad():
+        outs = [r(x=torch.full((1, 3), float(i))) for i in range(4)]
+    assert all(torch.equal(o, model(torch.full((1, 3), float(i)))) for i, o in enumerate(outs))
+    assert "could not be captured" in caplog.text and not r.graphs and not fallbacks
+
+
+def test_decode_graphs_keep_at_most_max_graphs(runner):
+    model, r, _ = runner
+    with torch.no_grad():
+        for b in range(generation.MAX_GRAPHS + 3):
+            for _ in range(2):
+                r(x=torch.ones(b + 1, 3))
+    assert len(r.graphs) == generation.MAX_GRAPHS
+    assert [k[1][1][0] for k in r.graphs] == list(range(4, generation.MAX_GRAPHS + 4))  # the newest
+
+
+# ----------------------------------------------------------------------------------
+# Installed on a converted model
+# ----------------------------------------------------------------------------------
+def test_installed_by_quantize_model_unless_fuse_false():
+    model = sailfish.quantize_model(_tiny("llama"))
+    assert model.sailfish_report["row_ops"]["generate"] == ["get_compiled_call", "create_masks_for_generate"]
+    assert isinstance(model.get_compiled_call, generation.CompiledCall) and model.create_masks_for_generate is decode_masks
+    assert generation.install(model) == []  # once
+    assert "get_compiled_call" not in sailfish.quantize_model(_tiny("llama"), fuse=False).__dict__
+    eager = _tiny("llama", attn="eager")  # float masks: transformers' own mask function stays
+    assert generation.install(eager) == ["get_compiled_call"]
+
+
+def test_generate_takes_the_decode_masks_and_keeps_its_tokens(monkeypatch):
+    model = _tiny("llama")
+    ids = torch.randint(1, 96, (2, 4))
+    attn = torch.ones_like(ids)
+    ids[0, 0], attn[0, 0] = 0, 0  # a left-padded row
+
+    def run():
+        return model.generate(ids, attention_mask=attn, max_new_tokens=4, do_sample=False,
+                              cache_implementation="static", disable_compile=True)
+    want = run()
+    assert generation.install(model) == ["get_compiled_call", "create_masks_for_generate"]
+    calls = []
+    real = generation.decode_mask
+    monkeypatch.setattr(generation, "decode_mask", lambda *a: calls.append(1) or real(*a))
+    assert torch.equal(run(), want)
+    assert len(calls) == 3  # every decode step's mask (the prompt's is transformers')
+    # the model still copies and pickles; remove() takes it all off
+    copy.deepcopy(model)
+    pickle.loads(pickle.dumps(model))
+    generation.remove(model)
+    assert "get_compiled_call" not in model.__dict__ and "create_masks_for_generate" not in model.__dict__
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_generate_compiled_through_decode_graphs_on_the_gpu():
+    model = sailfish.quantize_model(_tiny("llama", "cuda"))
+    ids = torch.randint(1, 96, (2, 5), device="cuda")
+    want = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static", disable_compile=True)
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    for _ in range(3):
+        cache.reset()
+        got = model.generate(ids, max_new_tokens=8, do_sample=False, **{_cache_kw(model.forward): cache})
+        assert torch.equal(got, want)
+    runner = model._compiled_call
+    assert isinstance(runner, DecodeGraphs) and len(runner.graphs) == 1
+    # 7 decode steps a call: compiled, captured, then replays (and every step of the later calls)
+    assert runner.stats == {"replays": 5 + 7 + 7, "captures": 1, "compiled": 1, "fallback": 0}
