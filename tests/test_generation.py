@@ -73,6 +73,18 @@ def test_decode_masks_are_transformers_masks(arch, batch, pad_left):
             model(input_ids=torch.randint(1, 96, (batch, 1)), attention_mask=m2, **{_cache_kw(model.forward): cache})
 
 
+def test_copied_outputs():
+    out = transformers.modeling_outputs.CausalLMOutputWithPast(logits=torch.ones(2, 1, 4), past_key_values="cache",
+                                                               hidden_states=(torch.zeros(2), torch.ones(2)))
+    got = generation._copied(out)
+    assert type(got) is type(out) and got.past_key_values == "cache" and torch.equal(got.logits, out.logits)
+    assert got.logits.data_ptr() != out.logits.data_ptr()
+    assert all(a.data_ptr() != b.data_ptr() and torch.equal(a, b) for a, b in zip(got.hidden_states, out.hidden_states))
+    t = torch.ones(3)
+    lst = generation._copied([t, 5])
+    assert type(lst) is list and lst[0] is not t and torch.equal(lst[0], t) and lst[1] == 5
+
+
 def test_decode_mask_positions_and_tensor_offset():
     pad = torch.tensor([[0, 1, 1], [1, 1, 1]])
     got = decode_mask(pad, torch.tensor(3), kv_length=6, kv_offset=0)
@@ -125,7 +137,8 @@ class _StandIn:
     def replay(self, tensors):
         for dst, src in zip(self.inputs, tensors):
             dst.copy_(src)
-        return self.fn(**self.static)
+        self.out.copy_(self.fn(**self.static))  # (into the graph's own output, as a replay writes)
+        return generation._copied(self.out)
 
 
 class _Runner(DecodeGraphs):
@@ -177,8 +190,10 @@ def test_decode_graphs_first_call_compiled_second_captured_then_replayed(runner)
         for i in range(5):
             x = torch.full((2, 3), float(i))
             got = r(x=x, cache=cache, scale=2.0)
-            outs.append(got.clone())
+            outs.append(got)
             assert torch.equal(got, model(x, cache, 2.0))  # a replay computes the call on this call's x
+    # every call's output kept its values (replays return copies, not the graph's own output)
+    assert all(torch.equal(o, model(torch.full((2, 3), float(i)), cache, 2.0)) for i, o in enumerate(outs))
     assert _StandIn.captures == 1 and len(r.graphs) == 1 and not fallbacks
     with torch.no_grad():  # another shape, another scalar: new signatures (first call compiled, no capture)
         r(x=torch.ones(4, 3), cache=cache, scale=2.0)

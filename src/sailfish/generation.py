@@ -15,8 +15,10 @@ which the mask 240-340 us; generate() ran 4.2-4.8 ms a token at batch 1 against 
   keyword arguments' shapes / dtypes / devices, scalars by value, the cache by identity and the
   addresses of its tensors, the embedding and output weights by address) the first call runs
   compiled, the second is captured into a CUDA graph and replayed, and every later one copies its
-  tensors into the graph's inputs and replays it. As with "reduce-overhead", a call's outputs are
-  valid until the next call. Graphed only where a replay is the call: keyword arguments of CUDA
+  tensors into the graph's inputs and replays it. A replay returns copies of the graph's output
+  tensors (the logits: one copy kernel), so outputs a caller keeps stay valid, as generate() keeps
+  each step's attentions or hidden states when asked (the graph's own are overwritten by the
+  next replay). Graphed only where a replay is the call: keyword arguments of CUDA
   tensors, scalars and a cache whose layers are all transformers' StaticLayer (their state lives
   in tensors updated in place; a layer with Python-side state would go stale in a replay);
   anything else runs transformers' own compiled call (the same torch.compile arguments).
@@ -82,6 +84,19 @@ def _cache_addresses(cache) -> Optional[tuple]:
         return None
 
 
+def _copied(v):
+    """v with every tensor in it (a ModelOutput, tuple, list or dict of them) cloned; other
+    objects (the cache) as they are."""
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    if isinstance(v, dict):  # (transformers' ModelOutput is an OrderedDict dataclass)
+        items = {k: _copied(x) for k, x in v.items()}
+        return type(v)(**items) if hasattr(v, "to_tuple") else type(v)(items)
+    if isinstance(v, (tuple, list)) and not hasattr(v, "_fields"):
+        return type(v)(_copied(x) for x in v)
+    return v
+
+
 class _Graph:
     """One captured call: the CUDA graph, its input tensors (copied into before each replay) and
     its outputs. `capture` runs the call under capture (a separate class so that tests can stand
@@ -95,10 +110,12 @@ class _Graph:
             self.out = fn(**static)
 
     def replay(self, tensors: List[torch.Tensor]):
+        """Copy this call's tensors into the graph's inputs (none: they are already there), replay,
+        return copies of the outputs (_copied)."""
         if tensors:
             torch._foreach_copy_(self.inputs, tensors)
         self.graph.replay()
-        return self.out
+        return _copied(self.out)
 
 
 class DecodeGraphs:
