@@ -99,8 +99,8 @@ def _copied(v):
 
 class _Graph:
     """One captured call: the CUDA graph, its input tensors (copied into before each replay) and
-    its outputs. `capture` runs the call under capture (a separate class so that tests can stand
-    in for the CUDA parts on the CPU)."""
+    its outputs; the constructor runs the call under capture. (A class of its own so that tests can
+    stand in for the CUDA parts on the CPU: DecodeGraphs.graph_class.)"""
 
     def __init__(self, fn: Callable, kwargs: Dict[str, Any], names: List[str], pool):
         static = {k: (v.clone() if k in names else v) for k, v in kwargs.items()}
