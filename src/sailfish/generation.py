@@ -180,14 +180,20 @@ class DecodeGraphs:
             self.stats["replays"] += 1
             self.graphs.move_to_end(key)
             return graph.replay(tensors)
-        self.stats["compiled"] += 1
-        if key in self.failed:
-            return self.compiled(**kwargs)
         if key not in self.seen:  # first call: compile (and run) outside a capture
             if len(self.seen) > 4 * MAX_GRAPHS:
                 self.seen.clear()
             self.seen.add(key)
-            return self.compiled(**kwargs)
+        elif key not in self.failed:  # second call: capture, and replay for this call's outputs
+            graph = self._capture(key, kwargs, names)
+            if graph is not None:
+                return graph.replay([])  # (the captured inputs are this call's)
+        self.stats["compiled"] += 1
+        return self.compiled(**kwargs)
+
+    def _capture(self, key: tuple, kwargs: Dict[str, Any], names: List[str]):
+        """The call captured into a graph kept under `key` (least recently used ones dropped past
+        MAX_GRAPHS), or None, with a warning, where the capture fails (the key then stays compiled)."""
         try:
             if self.pool is None and self.device_type == "cuda":
                 self.pool = torch.cuda.graph_pool_handle()
@@ -196,13 +202,12 @@ class DecodeGraphs:
             self.failed.add(key)
             log.warning("sailfish: generate()'s decode step could not be captured in a CUDA graph (%s: %s); "
                         "it runs compiled without one", type(e).__name__, e)
-            return self.compiled(**kwargs)
-        self.stats["compiled"] -= 1
+            return None
         self.stats["captures"] += 1
         self.graphs[key] = graph
         while len(self.graphs) > MAX_GRAPHS:
             self.graphs.popitem(last=False)
-        return graph.replay([])  # (the captured inputs are this call's)
+        return graph
 
 
 class CompiledCall:

@@ -458,6 +458,8 @@ class Runner:
         import torch
         from transformers import StaticCache
 
+        from ..generation import DecodeGraphs
+
         s = self.s
         gen = torch.Generator().manual_seed(s.seed)
         prompt = torch.randint(model.config.vocab_size, (batch, s.gen_prompt), generator=gen).to(self.device)
@@ -486,7 +488,7 @@ class Runner:
             short_us = statistics.median(call(GEN_SHORT) for _ in range(reps))
             compiled = hasattr(model, "_compiled_call") and not had_compiled
             runner = model.__dict__.get("_compiled_call")
-            graphs = type(runner).__name__ == "DecodeGraphs"
+            graphs = isinstance(runner, DecodeGraphs)
             calls = dict(runner.stats) if graphs else None
         finally:
             torch._dynamo.reset()
