@@ -343,14 +343,16 @@ def test_gpu_code_paths_with_fake_graphs(monkeypatch):
 
 
 def test_generate_mode_times_transformers_generate(tiny, monkeypatch):
-    """The generate mode runs model.generate() itself with a StaticCache and times a token as the
-    difference of a long and a short call; it needs room in the cache for both."""
+    """The generate mode runs model.generate() itself with cache_implementation="static" (a
+    StaticCache of --context tokens) and times a token as the difference of a long and a short
+    call; it needs room in the cache for both."""
     calls = []
     generate = type(tiny).generate
 
     def spy(self, *a, **kw):
         calls.append(kw["max_new_tokens"])
         assert kw["min_new_tokens"] == kw["max_new_tokens"] and not kw["do_sample"]
+        assert kw["cache_implementation"] == "static" and kw["max_cache_len"] == 32
         return generate(self, *a, **kw)
 
     monkeypatch.setattr(type(tiny), "generate", spy)
@@ -360,6 +362,8 @@ def test_generate_mode_times_transformers_generate(tiny, monkeypatch):
         out = runner.generate(tiny, 2)
     assert calls == [E.GEN_SHORT + 3] * 2 + [E.GEN_SHORT]  # warm-up, long, short (CPU: 1 each)
     assert out["step_us"] > 0 and out["compiled_by_generate"] is False
+    assert out["stop_check"] == ("deferred a step (sailfish Generate)" if "generate" in tiny.__dict__
+                                 else "every token (transformers)")
     assert E.last_pass(s) == [("generate", 1), ("generate", 2)]
     for argv in (["--gen-tokens", "30", "--context", "32"], ["--layers", "1"]):
         with pytest.raises(SystemExit):

@@ -4,6 +4,7 @@ the captured inputs), and generate() through both on the CPU (and on a GPU when 
 import copy
 import functools
 import pickle
+import types
 
 import pytest
 import torch
@@ -119,26 +120,36 @@ def test_decode_masks_hand_everything_else_to_transformers(case, monkeypatch):
 # ----------------------------------------------------------------------------------
 # DecodeGraphs, the CUDA graph replaced by a stand-in
 # ----------------------------------------------------------------------------------
-class _StandIn:
-    """A 'graph' that re-runs the call on its captured inputs: what a replay computes, so a replay
-    that missed copying an input shows up as a wrong output."""
+def _tensors(v) -> list:
+    if isinstance(v, torch.Tensor):
+        return [v]
+    items = v.values() if isinstance(v, dict) else v if isinstance(v, (tuple, list)) else []
+    return [t for x in items for t in _tensors(x)]
+
+
+class _StandIn(generation._Graph):
+    """A 'graph' that re-runs the call on its captured inputs and on the tensors the call's cache
+    had at the capture (a graph's fixed addresses), writing into its own outputs: what a replay
+    computes, so that a replay that missed copying an input, or a cache whose state did not move
+    into those tensors, shows up as a wrong output. The rest (input copies, the outputs' cache) is
+    generation._Graph's."""
     captures = 0
     fail = False
 
-    def __init__(self, fn, kwargs, names, pool):
+    def record(self, fn, static, pool):
         if _StandIn.fail:
             raise RuntimeError("operation not permitted when stream is capturing")
         _StandIn.captures += 1
-        static = {k: (v.clone() if k in names else v) for k, v in kwargs.items()}
-        self.inputs = [static[k] for k in names]
-        self.fn, self.static, self.names = fn, static, names
-        self.out = fn(**static)
+        names = generation._STATE[0] if generation._STATE else []
+        fixed = {k: (types.SimpleNamespace(layers=[types.SimpleNamespace(**{n: getattr(layer, n) for n in names})
+                                                    for layer in v.layers]) if hasattr(v, "layers") else v)
+                 for k, v in static.items()}
+        self.run = lambda: fn(**{k: fixed[k] for k in static})
+        return fn(**static)
 
-    def replay(self, tensors):
-        for dst, src in zip(self.inputs, tensors):
+    def launch(self):
+        for dst, src in zip(_tensors(self.out), _tensors(self.run())):
             dst.copy_(src)
-        self.out.copy_(self.fn(**self.static))  # (into the graph's own output, as a replay writes)
-        return generation._copied(self.out)
 
 
 class _Runner(DecodeGraphs):
@@ -147,7 +158,7 @@ class _Runner(DecodeGraphs):
 
 
 class _Counted(torch.nn.Module):
-    """A model whose calls are counted: y = x * w summed into the cache's first layer."""
+    """A model whose calls are counted: {"y": x * w + the sum of the cache's first keys, "cache": the cache}."""
 
     def __init__(self):
         super().__init__()
@@ -163,13 +174,18 @@ class _Counted(torch.nn.Module):
     def forward(self, x, cache=None, scale=1.0):
         self.calls += 1
         layers = getattr(cache, "layers", None)
-        return x * self.emb.weight[0, 0] * scale + (layers[0].keys.sum() if layers else 0)
+        return {"y": x * self.emb.weight[0, 0] * scale + (layers[0].keys.sum() if layers else 0), "cache": cache}
 
 
-def _static_cache():
+def _static_cache(seed: int = 0):
     model = _tiny("llama")
+    torch.manual_seed(seed)
     cache, _ = _prefilled(model, 1, prompt=3)
     return cache
+
+
+def _state(cache) -> list:
+    return [t.clone() for t in generation._cache_state(cache)[1]]
 
 
 @pytest.fixture
@@ -190,22 +206,55 @@ def test_decode_graphs_first_call_compiled_second_captured_then_replayed(runner)
         for i in range(5):
             x = torch.full((2, 3), float(i))
             got = r(x=x, cache=cache, scale=2.0)
-            outs.append(got)
-            assert torch.equal(got, model(x, cache, 2.0))  # a replay computes the call on this call's x
+            outs.append(got["y"])
+            assert torch.equal(got["y"], model(x, cache, 2.0)["y"])  # a replay computes the call on this call's x
+            assert got["cache"] is cache  # and hands back the call's cache
     # every call's output kept its values (replays return copies, not the graph's own output)
-    assert all(torch.equal(o, model(torch.full((2, 3), float(i)), cache, 2.0)) for i, o in enumerate(outs))
+    assert all(torch.equal(o, model(torch.full((2, 3), float(i)), cache, 2.0)["y"]) for i, o in enumerate(outs))
     assert _StandIn.captures == 1 and len(r.graphs) == 1 and not fallbacks
     with torch.no_grad():  # another shape, another scalar: new signatures (first call compiled, no capture)
         r(x=torch.ones(4, 3), cache=cache, scale=2.0)
         r(x=torch.ones(2, 3), cache=cache, scale=3.0)
     assert _StandIn.captures == 1
-    with torch.no_grad():  # the cache's tensors moved (e.g. reallocated): not the captured call
+    with torch.no_grad():  # the cache's tensors replaced (e.g. reallocated): its state moves back where the graph reads
         layer = cache.layers[0]
+        home = layer.keys
         layer.keys = layer.keys.clone() + 1
-        r(x=torch.ones(2, 3), cache=cache, scale=2.0)
-        r(x=torch.ones(2, 3), cache=cache, scale=2.0)
         got = r(x=torch.ones(2, 3), cache=cache, scale=2.0)
-    assert _StandIn.captures == 2 and torch.equal(got, model(torch.ones(2, 3), cache, 2.0))
+    assert _StandIn.captures == 1 and cache.layers[0].keys is home
+    assert torch.equal(got["y"], model(torch.ones(2, 3), cache, 2.0)["y"])
+
+
+def test_decode_graphs_replay_for_every_cache_of_the_captured_structure(runner):
+    """generate(cache_implementation="static") makes a new StaticCache every call: its state moves
+    into the tensors the graph was captured on (no new capture, no cache kept alive by the graph),
+    and a cache living there before keeps its own state in a copy."""
+    model, r, _ = runner
+    a, b = _static_cache(0), _static_cache(1)
+    state_a, state_b = _state(a), _state(b)
+    assert not torch.equal(state_a[0], state_b[0])
+    x = torch.ones(1, 3)
+    with torch.no_grad():
+        for _ in range(3):
+            r(x=x, cache=a)
+        got = r(x=x, cache=b)
+        assert _StandIn.captures == 1 and got["cache"] is b
+        assert torch.equal(got["y"], model(x, b)["y"]) and torch.equal(got["y"], x * model.emb.weight[0, 0] + state_b[0].sum())
+        assert all(torch.equal(t, s) for t, s in zip(_state(a), state_a))  # a moved out with its own state
+        assert all(torch.equal(t, s) for t, s in zip(_state(b), state_b))
+        assert generation._cache_state(b)[1][0] is next(iter(r.homes.values())).tensors[0]
+        got = r(x=x, cache=a)  # and back in
+        assert torch.equal(got["y"], x * model.emb.weight[0, 0] + state_a[0].sum()) and _StandIn.captures == 1
+        assert all(torch.equal(t, s) for t, s in zip(_state(b), state_b))
+    ref = __import__("weakref").ref(b)
+    del b, got
+    assert ref() is None  # nothing of DecodeGraphs' keeps a cache alive
+    with torch.no_grad():  # another structure: a home of its own
+        c = StaticCache(config=_tiny("llama").config, max_cache_len=8)
+        _prefilled_into = _tiny("llama")
+        _prefilled_into(input_ids=torch.ones(1, 2, dtype=torch.long), use_cache=True, **{_cache_kw(_prefilled_into.forward): c})
+        r(x=x, cache=c)
+    assert len(r.homes) == 2
 
 
 def test_decode_graphs_fall_back_where_a_replay_is_not_the_call(runner):
@@ -224,7 +273,7 @@ def test_decode_graphs_capture_failure_runs_compiled(runner, caplog):
     _StandIn.fail = True
     with torch.no_grad():
         outs = [r(x=torch.full((1, 3), float(i))) for i in range(4)]
-    assert all(torch.equal(o, model(torch.full((1, 3), float(i)))) for i, o in enumerate(outs))
+    assert all(torch.equal(o["y"], model(torch.full((1, 3), float(i)))["y"]) for i, o in enumerate(outs))
     assert "could not be captured" in caplog.text and not r.graphs and not fallbacks
 
 
@@ -235,7 +284,7 @@ def test_decode_graphs_keep_at_most_max_graphs(runner):
             for _ in range(2):
                 r(x=torch.ones(b + 1, 3))
     assert len(r.graphs) == generation.MAX_GRAPHS
-    assert [k[1][1][0] for k in r.graphs] == list(range(4, generation.MAX_GRAPHS + 4))  # the newest
+    assert [k[2][1][0] for k in r.graphs] == list(range(4, generation.MAX_GRAPHS + 4))  # the newest
 
 
 # ----------------------------------------------------------------------------------
@@ -243,12 +292,44 @@ def test_decode_graphs_keep_at_most_max_graphs(runner):
 # ----------------------------------------------------------------------------------
 def test_installed_by_quantize_model_unless_fuse_false():
     model = sailfish.quantize_model(_tiny("llama"))
-    assert model.sailfish_report["row_ops"]["generate"] == ["get_compiled_call", "create_masks_for_generate"]
+    assert model.sailfish_report["row_ops"]["generate"] == ["get_compiled_call", "create_masks_for_generate", "generate"]
     assert isinstance(model.get_compiled_call, generation.CompiledCall) and model.create_masks_for_generate is decode_masks
+    assert isinstance(model.generate, generation.Generate)
     assert generation.install(model) == []  # once
     assert "get_compiled_call" not in sailfish.quantize_model(_tiny("llama"), fuse=False).__dict__
     eager = _tiny("llama", attn="eager")  # float masks: transformers' own mask function stays
-    assert generation.install(eager) == ["get_compiled_call"]
+    assert generation.install(eager) == ["get_compiled_call", "generate"]
+    custom = _tiny("llama")
+    custom.generate = functools.partial(lambda model, *a, **k: None, model=custom)  # (a custom generate from the Hub)
+    assert generation.install(custom) == ["get_compiled_call", "create_masks_for_generate"]
+
+
+def test_stop_check_deferred_on_cuda_inside_generate_only():
+    from transformers.generation.utils import DeferredStopCheck
+
+    model = _tiny("llama")
+    generation.install(model)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    returned = _static_cache()  # (a user's StaticCache: returned to them, and not croppable)
+    assert DeferredStopCheck.is_supported(cuda, None, False, is_assistant=False) is False  # transformers' answer
+    token = generation._IN_GENERATE.set(True)
+    try:  # inside a Sailfish model's generate(): transformers' answer for MPS
+        assert DeferredStopCheck.is_supported(cuda, None, False, is_assistant=False) is True
+        assert DeferredStopCheck.is_supported(cuda, returned, True, is_assistant=False) is returned.is_croppable
+        assert DeferredStopCheck.is_supported(cuda, None, False, is_assistant=True) is False
+        assert DeferredStopCheck.is_supported(cpu, None, False, is_assistant=False) is False
+    finally:
+        generation._IN_GENERATE.reset(token)
+    seen = []
+    real = generation._IS_SUPPORTED[0]
+    generation._IS_SUPPORTED[0] = lambda device, *a, **k: seen.append((device.type, generation._IN_GENERATE.get())) or real(device, *a, **k)
+    try:
+        ids = torch.randint(1, 96, (1, 3))
+        model.generate(ids, max_new_tokens=2, do_sample=False)
+        type(model).generate(model, ids, max_new_tokens=2, do_sample=False)  # (the class's: outside)
+    finally:
+        generation._IS_SUPPORTED[0] = real
+    assert seen == [("cpu", True), ("cpu", False)] and not generation._IN_GENERATE.get()
 
 
 def test_generate_takes_the_decode_masks_and_keeps_its_tokens(monkeypatch):
@@ -261,7 +342,7 @@ def test_generate_takes_the_decode_masks_and_keeps_its_tokens(monkeypatch):
         return model.generate(ids, attention_mask=attn, max_new_tokens=4, do_sample=False,
                               cache_implementation="static", disable_compile=True)
     want = run()
-    assert generation.install(model) == ["get_compiled_call", "create_masks_for_generate"]
+    assert generation.install(model) == ["get_compiled_call", "create_masks_for_generate", "generate"]
     calls = []
     real = generation.decode_mask
     monkeypatch.setattr(generation, "decode_mask", lambda *a: calls.append(1) or real(*a))
@@ -271,14 +352,16 @@ def test_generate_takes_the_decode_masks_and_keeps_its_tokens(monkeypatch):
     copy.deepcopy(model)
     pickle.loads(pickle.dumps(model))
     generation.remove(model)
-    assert "get_compiled_call" not in model.__dict__ and "create_masks_for_generate" not in model.__dict__
+    assert not {"get_compiled_call", "create_masks_for_generate", "generate"} & model.__dict__.keys()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_generate_compiled_through_decode_graphs_on_the_gpu():
     model = sailfish.quantize_model(_tiny("llama", "cuda"))
     ids = torch.randint(1, 96, (2, 5), device="cuda")
-    want = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static", disable_compile=True)
+    # transformers' own generate (the class's: per-token stop check), uncompiled
+    want = type(model).generate(model, ids, max_new_tokens=8, do_sample=False, cache_implementation="static",
+                                disable_compile=True)
     cache = StaticCache(config=model.config, max_cache_len=32)
     for _ in range(3):
         cache.reset()
@@ -288,3 +371,13 @@ def test_generate_compiled_through_decode_graphs_on_the_gpu():
     assert isinstance(runner, DecodeGraphs) and len(runner.graphs) == 1
     # 7 decode steps a call: compiled, captured, then replays (and every step of the later calls)
     assert runner.stats == {"replays": 5 + 7 + 7, "captures": 1, "compiled": 1, "fallback": 0}
+    # cache_implementation="static": a new cache every call, replayed from the same graph; the stop
+    # check deferred (one step late): a row that stops early at an EOS token is padded as before
+    eos = int(want[0, 5 + 2])
+    want = type(model).generate(model, ids, max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=0,
+                                cache_implementation="static", max_cache_len=32, disable_compile=True)
+    for _ in range(3):
+        got = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=0,
+                             cache_implementation="static", max_cache_len=32)
+        assert torch.equal(got, want)
+    assert runner.stats["captures"] == 1 and len(runner.homes) == 1

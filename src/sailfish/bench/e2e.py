@@ -33,9 +33,10 @@ Modes:
            captured in one CUDA graph as in `graph` (not mode="reduce-overhead": the graph is
            ours, so the time is the device time of the compiled step, comparable to `graph`);
   generate (not run unless named in --modes or "all") transformers' own generation loop:
-           model.generate(prompt, past_key_values=StaticCache(--context), greedy), which on
-           CUDA compiles the decode forward itself (its default CompileConfig; on a model Sailfish
-           converted, through sailfish.generation's DecodeGraphs: "compiled_call"); the time per
+           model.generate(prompt, cache_implementation="static", max_cache_len=--context,
+           greedy), which on CUDA compiles the decode forward itself (its default CompileConfig;
+           on a model Sailfish converted, through sailfish.generation's DecodeGraphs:
+           "compiled_call", with the stop check deferred a step: "stop_check"); the time per
            token is (wall time of --gen-tokens + 4 new tokens - that of 4) / --gen-tokens,
            median of 7 each after two warm-up calls: prefill and compilation cancel out, the
            generate loop's own Python per token stays in, as a generate() user sees it.
@@ -451,28 +452,26 @@ class Runner:
         return out
 
     def generate(self, model, batch: int) -> dict:
-        """Time per new token of transformers' generate() with a StaticCache of --context tokens
-        (on CUDA it compiles the decode forward itself): the difference of a long and a short
+        """Time per new token of transformers' generate() with cache_implementation="static" and
+        max_cache_len --context (a new StaticCache every call, as a user's generate() makes it; on
+        CUDA it compiles the decode forward itself): the difference of a long and a short
         call, each the median of 7 after two warm-up calls of the long one (3 left the host's
         jitter in: 3.0 and 4.0 ms a token for the same step in two runs, docs/perf_log.md v48)."""
         import torch
-        from transformers import StaticCache
 
-        from ..generation import DecodeGraphs
+        from ..generation import DecodeGraphs, Generate
 
         s = self.s
         gen = torch.Generator().manual_seed(s.seed)
         prompt = torch.randint(model.config.vocab_size, (batch, s.gen_prompt), generator=gen).to(self.device)
-        cache = StaticCache(config=model.config, max_cache_len=s.context)
         had_compiled = hasattr(model, "_compiled_call")
 
         def call(n: int) -> float:
-            cache.reset()
             if s.cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            out = model.generate(prompt, past_key_values=cache, max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False, pad_token_id=0)
+            out = model.generate(prompt, cache_implementation="static", max_cache_len=s.context, max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False, pad_token_id=0)
             if s.cuda:
                 torch.cuda.synchronize()
             if out.shape[1] != s.gen_prompt + n:
@@ -500,6 +499,8 @@ class Runner:
         return {"step_us": (long_us - short_us) / s.gen_tokens, "compiled_by_generate": compiled,
                 "compiled_call": "sailfish DecodeGraphs" if graphs else "transformers (reduce-overhead)",
                 "decode_graph_calls": calls,
+                "stop_check": ("deferred a step (sailfish Generate)" if isinstance(model.__dict__.get("generate"), Generate)
+                               else "every token (transformers)"),
                 "timing": f"(median of {reps} generate() calls of {s.gen_long} new tokens - median of {reps} of "
                           f"{GEN_SHORT}) / {s.gen_tokens}, wall clock, prompt {s.gen_prompt}, greedy"}
 
