@@ -159,7 +159,8 @@ class _Graph:
     def __init__(self, fn: Callable, kwargs: Dict[str, Any], names: List[str], pool, cache):
         static = {k: (v.clone() if k in names else v) for k, v in kwargs.items()}
         self.inputs = [static[k] for k in names]
-        self.out = _copied(self.record(fn, static, pool), cache, _CALL_CACHE, clone=False)
+        out = self.record(fn, static, pool)
+        self.out = out if cache is None else _copied(out, cache, _CALL_CACHE, clone=False)
 
     def record(self, fn: Callable, static: Dict[str, Any], pool):
         """fn(**static) run under capture into this graph: its outputs."""
