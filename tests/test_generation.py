@@ -246,6 +246,11 @@ def test_decode_graphs_replay_for_every_cache_of_the_captured_structure(runner):
         got = r(x=x, cache=a)  # and back in
         assert torch.equal(got["y"], x * model.emb.weight[0, 0] + state_a[0].sum()) and _StandIn.captures == 1
         assert all(torch.equal(t, s) for t, s in zip(_state(b), state_b))
+        a.layers[1].keys = a.layers[1].keys.clone()  # a tensor of a replaced by its user: a keeps it
+        mine = a.layers[1].keys
+        r(x=x, cache=b)
+        assert a.layers[1].keys is mine and all(torch.equal(t, s) for t, s in zip(_state(a), state_a))
+        assert all(torch.equal(t, s) for t, s in zip(_state(b), state_b))
     ref = __import__("weakref").ref(b)
     del b, got
     assert ref() is None  # nothing of DecodeGraphs' keeps a cache alive

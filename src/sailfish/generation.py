@@ -121,10 +121,13 @@ class _Home:
         old = self.tenant() if self.tenant is not None else None
         if old is not None and old is not cache:
             state = _cache_state(old)
-            if state is not None and self.holds(old, state[1]):
-                own = [t.clone() for t in self.tensors]
-                for t in own:  # (as StaticLayer marks its tensors, for transformers' compiled call)
-                    torch._dynamo.mark_static_address(t)
+            if state is not None and len(state[1]) == len(self.tensors):
+                own = []  # its tensors still here (all, or those not replaced since) move out
+                for t, h in zip(state[1], self.tensors):
+                    if t is h:
+                        t = h.clone()
+                        torch._dynamo.mark_static_address(t)  # (as StaticLayer marks its tensors)
+                    own.append(t)
                 _point(state[0], own)
         if any(a is not b for a, b in zip(tensors, self.tensors)):
             torch._foreach_copy_(self.tensors, tensors)
