@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
                                                              warpgroup_mma_init, warpgroup_mma_wait)
 
 from sailfish.kernels.gluon_common import CHUNK, CHUNK_C, STEP_C, WG_ROWS, program, rows
-from sailfish.kernels.w4a16_gluon import _async_load, _barrier
+from sailfish.kernels.w4a16_gluon import _barrier, _load_step
 from sailfish.kernels.w4a8_gluon import _chunk_int8, _group_pairs, _words
 from sailfish.kernels.w4a8_gluon import layouts as _pipe_layouts
 
@@ -54,14 +54,6 @@ def layouts(BLOCK_M: int) -> dict:
 
 
 @gluon.jit
-def _load_x(x_buf, slot, x_ptrs, step, ok):
-    """cp.async K step `step`'s two x_q chunks into ring slot `slot` (one commit group)."""
-    _async_load(x_buf.index(2 * slot), x_ptrs + step * STEP_C, mask=ok)
-    _async_load(x_buf.index(2 * slot + 1), x_ptrs + (step * STEP_C + CHUNK_C), mask=ok)
-    async_copy.commit_group()
-
-
-@gluon.jit
 def _step8(i, n, acc, q0, q1, g0, g1, s_rows, w_rows, x_buf, x_ptrs, GROUPED: gl.constexpr, CLAMP: gl.constexpr,
            STAGES: gl.constexpr, RETIRE: gl.constexpr, WORDS: gl.constexpr, WJ: gl.constexpr, DOT_A: gl.constexpr):
     """K step i: retire step i - 2's wgmmas (RETIRE), refill its ring slot, unpack step i (q0, q1
@@ -74,7 +66,7 @@ def _step8(i, n, acc, q0, q1, g0, g1, s_rows, w_rows, x_buf, x_ptrs, GROUPED: gl
     async_copy.wait_group(STAGES - 3)  # step i's group has landed
     _barrier()  # ... for every thread, and every warp is past step i - 2's wgmmas
     nxt = i + STAGES - 2  # into step i - 2's slot
-    _load_x(x_buf, nxt % STAGES, x_ptrs, nxt, nxt < n)
+    _load_step(None, x_buf, nxt % STAGES, None, x_ptrs, nxt, nxt < n, False)  # (x_q's chunks only)
     slot = i % STAGES
     v0 = _chunk_int8(q0, g0, GROUPED, CLAMP, WJ, DOT_A)
     v1 = _chunk_int8(q1, g1, GROUPED, CLAMP, WJ, DOT_A)
@@ -121,7 +113,7 @@ def w4a8_overlap_kernel(x_ptr, xs_ptr, qb_ptr, sch_ptr, sg_ptr, bias_ptr, y_ptr,
         gb1 = qb1
     x_buf = gl.allocate_shared_memory(gl.int8, [2 * STAGES, BLOCK_M, CHUNK_C], X_SMEM)
     for s in gl.static_range(STAGES - 2):
-        _load_x(x_buf, s, x_ptrs, s, s < n)
+        _load_step(None, x_buf, s, None, x_ptrs, s, s < n, False)
     acc = warpgroup_mma_init(gl.zeros((WG_ROWS, BLOCK_M), gl.int32, layout=MMA))
     acc, qa0, qa1, ga0, ga1 = _step8(0, n, acc, qa0, qa1, ga0, ga1, s_rows, w_rows, x_buf, x_ptrs, GROUPED, CLAMP,
                                      STAGES, False, WORDS, WJ, DOT_A)

@@ -291,8 +291,9 @@ class DecodeGraphs:
             return None
         self.stats["captures"] += 1
         self.graphs[key] = graph
-        while len(self.graphs) > MAX_GRAPHS:
-            self.graphs.popitem(last=False)
+        if len(self.graphs) > MAX_GRAPHS:
+            while len(self.graphs) > MAX_GRAPHS:
+                self.graphs.popitem(last=False)
             used = {k[1] for k in self.graphs}
             self.homes = {s: h for s, h in self.homes.items() if h.number in used}
         return graph
