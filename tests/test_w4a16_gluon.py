@@ -17,7 +17,8 @@ from helpers import (DTYPE_NAMES, LOOP_PROBLEMS, PIPE_PROBLEMS, StandInKernel, a
 from sailfish.runtime.flags import FLAGS
 from sailfish import Config, QuantLinear
 from sailfish.ops import w4a16 as ops16
-from sailfish.ops.w4a16 import gluon_overlap_split_ok, gluon_split_ok, gluon_twin, w4a16_launch
+from sailfish.ops.common import gluon_overlap_split_ok, gluon_split_ok
+from sailfish.ops.w4a16 import gluon_twin, w4a16_launch
 
 F16, BF16 = torch.float16, torch.bfloat16
 

@@ -476,6 +476,51 @@ def test_gluon_pipe_outputs(gs, dtype, device):
     assert ops8.w4a8_gluon_applies(x_q, layer.qweight) == (hopper and ops8.w4a8_gluon_device(x_q.device.index))
 
 
+@pytest.mark.parametrize("m,k,gs,bias,dtype,cfg", [
+    (16, 512, 128, True, F16, Config(16, 64, 256, 1, 8, 4, 3, kernel="gluon_overlap")),
+    (5, 1024, -1, False, BF16, Config(16, 64, 256, 2, 8, 4, 4, kernel="gluon_overlap")),
+    (12, 2048, 128, False, F16, Config(16, 64, 256, 4, 8, 4, 3, kernel="gluon_overlap")),
+    (30, 1536, 128, True, BF16, Config(32, 64, 256, 3, 8, 4, 4, kernel="gluon_overlap")),
+    (2, 512, -1, True, F16, Config(16, 64, 256, 1, 8, 4, 4, kernel="gluon_overlap")),
+], ids=["g128-bias", "chan-split2", "g128-split4", "bm32-split3", "m2"])
+def test_gluon_overlap_outputs(m, k, gs, bias, dtype, cfg, device):
+    """'gluon_overlap' (the one-warpgroup Gluon kernel on Hopper, its twin elsewhere): every output
+    element against the reference, rows past M and N (N = 200: a partial 64-row tile), a NaN token
+    (its outputs NaN), split-K, bias; the int32 sums equal the reference's exactly (raw_acc); the
+    plan that ran is the Gluon kernel where it applies."""
+    import sailfish.ops.w4a8 as ops8
+
+    n = 200
+    layer = random_layer(k, n, gs, bias, device)
+    x = torch.randn(m, k, device=device).to(dtype)
+    x[m // 2, 3] = float("nan")
+    x_q, x_s = layer.quantize_input(x)
+    ref = layer_reference(layer, x)
+    args = (x_q, x_s, layer.qweight, layer.s_ch, layer.s_g, layer.bias, k, gs, dtype)
+    y = w4a8_launch(*args, config=cfg)
+    bad = torch.arange(m, device=y.device) == m // 2
+    assert y[bad].isnan().all() and not y[~bad].isnan().any()
+    assert_rounded(y[~bad], ref[~bad], layer.bias)
+    acc = w4a8_launch(*args, config=cfg, raw_acc=True)
+    assert torch.equal(acc, w4a8_reference(*args, raw_acc=True))
+    gluon = ops8.w4a8_gluon_applies(x_q, layer.qweight)
+
+    def plan_of(fixup):
+        return ops8._W4A8Plan(cfg, x_q.get_device(), gs=max(gs, 0), has_bias=bias, raw=False,
+                              emu=dtype is BF16 and not x_q.is_cuda, asm=x_q.is_cuda, fp8=False, K=k, fixup=fixup,
+                              gluon=gluon)
+
+    plan = plan_of(cfg.SPLIT_K > 1)
+    assert plan.kind == ("gluon_overlap" if gluon else "mma")
+    assert plan.fixup == (cfg.SPLIT_K > 1)  # (the slices added in the kernel: BLOCK_N 64)
+    if cfg.SPLIT_K > 1:  # ... and by the reduce kernel: the same bits
+        plan = plan_of(False)
+        out = torch.empty_like(y)
+        sqn, sgn = 4 * layer.qweight.stride(0), 0 if layer.s_g is None else layer.s_g.stride(0)
+        plan(out, out, x_q, x_s, layer.qweight, layer.s_ch, layer.s_g, layer.bias, m, n, k, x_q.stride(0), sqn, sgn)
+        assert out[bad].isnan().all() and torch.equal(out[~bad], y[~bad])
+
+
 @pytest.mark.parametrize("m,cfg,match", [
     (3, Config(1, 16, 256, kernel="gemv"), "gemv' needs M=1"),
     (3, Config(8, 64, 64), "BLOCK_M >= 16"),
@@ -490,8 +535,14 @@ def test_gluon_pipe_outputs(gs, dtype, device):
     (3, Config(128, 128, 256, 1, 8, 8, 2, kernel="gluon_pipe"), "num_stages >= 3"),
     (3, Config(128, 128, 256, 1, 8, 8, 7, kernel="gluon_pipe"), "within an SM"),
     (3, Config(128, 128, 256, 2, 8, 8, 3, kernel="gluon_pipe"), "SPLIT_K=2 leaves a split"),
+    (3, Config(16, 64, 128, 1, 8, 4, 3, kernel="gluon_overlap"), "needs BLOCK_K=256"),
+    (3, Config(64, 64, 256, 1, 8, 4, 3, kernel="gluon_overlap"), "BLOCK_M 16 or 32"),
+    (3, Config(16, 128, 256, 1, 8, 8, 3, kernel="gluon_overlap"), "BLOCK_N 64 and num_warps 4"),
+    (3, Config(16, 64, 256, 1, 8, 4, 2, kernel="gluon_overlap"), "num_stages in 3..8"),
+    (3, Config(16, 64, 256, 1, 8, 4, 3, kernel="gluon_overlap"), "even number"),
 ], ids=["gemv-M3", "mma-bm8", "dequant-M16", "dequant-split", "bk16", "bk512", "name", "pipe-bk", "pipe-bm",
-        "pipe-bn", "pipe-ring", "pipe-smem", "pipe-split"])
+        "pipe-bn", "pipe-ring", "pipe-smem", "pipe-split", "overlap-bk", "overlap-bm", "overlap-bn", "overlap-ring",
+        "overlap-steps"])
 def test_bad_config(m, cfg, match, device):
     layer = random_layer(208, 64, -1, False, device)
     x_q = torch.zeros(m, 208, dtype=torch.int8, device=device)
@@ -500,29 +551,32 @@ def test_bad_config(m, cfg, match, device):
                     208, -1, F16, config=cfg)
 
 
-def test_gluon_pipe_compile_failure_falls_back_to_the_twin(monkeypatch, device):
-    """A Triton whose Gluon does not compile the W4A8 kernel: a warning naming it, the twin's
+@pytest.mark.parametrize("kernel,m,cfg", [
+    ("w4a8_gluon_pipe_kernel", 72, Config(64, 128, 256, 1, 8, 8, 3, kernel="gluon_pipe")),
+    ("w4a8_gluon_overlap_kernel", 12, Config(16, 64, 256, 1, 8, 4, 3, kernel="gluon_overlap")),
+], ids=["pipe", "overlap"])
+def test_gluon_compile_failure_falls_back_to_the_twin(kernel, m, cfg, monkeypatch, device):
+    """A Triton whose Gluon does not compile a W4A8 Gluon kernel: a warning naming it, the twin's
     result, and no Gluon config (either family) tried again; other errors are raised."""
     import sailfish.kernels.w4a8_gluon as gk
     import sailfish.ops.w4a16 as ops16
     import sailfish.ops.w4a8 as ops8
 
-    # the Gluon path as on a Hopper GPU, its TMA descriptor a stand-in (the stand-in kernels never read it)
+    # the Gluon path as on a Hopper GPU, the TMA descriptor a stand-in (the stand-in kernels never read it)
     monkeypatch.setattr(gk, "pipe_descriptor", lambda x_q, BLOCK_M: x_q)
     monkeypatch.setattr(ops8, "w4a8_gluon_applies", lambda *a: FLAGS.gluon)
-    k, n, m = 512, 136, 72
+    k, n = 512, 136
     layer = random_layer(k, n, 128, True, device)
     x_q, x_s = layer.quantize_input(torch.randn(m, k, device=device).to(F16))
-    cfg = Config(64, 128, 256, 1, 8, 8, 3, kernel="gluon_pipe")
 
     def run(c):
         return w4a8_launch(x_q, x_s, layer.qweight, layer.s_ch, layer.s_g, layer.bias, k, 128, F16, config=c)
 
-    monkeypatch.setattr(gk, "w4a8_gluon_pipe_kernel", StandInKernel(RuntimeError("a launch error")))
+    monkeypatch.setattr(gk, kernel, StandInKernel(RuntimeError("a launch error")))
     monkeypatch.setattr(FLAGS, "gluon", True)
     with pytest.raises(RuntimeError, match="a launch error"):
         run(cfg)
-    monkeypatch.setattr(gk, "w4a8_gluon_pipe_kernel", StandInKernel(incompatible_gluon()))
+    monkeypatch.setattr(gk, kernel, StandInKernel(incompatible_gluon()))
     with pytest.warns(RuntimeWarning, match="Gluon W4A8 kernel does not compile"):
         y = run(cfg)
     assert not FLAGS.gluon
@@ -1031,6 +1085,61 @@ def test_gluon_pipe_kernel_compiles_for_sm90(tmp_path):
     rings' shared memory as the launcher counts it, 12 warps with setmaxnreg and TMA."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     run_compile_child(_GLUON_PIPE_CHILD.replace("bad = []", PIPE_PROBLEMS + "bad = []", 1), tmp_path)
+
+
+_GLUON_OVERLAP_CHILD = r"""
+import json
+import re
+import triton
+from sailfish.kernels.w4a8_gluon import compile_sm90
+from sailfish.tools.ptx import k_loop_stats, ptxas_report, sass, wgmma_loop
+from sailfish.tuning import CONFIG_DIR, Config
+
+cases = [dict(), dict(group_size=128), dict(group_size=128, clamp=False, STAGES=4, SPLIT_K=4), dict(raw=True),
+         dict(BLOCK_M=32, group_size=128), dict(has_bias=True, out_dtype="bf16", group_size=128, clamp=False),
+         dict(SPLIT_K=2, fixup=True, raw=True), dict(BLOCK_M=32, SPLIT_K=8, fixup=True, group_size=128)]
+for path in sorted(CONFIG_DIR.glob("*.json")):  # every shipped tile, per channel and per group
+    for key, entry in json.load(open(path)).get("configs", {}).items():
+        c = Config(**entry)
+        if key.startswith("w4a8|") and c.kernel == "gluon_overlap":
+            tile = dict(BLOCK_M=c.BLOCK_M, STAGES=c.num_stages, SPLIT_K=c.SPLIT_K, fixup=c.SPLIT_K > 1)
+            for kw in (dict(tile), dict(tile, group_size=128, clamp=False)):
+                if kw not in cases:
+                    cases.append(kw)
+bad = []
+for kw in cases:
+    k = compile_sm90(kernel="gluon_overlap", **{"BLOCK_M": 16, **kw})
+    ptx = k.asm["ptx"]
+    text = sass(k.asm["cubin"])
+    body = wgmma_loop(text) or []
+    why = loop_problems(ptxas_report(ptx), text, body)
+    st = k_loop_stats(ptx)
+    if st is None or st.st_shared or st.ldmatrix or not st.wgmma_a_in_registers:
+        why.append(f"K loop {st}")
+    waits = sorted(set(re.findall(r"wgmma.wait_group.sync.aligned (\d+)", ptx)))
+    if waits != ["0", "2"]:  # two steps' wgmmas in flight while the next step is unpacked
+        why.append(f"waits {waits}")
+    if ".s32.s8.s8" not in ptx or ".reqntid 128" not in ptx or "cp.async.cg.shared.global" not in ptx:
+        why.append("not the one-warpgroup int8 wgmma kernel with a cp.async ring")
+    if sum("PRMT" in t for t in body) > (2 * 2 * 16 * 2 if kw.get("group_size") == 128 else 0):
+        why.append(f"{sum('PRMT' in t for t in body)} PRMT in the K loop")
+    if why:
+        bad.append((kw, why))
+assert not bad, bad
+print("checked", triton.__version__, len(cases))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for machines without a GPU")
+def test_gluon_overlap_kernel_compiles_for_sm90(tmp_path):
+    """kernels/w4a8_gluon.w4a8_gluon_overlap_kernel on the compiler's output for sm_90a (a format
+    matrix, split-K with the reduce kernel or the slices added in the kernel, and every shipped
+    'gluon_overlap' tile): int8 wgmma with A in registers, no shared-memory trip and no byte permutes
+    of the weights beyond the group asm's, waits 2 and 0, no spill, serialization or wgmma register
+    hazard, one warpgroup with a cp.async ring."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    run_compile_child(_GLUON_OVERLAP_CHILD.replace("bad = []", PIPE_PROBLEMS + "bad = []", 1), tmp_path)
 
 
 # ----------------------------------------------------------------------------------

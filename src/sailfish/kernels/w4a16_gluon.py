@@ -424,7 +424,7 @@ def w4a16_gluon_overlap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_
                                WORDS_IN_REGS: gl.constexpr = False, PAIRED: gl.constexpr = False):
     """w4a16_gluon_kernel's product with each step's dequantization overlapping the previous
     step's wgmmas (same arguments; STAGES >= 3, every split an even number of K steps: the
-    launcher checks, ops/w4a16.gluon_overlap_split_ok).
+    launcher checks, ops/common.gluon_overlap_split_ok).
 
     Two steps' wgmmas are in flight: step i waits until only step i - 1's two wgmma groups (one
     per chunk) are outstanding, which retires step i - 2's and frees its A registers, then

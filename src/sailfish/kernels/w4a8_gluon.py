@@ -1,7 +1,9 @@
-"""W4A8 (int8 activations, QQQ weights) on Hopper in Gluon, for large M: the int8 form of
-kernels/w4a16_gluon.w4a16_gluon_pipe_kernel. Hopper (sm_90a) and Triton's Gluon only;
-ops/w4a8.py runs the portable Triton kernel (kernels/w4a8._w4a8_kernel, the 'mma' twin of a
-'gluon_pipe' config) everywhere else, including the CPU interpreter.
+"""W4A8 (int8 activations, QQQ weights) on Hopper in Gluon: for large M the int8 form of
+kernels/w4a16_gluon.w4a16_gluon_pipe_kernel (w4a8_gluon_pipe_kernel, config 'gluon_pipe'), for
+decode sizes that of w4a16_gluon_overlap_kernel (w4a8_gluon_overlap_kernel, 'gluon_overlap', its
+own section below). Hopper (sm_90a) and Triton's Gluon only; ops/w4a8.py runs the portable Triton
+kernel (kernels/w4a8._w4a8_kernel, the 'mma' twin of either config) everywhere else, including the
+CPU interpreter.
 
 Why (docs/perf_log.md v33): the Triton tile's K loop meets the CTA barrier of its cp.async
 ring every K tile, the structure the W4A16 pipe kernel replaced (tensor pipe 64% -> 79% of the
@@ -38,12 +40,14 @@ from functools import lru_cache
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                             warpgroup_mma_init, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
+                                                             warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .gluon_common import (CHUNK, CHUNK_C, PIPE_CONSUMER_REGS, PIPE_MAXNREG, PIPE_PRODUCER_REGS, WG_ROWS, pipe_loader,
-                           pipe_rings, program, rows)
+from .gluon_common import (CHUNK, CHUNK_C, PIPE_CONSUMER_REGS, PIPE_MAXNREG, PIPE_PRODUCER_REGS, STEP_C, WG_ROWS,
+                           pipe_loader, pipe_rings, program, rows)
+from .w4a16_gluon import _barrier, _load_step, _words, row_words
+from .common import SYNC_TILES
 from .w4a8 import _ASM_CHAN, _ASM_GROUP, _ASM_GROUP_NOCLAMP
 
 
@@ -119,15 +123,6 @@ def _chunk_int8(w, s2, GROUPED: gl.constexpr, CLAMP: gl.constexpr, WJ: gl.conste
 
 
 @gluon.jit
-def _words(w_rows, step):
-    """The two chunks' packed words of K step `step` (w_rows: (64, 16) pointers of the program's
-    first step, WORDS), straight from global memory."""
-    w0 = gl.load(w_rows + step * 32, eviction_policy="evict_first")
-    w1 = gl.load(w_rows + (step * 32 + 16), eviction_policy="evict_first")
-    return w0, w1
-
-
-@gluon.jit
 def _group_pairs(s_rows, step, WORDS: gl.constexpr):
     """The two chunks' group scales of K step `step` (s_rows: one pointer per row, in WORDS' rows,
     at the program's first group), each as an int32 holding the fp16 bits twice, over the words."""
@@ -135,6 +130,50 @@ def _group_pairs(s_rows, step, WORDS: gl.constexpr):
     g1 = gl.load(s_rows + (2 * step + 1)).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
     z = gl.zeros((64, 16), gl.int32, layout=WORDS)
     return z + (g0 | (g0 << 16))[:, None], z + (g1 | (g1 << 16))[:, None]
+
+
+
+@gluon.jit
+def _store8(acc, pn, pid_m, pid_k, xs_ptr, sch_ptr, bias_ptr, y_ptr, ws_ptr, sync_ptr, M, N, stride_ym,
+            HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, RAW: gl.constexpr, FIXUP: gl.constexpr,
+            BLOCK_M: gl.constexpr, MMA: gl.constexpr):
+    """Store one warpgroup's retired (64, BLOCK_M) int32 accumulator (MMA) of weight rows pn * 64 ..
+    and tokens pid_m * BLOCK_M ..: SPLIT_K > 1 slice pid_k of the int32 workspace (SPLIT_K, M, N) in
+    y_ptr; with FIXUP in ws_ptr instead, and the tile's last slice to arrive (its counter in sync_ptr,
+    zero between launches: kernels/w4a8._add_slices' protocol) adds the slices in slice order
+    (int32: exact) and stores y. Then RAW the accumulator; else the epilogue
+    y = (float(acc) * s_ch[n]) * s_tok[m] (+ bias), in kernels/w4a8._epilogue's order, in y's dtype."""
+    an = pn * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, MMA))
+    om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+    mask = (om < M)[None, :] & (an < N)[:, None]
+    on = an.to(gl.int64)
+    last = True
+    if SPLIT_K > 1 and FIXUP:  # (M * N < 2**31: the launcher's fixup_fits)
+        cnt_ptr = sync_ptr + SYNC_TILES + gl.program_id(0)
+        offs = om[None, :] * N + an[:, None]
+        mn = M.to(gl.int64) * N
+        gl.store(ws_ptr + pid_k.to(gl.int64) * mn + offs, acc, mask=mask)
+        _barrier()  # every thread's part stored before the release
+        last = gl.atomic_add(cnt_ptr, 1, sem="acq_rel") == SPLIT_K - 1
+        if last:
+            _barrier()
+            acc = gl.zeros_like(acc)
+            for s in range(SPLIT_K):  # (one slice a step: the loads of all of them would hold registers)
+                acc += gl.load(ws_ptr + s * mn + offs, mask=mask, other=0, cache_modifier=".cg")
+            gl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
+    if SPLIT_K > 1 and not FIXUP:
+        gl.store(y_ptr + (pid_k * M + om.to(gl.int64)[None, :]) * N + on[:, None], acc, mask=mask)
+    elif last:
+        y_ptrs = y_ptr + om.to(gl.int64)[None, :] * stride_ym + on[:, None]
+        if RAW:
+            gl.store(y_ptrs, acc, mask=mask)
+        else:
+            s_ch = gl.load(sch_ptr + an % N)
+            s_tok = gl.load(xs_ptr + om % M)
+            y = (acc.to(gl.float32) * s_ch[:, None]) * s_tok[None, :]
+            if HAS_BIAS:
+                y = y + gl.load(bias_ptr + an % N).to(gl.float32)[:, None]
+            gl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -181,8 +220,7 @@ def _pipe_consumer8(xs_ptr, qb_ptr, sch_ptr, sg_ptr, bias_ptr, y_ptr, M, N, K, s
     and their store."""
     pid_n, pid_m, pid_k, first, n = program(M, K, SPLIT_K, BLOCK_M)
     pn = 2 * pid_n + HALF  # this warpgroup's 64 rows, as an N tile of 64
-    w_rows = (rows(qb_ptr, pn, N, stride_qn, WG_ROWS, WORDS)[:, None]
-              + (first * 32 + gl.arange(0, 16, layout=gl.SliceLayout(0, WORDS)))[None, :])
+    w_rows = row_words(rows(qb_ptr, pn, N, stride_qn, WG_ROWS, WORDS), first, WORDS)
     qa0, qa1 = _words(w_rows, 0)
     qb0, qb1 = _words(w_rows, gl.minimum(1, n - 1))
     if GROUPED:
@@ -203,21 +241,8 @@ def _pipe_consumer8(xs_ptr, qb_ptr, sch_ptr, sg_ptr, bias_ptr, y_ptr, M, N, K, s
             i, n, acc, w1, qa0, qa1, qb0, qb1, sn0, sn1, s_rows, w_rows, x0_buf, x1_buf, ready0, ready1, empty0,
             empty1, GROUPED, CLAMP, S0, S1, WORDS, WJ, DOT_A, True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    an = pn * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, MMA))
-    om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
-    mask = (om < M)[None, :] & (an < N)[:, None]
-    on = an.to(gl.int64)
-    if SPLIT_K > 1:  # int32 partial sums, slice pid_k of the (SPLIT_K, M, N) workspace
-        gl.store(y_ptr + (pid_k * M + om.to(gl.int64)[None, :]) * N + on[:, None], acc, mask=mask)
-    elif RAW:
-        gl.store(y_ptr + om.to(gl.int64)[None, :] * stride_ym + on[:, None], acc, mask=mask)
-    else:  # kernels/w4a8._epilogue, in its order
-        s_ch = gl.load(sch_ptr + an % N)
-        s_tok = gl.load(xs_ptr + om % M)
-        y = (acc.to(gl.float32) * s_ch[:, None]) * s_tok[None, :]
-        if HAS_BIAS:
-            y = y + gl.load(bias_ptr + an % N).to(gl.float32)[:, None]
-        gl.store(y_ptr + om.to(gl.int64)[None, :] * stride_ym + on[:, None], y.to(y_ptr.dtype.element_ty), mask=mask)
+    _store8(acc, pn, pid_m, pid_k, xs_ptr, sch_ptr, bias_ptr, y_ptr, None, None, M, N, stride_ym, HAS_BIAS, SPLIT_K,
+            RAW, False, BLOCK_M, MMA)
 
 
 @gluon.jit
@@ -249,30 +274,132 @@ def w4a8_gluon_pipe_kernel(x_desc, xs_ptr, qb_ptr, sch_ptr, sg_ptr, bias_ptr, y_
     ], [4, 1], [PIPE_CONSUMER_REGS, PIPE_PRODUCER_REGS])
 
 
+# ----------------------------------------------------------------------------------
+# decode sizes (M <= 32): one warpgroup, no warp specialization
+# ----------------------------------------------------------------------------------
+@lru_cache(maxsize=None)
+def overlap_meta(BLOCK_M: int) -> dict:
+    """w4a8_gluon_overlap_kernel's layout constexprs and launch options: layouts(BLOCK_M)'s and x_q's
+    cp.async layout (X_BLK: 16 bytes a thread, 8 threads a 128-channel row), one warpgroup."""
+    x_blk = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[4, 1], order=[1, 0])
+    return dict(layouts(BLOCK_M), X_BLK=x_blk, num_warps=4)
+
+
+@gluon.jit
+def _overlap_step8(i, n, acc, q0, q1, g0, g1, s_rows, w_rows, x_buf, x_ptrs, GROUPED: gl.constexpr,
+                   CLAMP: gl.constexpr, STAGES: gl.constexpr, RETIRE: gl.constexpr, WORDS: gl.constexpr,
+                   WJ: gl.constexpr, DOT_A: gl.constexpr):
+    """K step i: retire step i - 2's wgmmas (RETIRE), refill its ring slot with x_q's chunks of step
+    i + STAGES - 2, unpack step i (q0, q1 its words, g0, g1 its group scales, loaded two steps
+    earlier) while step i - 1's wgmmas run, issue step i's two. Returns the accumulator and step
+    i + 2's words and scales."""
+    if RETIRE:
+        acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
+    async_copy.wait_group(STAGES - 3)  # step i's group has landed
+    _barrier()  # ... for every thread, and every warp is past step i - 2's wgmmas
+    nxt = i + STAGES - 2  # into step i - 2's slot
+    _load_step(None, x_buf, nxt % STAGES, None, x_ptrs, nxt, nxt < n, False)
+    slot = i % STAGES
+    v0 = _chunk_int8(q0, g0, GROUPED, CLAMP, WJ, DOT_A)
+    v1 = _chunk_int8(q1, g1, GROUPED, CLAMP, WJ, DOT_A)
+    ahead = gl.minimum(i + 2, n - 1)  # (past the end: the last step again, an L2 hit)
+    q0, q1 = _words(w_rows, ahead)
+    if GROUPED:
+        g0, g1 = _group_pairs(s_rows, ahead, WORDS)
+    fence_async_shared()
+    acc = warpgroup_mma(v0, x_buf.index(2 * slot).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(v1, x_buf.index(2 * slot + 1).permute((1, 0)), acc, is_async=True)
+    return acc, q0, q1, g0, g1
+
+
+@gluon.jit
+def w4a8_gluon_overlap_kernel(x_ptr, xs_ptr, qb_ptr, sch_ptr, sg_ptr, bias_ptr, y_ptr, ws_ptr, sync_ptr, M, N, K,
+                              stride_xm, stride_ym, stride_qn, stride_gn, GROUPED: gl.constexpr, CLAMP: gl.constexpr,
+                              HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, RAW: gl.constexpr, FIXUP: gl.constexpr,
+                              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr, WORDS: gl.constexpr,
+                              WJ: gl.constexpr, DOT_A: gl.constexpr, X_SMEM: gl.constexpr, X_BLK: gl.constexpr):
+    """The product of w4a8_gluon_pipe_kernel for decode sizes, from x_q itself (x_ptr int8 (M, K),
+    rows stride_xm): a program owns 64 weight rows (one warpgroup) and BLOCK_M tokens. x_q's two
+    chunks of a K step come through a cp.async ring of STAGES steps; the packed words and group
+    scales go from global memory straight into registers two steps ahead; each step is unpacked while
+    the previous step's two int8 wgmmas run (wait(2): two steps in flight, the loop unrolled twice so
+    that their A operands are different registers), the int8 form of
+    kernels/w4a16_gluon.w4a16_gluon_overlap_kernel. Split-K: y_ptr the int32 workspace for the reduce
+    kernel, or FIXUP: the workspace ws_ptr and the tiles' counters sync_ptr (ops/common.sync_buffer),
+    the last slice of a tile writes y (_store8). Grid (cdiv(N, 64) * cdiv(M, BLOCK_M), SPLIT_K); K a
+    multiple of 256, every split an even number of K steps >= 2, STAGES >= 3 (the launcher checks).
+    Why (docs/perf_log.md v50): at M = 16 the warp-specialized pipe's 128 rows and producer warp are
+    too much machinery for 16 tokens."""
+    pid_n, pid_m, pid_k, first, n = program(M, K, SPLIT_K, BLOCK_M)
+    w_rows = row_words(rows(qb_ptr, pid_n, N, stride_qn, WG_ROWS, WORDS), first, WORDS)
+    xm = (pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, X_BLK))) % M
+    xk = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(0, X_BLK))
+    x_ptrs = x_ptr + xm.to(gl.int64)[:, None] * stride_xm + (first * STEP_C + xk)[None, :]
+    # the words and group scales of the even (a) and odd (b) steps, two steps ahead
+    qa0, qa1 = _words(w_rows, 0)
+    qb0, qb1 = _words(w_rows, 1)
+    if GROUPED:
+        s_rows = rows(sg_ptr, pid_n, N, stride_gn, WG_ROWS, WORDS) + 2 * first
+        ga0, ga1 = _group_pairs(s_rows, 0, WORDS)
+        gb0, gb1 = _group_pairs(s_rows, 1, WORDS)
+    else:  # (unused; sg_ptr may be None)
+        s_rows = w_rows
+        ga0 = qa0
+        ga1 = qa1
+        gb0 = qb0
+        gb1 = qb1
+    x_buf = gl.allocate_shared_memory(gl.int8, [2 * STAGES, BLOCK_M, CHUNK_C], X_SMEM)
+    for s in gl.static_range(STAGES - 2):
+        _load_step(None, x_buf, s, None, x_ptrs, s, s < n, False)
+    acc = warpgroup_mma_init(gl.zeros((WG_ROWS, BLOCK_M), gl.int32, layout=MMA))
+    acc, qa0, qa1, ga0, ga1 = _overlap_step8(0, n, acc, qa0, qa1, ga0, ga1, s_rows, w_rows, x_buf, x_ptrs, GROUPED,
+                                             CLAMP, STAGES, False, WORDS, WJ, DOT_A)
+    acc, qb0, qb1, gb0, gb1 = _overlap_step8(1, n, acc, qb0, qb1, gb0, gb1, s_rows, w_rows, x_buf, x_ptrs, GROUPED,
+                                             CLAMP, STAGES, False, WORDS, WJ, DOT_A)
+    for j in range(1, n // 2):
+        acc, qa0, qa1, ga0, ga1 = _overlap_step8(2 * j, n, acc, qa0, qa1, ga0, ga1, s_rows, w_rows, x_buf, x_ptrs,
+                                                 GROUPED, CLAMP, STAGES, True, WORDS, WJ, DOT_A)
+        acc, qb0, qb1, gb0, gb1 = _overlap_step8(2 * j + 1, n, acc, qb0, qb1, gb0, gb1, s_rows, w_rows, x_buf,
+                                                 x_ptrs, GROUPED, CLAMP, STAGES, True, WORDS, WJ, DOT_A)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    async_copy.wait_group(0)
+    _store8(acc, pid_n, pid_m, pid_k, xs_ptr, sch_ptr, bias_ptr, y_ptr, ws_ptr, sync_ptr, M, N, stride_ym,
+            HAS_BIAS, SPLIT_K, RAW, FIXUP, BLOCK_M, MMA)
+
+
 def compile_sm90(BLOCK_M: int = 128, STAGES: int = 3, group_size: int = -1, SPLIT_K: int = 1,
                  out_dtype: str = "fp16", has_bias: bool = False, raw: bool = False, clamp: bool = True,
-                 pdl_early: bool = False):
-    """triton.compile of w4a8_gluon_pipe_kernel for sm_90a without a GPU (PTX / SASS checks,
-    tests). Needs a process in which the Triton interpreter has not run."""
+                 pdl_early: bool = False, kernel: str = "gluon_pipe", fixup: bool = False):
+    """triton.compile of w4a8_gluon_pipe_kernel (kernel "gluon_overlap": w4a8_gluon_overlap_kernel)
+    for sm_90a without a GPU (PTX / SASS checks, tests). Needs a process in which the Triton
+    interpreter has not run."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    yt = "*i32" if raw or SPLIT_K > 1 else "*fp16" if out_dtype == "fp16" else "*bf16"
-    meta = pipe_meta(BLOCK_M)
-    sig = {"x_desc": f"tensordesc<i8[{BLOCK_M},{CHUNK}],{meta['X_SMEM']!r}>", "xs_ptr": "*fp32", "qb_ptr": "*i32",
-           "sch_ptr": "*fp32", "sg_ptr": "*fp16" if group_size != -1 else "constexpr", "bias_ptr": "*fp16" if has_bias else "constexpr", "y_ptr": yt,
-           "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32", "stride_qn": "i32", "stride_gn": "i32"}
+    overlap = kernel == "gluon_overlap"
+    yt = "*i32" if raw or (SPLIT_K > 1 and not fixup) else "*fp16" if out_dtype == "fp16" else "*bf16"
+    meta = overlap_meta(BLOCK_M) if overlap else pipe_meta(BLOCK_M)
+    x = {"x_ptr": "*i8"} if overlap else {"x_desc": f"tensordesc<i8[{BLOCK_M},{CHUNK}],{meta['X_SMEM']!r}>"}
+    sig = {**x, "xs_ptr": "*fp32", "qb_ptr": "*i32", "sch_ptr": "*fp32",
+           "sg_ptr": "*fp16" if group_size != -1 else "constexpr", "bias_ptr": "*fp16" if has_bias else "constexpr",
+           "y_ptr": yt, **({"ws_ptr": "*i32" if fixup else "constexpr", "sync_ptr": "*i32" if fixup else "constexpr"}
+                           if overlap else {}),
+           "M": "i32", "N": "i32", "K": "i32", **({"stride_xm": "i32"} if overlap else {}),
+           "stride_ym": "i32", "stride_qn": "i32", "stride_gn": "i32"}
     consts = dict(GROUPED=group_size != -1, CLAMP=clamp, HAS_BIAS=has_bias, SPLIT_K=SPLIT_K, RAW=raw,
-                  BLOCK_M=BLOCK_M, STAGES=STAGES, PDL_EARLY=pdl_early,
+                  BLOCK_M=BLOCK_M, STAGES=STAGES, **({"FIXUP": fixup} if overlap else {"PDL_EARLY": pdl_early}),
                   **{k: v for k, v in meta.items() if k not in ("num_warps", "maxnreg")})
     if not has_bias:
         consts["bias_ptr"] = None
     if group_size == -1:
         consts["sg_ptr"] = None
+    if overlap and not fixup:
+        consts.update(ws_ptr=None, sync_ptr=None)
     sig.update({k: "constexpr" for k in consts})
     names = list(sig)
-    aligned = ("qb_ptr", "sch_ptr", "sg_ptr", "y_ptr", "N", "K", "stride_ym", "stride_qn")
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned if sig[a] != "constexpr"}
-    src = GluonASTSource(fn=w4a8_gluon_pipe_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": meta["num_warps"], "maxnreg": meta["maxnreg"]})
+    aligned = ("x_ptr", "qb_ptr", "sch_ptr", "sg_ptr", "y_ptr", "N", "K", "stride_xm", "stride_ym", "stride_qn")
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned if sig.get(a, "constexpr") != "constexpr"}
+    src = GluonASTSource(fn=w4a8_gluon_overlap_kernel if overlap else w4a8_gluon_pipe_kernel, signature=sig,
+                         constexprs=consts, attrs=attrs)
+    options = {"num_warps": meta["num_warps"], **({"maxnreg": meta["maxnreg"]} if "maxnreg" in meta else {})}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

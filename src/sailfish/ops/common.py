@@ -51,6 +51,17 @@ def gluon_split_ok(split: int, steps: int) -> bool:
     return 1 <= split <= steps and (split - 1) * -(-steps // split) < steps
 
 
+def gluon_overlap_split_ok(split: int, steps: int) -> bool:
+    """Every one of `split` splits of `steps` K steps gets an even number of them, 2 at least (the
+    overlap kernels, kernels/w4a16_gluon.w4a16_gluon_overlap_kernel and
+    kernels/w4a8_gluon.w4a8_gluon_overlap_kernel, work through their steps two at a time)."""
+    if not gluon_split_ok(split, steps):
+        return False
+    per = -(-steps // split)
+    last = steps - (split - 1) * per
+    return per % 2 == 0 and last % 2 == 0 and last >= 2
+
+
 def invariant_config(M: int, N: int, Kp: int) -> Config:
     """The config of batch-invariant mode (ops.set_batch_invariant) for an (M, N, padded K)
     problem: the Triton tensor-core tile with one K order at every M (BLOCK_K 128, the scales

@@ -25,7 +25,8 @@ from ..runtime.launch import Launch
 from ..runtime.plan import Plan, keep, run_built, run_steady
 from ..tuning import (KERNELS, Config, Tuner, check_blocks, check_fit, check_kernel, gemv_heuristic, m_bucket,
                       mma_heuristic, problem_key, scratch_runner, split_k_for)
-from .common import GLUON_STEP, acc_fence, fixup_fits, gluon_device, gluon_split_ok, invariant_config, sync_buffer
+from .common import (GLUON_STEP, acc_fence, fixup_fits, gluon_device, gluon_overlap_split_ok, gluon_split_ok,
+                     invariant_config, sync_buffer)
 
 
 # ----------------------------------------------------------------------------------
@@ -455,16 +456,6 @@ def gluon_format(group_size: int, general_gidx: bool, k: int) -> bool:
     """The weight formats and K the Gluon kernel takes: groups of whole 128-channel chunks (or
     per channel), no general g_idx, K a multiple of its 256-channel step."""
     return not general_gidx and (group_size == -1 or group_size % K_CHUNK == 0) and k % GLUON_STEP == 0
-
-
-def gluon_overlap_split_ok(split: int, steps: int) -> bool:
-    """Every one of `split` splits of `steps` K steps gets an even number of them, 2 at least
-    (kernels/w4a16_gluon.w4a16_gluon_overlap_kernel works through its steps two at a time)."""
-    if not gluon_split_ok(split, steps):
-        return False
-    per = -(-steps // split)
-    last = steps - (split - 1) * per
-    return per % 2 == 0 and last % 2 == 0 and last >= 2
 
 
 def _gluon_split_ok(kernel: str):

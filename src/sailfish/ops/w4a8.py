@@ -14,7 +14,9 @@ dtype) by W4A8_TUNER: "mma" (tensor-core tiles with the weight in registers; the
 choice at every M but the next path's: BLOCK_M 16 / 32 / 64 / 128 by M bucket, split-K when there
 are fewer than 2 tiles per SM), "gluon_pipe" (int8, the warp-specialized Hopper kernel of
 kernels/w4a8_gluon.py, its "mma" twin elsewhere; the heuristic's at M = 65-512, g128 up to 2048,
-where K is a multiple of 256), "gemv" (M = 1, CUDA cores; a tuning candidate), "dequant" (int8
+where K is a multiple of 256), "gluon_overlap" (int8, its one-warpgroup form for M = 2-32, a
+candidate there and the H100 table's at M = 9-16 on q/k/v, o and down), "gemv" (M = 1, CUDA
+cores; a tuning candidate), "dequant" (int8
 weight + torch._int_mm; a tuning candidate for M >= 256). The shipped tables hold entries for fp16
 output, per channel and g128, on the 8 Llama-3 shapes (docs/perf_log.md v16, v22, v23, v33): H200
 at M = 1-4096, H100 at M = 1, 2, 8, 16, 32, 64 and 128-4096; the other M buckets run the heuristic.
@@ -44,7 +46,8 @@ from ..runtime.launch import Launch
 from ..runtime.plan import Plan, keep, run_built, run_steady
 from ..tuning import (KERNELS, Config, Tuner, check_config, gemv_candidates, m_bucket, mma_candidates,
                       mma_heuristic, next_pow2, problem_key, scratch_runner, split_k_for)
-from .common import GLUON_STEP, fixup_fits, gluon_device, gluon_split_ok, invariant_config, sync_buffer
+from .common import (GLUON_STEP, fixup_fits, gluon_device, gluon_overlap_split_ok, gluon_split_ok, invariant_config,
+                     sync_buffer)
 
 ACT_DTYPES = HALF_DTYPES + (torch.float32,)
 # Rows up to this many channels are quantized from registers in one pass (at most 64 fp32
@@ -202,13 +205,21 @@ quantize_per_token_fp8 = define_op("quantize_per_token_fp8", "(Tensor x) -> (Ten
 # ----------------------------------------------------------------------------------
 # GEMM configs
 # ----------------------------------------------------------------------------------
-# 'gluon_pipe' (int8 activations, large M): the warp-specialized Hopper kernel
-# (kernels/w4a8_gluon.py), where it applies (w4a8_gluon_applies); its Triton twin (w4a8_gluon_twin)
-# elsewhere: the CPU interpreter, other GPUs, K not a multiple of its 256-channel step
-W4A8_KERNELS = KERNELS + ("gluon_pipe",)
+# 'gluon_pipe' (int8 activations, large M): the warp-specialized Hopper kernel; 'gluon_overlap'
+# (int8, M <= 32): its one-warpgroup form that unpacks a K step while the previous step's wgmmas run
+# (kernels/w4a8_gluon.py), where they apply (w4a8_gluon_applies); their Triton twin (w4a8_gluon_twin)
+# elsewhere: the CPU interpreter, other GPUs, K not a multiple of the 256-channel step
+W4A8_GLUON = ("gluon_pipe", "gluon_overlap")
+W4A8_KERNELS = KERNELS + W4A8_GLUON
 # its tile (BLOCK_M, BLOCK_N, num_warps, num_stages): 128 weight rows over two consumer warpgroups
 # (and a TMA producer warp), x_q rings of 3 / 4 chunks of (BLOCK_M, 128) int8 (112 KiB at BLOCK_M 128)
 W4A8_PIPE_TILES = ((128, 128, 8, 3), (128, 128, 8, 4))
+# the overlap kernel's (BLOCK_M, BLOCK_N, num_warps, num_stages): 64 weight rows over one warpgroup,
+# x_q rings of 3 / 4 steps; candidates at M = 2-32. H100 at M = 16, in one process against the
+# previous table's Triton tiles: faster on q/k/v, o and down (10.7 / 8.9 / 19.3 us against 11.5 /
+# 10.0 / 20.4 with the reduce kernel; the split-K slices added in the kernel since), slower on gate/up
+# (32.4 against 28.2); the table's at M = 5-16 on those three (docs/perf_log.md v50)
+W4A8_OVERLAP_TILES = ((16, 64, 4, 3), (16, 64, 4, 4), (32, 64, 4, 3), (32, 64, 4, 4))
 
 
 def w4a8_gluon_device(device_index: int) -> bool:
@@ -218,17 +229,19 @@ def w4a8_gluon_device(device_index: int) -> bool:
 
 
 def w4a8_gluon_applies(x_q: torch.Tensor, qweight: torch.Tensor) -> bool:
-    """Whether a 'gluon_pipe' config runs the Gluon kernel: int8 x_q on a Hopper GPU, K a multiple
-    of 256 (its K step), x_q's rows and the words 16-byte aligned (TMA, 16-byte loads)."""
+    """Whether a Gluon config (W4A8_GLUON) runs the Gluon kernel: int8 x_q on a Hopper GPU, K a
+    multiple of 256 (its K step), x_q's rows and the words 16-byte aligned (TMA or cp.async, 16-byte
+    loads)."""
     return (x_q.is_cuda and x_q.dtype is torch.int8 and x_q.shape[1] % GLUON_STEP == 0
             and x_q.data_ptr() % 16 == 0 and x_q.stride(0) % 16 == 0 and qweight.data_ptr() % 16 == 0
             and w4a8_gluon_device(x_q.device.index))
 
 
 def w4a8_gluon_twin(cfg: Config) -> Config:
-    """The Triton config computing what a 'gluon_pipe' config does: the same tile and split, K tiles
-    of 128 channels (the Triton kernel's M = 1024 tile, _W4A8_TILES)."""
-    return replace(cfg, kernel="mma", BLOCK_K=128)
+    """The Triton config computing what a Gluon config does (int32 sums: the same bits): the same
+    tile and split; 'gluon_pipe' with K tiles of 128 channels (the Triton kernel's M = 1024 tile,
+    _W4A8_TILES), 'gluon_overlap' with its 256-channel step (the M <= 16 tile)."""
+    return replace(cfg, kernel="mma", BLOCK_K=128 if cfg.kernel == "gluon_pipe" else cfg.BLOCK_K)
 
 
 def _gluon_pipe_candidates(*, device, M, N, Kp, group_size, act_dtype):
@@ -244,6 +257,23 @@ def _gluon_pipe_candidates(*, device, M, N, Kp, group_size, act_dtype):
         for split in (1, 2, 3, 4):
             if gluon_split_ok(split, Kp // GLUON_STEP) and (split == 1 or tiles * split <= 4 * sms):
                 yield Config(bm, bn, GLUON_STEP, split, 8, warps, stages, kernel="gluon_pipe")
+
+
+def _gluon_overlap_candidates(*, device, M, N, Kp, act_dtype):
+    """'gluon_overlap' configs at M = 2-32 on a Hopper GPU: W4A8_OVERLAP_TILES of the smallest BLOCK_M
+    that holds M, unsplit and with every split up to 8 that gives each split an even number of K
+    steps and keeps the programs within 4 per SM."""
+    if act_dtype != "int8" or not 2 <= M <= 32 or Kp % GLUON_STEP or device.type != "cuda":
+        return
+    if not w4a8_gluon_device(device.index or 0):
+        return
+    sms = sms_for(device)
+    bm = 16 if M <= 16 else 32
+    for _, bn, warps, stages in (t for t in W4A8_OVERLAP_TILES if t[0] == bm):
+        tiles = -(-N // bn)
+        for split in (1, 2, 3, 4, 6, 8):
+            if gluon_overlap_split_ok(split, Kp // GLUON_STEP) and (split == 1 or tiles * split <= 4 * sms):
+                yield Config(bm, bn, GLUON_STEP, split, 8, warps, stages, kernel="gluon_overlap")
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) at M <= 16, M <= 64 (BLOCK_M 32 / 64), M > 64,
@@ -306,6 +336,7 @@ def w4a8_candidates(*, device, M, N, K, Kp, group_size, act_dtype="int8"):
     if M >= 256 and K % 8 == 0 and N % 8 == 0 and K >= 16 and N >= 16:
         yield Config(1, 64, 256, 1, 8, 4, 1, kernel="dequant")  # int8 weight + torch._int_mm
     yield from _gluon_pipe_candidates(device=device, M=M, N=N, Kp=Kp, group_size=group_size, act_dtype=act_dtype)
+    yield from _gluon_overlap_candidates(device=device, M=M, N=N, Kp=Kp, act_dtype=act_dtype)
     yield from mma_candidates(space, M, N, K, Kp, sms)
 
 
@@ -363,6 +394,9 @@ def check_w4a8_config(cfg: Config, M: int, N: int, K: int, Kp: int, group_size: 
     if cfg.kernel == "gluon_pipe":
         _check_pipe_config(cfg, Kp)
         check_config(w4a8_gluon_twin(cfg), Kp, K)
+    elif cfg.kernel == "gluon_overlap":
+        _check_overlap_config(cfg, Kp)
+        check_config(w4a8_gluon_twin(cfg), Kp, K)
     else:
         check_config(cfg, Kp, K)
 
@@ -390,6 +424,26 @@ def _check_pipe_config(cfg: Config, Kp: int) -> None:
     if Kp % GLUON_STEP or not gluon_split_ok(cfg.SPLIT_K, steps):
         raise ValueError(f"{k} SPLIT_K={cfg.SPLIT_K} leaves a split of the {steps} K steps empty (split k "
                          "takes steps [k * ceil(steps / SPLIT_K), ...))")
+
+
+def _check_overlap_config(cfg: Config, Kp: int) -> None:
+    """The tiles kernels/w4a8_gluon.w4a8_gluon_overlap_kernel compiles (int8 activations):
+    BLOCK_K = one K step, BLOCK_M 16 or 32 (wgmma's N), 64 weight rows over one warpgroup
+    (BLOCK_N 64, num_warps 4), a ring of >= 3 steps, every split an even number of K steps >= 2."""
+    k = "config kernel='gluon_overlap'"
+    if cfg.BLOCK_K != GLUON_STEP:
+        raise ValueError(f"{k} needs BLOCK_K={GLUON_STEP}, got {cfg.BLOCK_K}")
+    if cfg.BLOCK_M not in (16, 32):
+        raise ValueError(f"{k} needs BLOCK_M 16 or 32, got {cfg.BLOCK_M}")
+    if (cfg.BLOCK_N, cfg.num_warps) != (64, 4):
+        raise ValueError(f"{k} needs BLOCK_N 64 and num_warps 4 (one warpgroup of 64 rows); "
+                         f"got BLOCK_N={cfg.BLOCK_N}, num_warps={cfg.num_warps}")
+    if not 3 <= cfg.num_stages <= 8:
+        raise ValueError(f"{k} needs num_stages in 3..8 (its x_q ring), got {cfg.num_stages}")
+    steps = Kp // GLUON_STEP
+    if Kp % GLUON_STEP or not gluon_overlap_split_ok(cfg.SPLIT_K, steps):
+        raise ValueError(f"{k} SPLIT_K={cfg.SPLIT_K} must give each split an even number (>= 2) of the {steps} "
+                         "K steps (split k takes steps [k * ceil(steps / SPLIT_K), ...))")
 
 
 W4A8_TUNER = Tuner("w4a8", w4a8_heuristic, w4a8_candidates,
@@ -420,7 +474,9 @@ def w4a8_reference(x_q, x_scales, qweight, s_ch, s_g, bias, in_features, group_s
 # slices and stores the output) instead of a reduce kernel after it, for the tiles where that
 # measured faster: H200, whole layer call, same configs, 4 shapes x per channel / g128 x M = 1-64
 # (docs/perf_log.md v23): BLOCK_N 64 with BLOCK_M <= 32, and the GEMV, 1.00-1.15x (one launch
-# less); BLOCK_N >= 128 or BLOCK_M 64 0.81-1.09x, mostly slower (their last slice reads more).
+# less); BLOCK_N >= 128 or BLOCK_M 64 0.81-1.09x, mostly slower (their last slice reads more). The
+# 'gluon_overlap' tiles (BLOCK_N 64) take it too: with the reduce kernel its three split-K launches a
+# layer cost 6.8 us (H100, M = 16, docs/perf_log.md v50).
 def fixup_tile(cfg: Config) -> bool:
     """Whether split-K config cfg adds its slices inside the GEMM (above; SAILFISH_SPLIT_FIXUP=0:
     never)."""
@@ -438,9 +494,11 @@ class _W4A8Plan(Plan):
     def __init__(self, cfg: Config, device_index: int, *, gs: int, has_bias: bool, raw: bool, emu: bool,
                  asm: bool, fp8: bool, K: int, clamp: bool = True, fixup: bool = False, gluon: bool = False):
         kern = _kernels()
-        if cfg.kernel == "gluon_pipe" and not gluon:  # (w4a8_gluon_applies)
+        if cfg.kernel in W4A8_GLUON and not gluon:  # (w4a8_gluon_applies)
             cfg = w4a8_gluon_twin(cfg)
-        self.config, self.gemv, self.fixup, self.kind = cfg, cfg.kernel == "gemv", fixup, cfg.kernel
+        # (the pipe kernel's split-K: the reduce kernel)
+        self.config, self.gemv, self.kind = cfg, cfg.kernel == "gemv", cfg.kernel
+        self.fixup = fixup and cfg.kernel != "gluon_pipe"
         self.x_desc = None  # the Gluon kernel's: x_q -> its TMA descriptor
         # sync_buffer's arguments: the counters live on the plan's device
         self.sync_at = (torch.device("cpu") if device_index < 0 else torch.device("cuda", device_index), device_index)
@@ -456,6 +514,12 @@ class _W4A8Plan(Plan):
                 GROUPED=gs > 0, CLAMP=clamp, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K, RAW=raw, BLOCK_M=cfg.BLOCK_M,
                 STAGES=cfg.num_stages, PDL_EARLY=False, **pipe_meta(cfg.BLOCK_M)), device_index)
             self.x_desc = partial(pipe_descriptor, BLOCK_M=cfg.BLOCK_M)  # (per call: ~3 us of host time)
+        elif cfg.kernel == "gluon_overlap":
+            from ..kernels.w4a8_gluon import overlap_meta, w4a8_gluon_overlap_kernel
+
+            self.gemm = Launch(w4a8_gluon_overlap_kernel, dict(
+                GROUPED=gs > 0, CLAMP=clamp, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K, RAW=raw, FIXUP=self.fixup,
+                BLOCK_M=cfg.BLOCK_M, STAGES=cfg.num_stages, **overlap_meta(cfg.BLOCK_M)), device_index)
         elif self.gemv:
             self.gemm = Launch(kern._w4a8_gemv_kernel, meta, device_index)
         else:
@@ -485,6 +549,9 @@ class _W4A8Plan(Plan):
         if self.kind == "gluon_pipe":  # x_q as its TMA descriptor; the words' row stride in words
             self.gemm((_cdiv(M, cfg.BLOCK_M) * tiles_n, split), self.x_desc(x_q if x_tensor is None else x_tensor),
                       x_scales, qweight, s_ch, s_g, bias, target, M, N, K, out.stride(0), sqn // 4, sgn)
+        elif self.kind == "gluon_overlap":  # the words' row stride in words
+            self.gemm((_cdiv(M, cfg.BLOCK_M) * tiles_n, split), x_q, x_scales, qweight, s_ch, s_g, bias, target,
+                      ws if self.fixup else None, sync, M, N, K, sxm, out.stride(0), sqn // 4, sgn)
         elif self.gemv:
             self.gemm((tiles_n, split), x_q, x_scales, qweight, s_ch, s_g, bias, target, N, K, sqn, sgn, sync, ws)
         else:
@@ -538,11 +605,11 @@ def _launch(cfg: Config, out: torch.Tensor, x_q, x_scales, qweight, s_ch, s_g, b
         return _W4A8Plan(cfg, dev, gs=gs, has_bias=bias is not None, raw=raw, emu=emu, asm=asm,
                          fp8=x_q.dtype is torch.float8_e4m3fn, K=K, clamp=clamp,
                          fixup=fixup_tile(cfg) and fixup_fits(tiles, 2 * M, N),
-                         gluon=cfg.kernel == "gluon_pipe" and w4a8_gluon_applies(x_q, qweight))
+                         gluon=cfg.kernel in W4A8_GLUON and w4a8_gluon_applies(x_q, qweight))
 
     sxm = K if M == 1 else x_q.stride(0)
     return run_built(build, lambda plan: plan(out, out, x_q, x_scales, qweight, s_ch, s_g, bias, M, N, K, sxm, sqn,
-                                              sg_stride), ("gluon_pipe",), "W4A8")
+                                              sg_stride), W4A8_GLUON, "W4A8")
 
 
 def w4a8_launch(x_q: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor,

@@ -56,7 +56,7 @@ class Flags:
         self.reload()
 
     def reload(self) -> None:
-        # The Hopper Gluon kernels (W4A16 'gluon*' and W4A8 'gluon_pipe' configs) where they
+        # The Hopper Gluon kernels (W4A16 'gluon*' and W4A8 'gluon_pipe' / 'gluon_overlap' configs) where they
         # apply; 0: their Triton twins everywhere, and no Gluon tiles among the tuner's
         # candidates. Also turned off for the process when a Gluon kernel fails to compile.
         self.gluon = env_flag("SAILFISH_GLUON", True)
