@@ -233,6 +233,42 @@ def test_silu_mul_nonfinite_rows(dtype, device):
     assert s[bad].isnan().all() and (q[bad] == 0).all() and s[4] == 0 and not s[0].isnan()
 
 
+@pytest.mark.parametrize("act_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,i,block_k,one_pass_max", [(3, 300, 64, None), (1, 100, 16, None), (4, 200, 32, 64)],
+                         ids=["5-parts", "m1-7-parts", "tail-chunks"])
+def test_silu_mul_quant_split_rows(m, i, block_k, one_pass_max, dtype, act_dtype, device, monkeypatch):
+    """The split form (each row over programs, the row's last program quantizing it): the one-
+    program kernel's codes and scales bit for bit, NaN / Inf / zero rows included, twice (the
+    row counters are back at zero after a call); one_pass_max: the last program's pass over the row
+    in chunks (as rows past ROW_ONE_PASS_MAX take it)."""
+    if act_dtype == "fp8" and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 e4m3 needs sm_89+")
+    if one_pass_max is not None:
+        monkeypatch.setattr(R, "ROW_ONE_PASS_MAX", one_pass_max)
+    gu = _wide_range((m, 2 * i), dtype, device, spread=3)
+    if m > 2:
+        gu[1, 7] = float("-inf")  # silu(-inf) = NaN
+        gu[2] = 0
+    want_q, want_s = R.silu_mul_launch(gu, act_dtype, split=False)
+    for _ in range(2):
+        q, s = R.silu_mul_launch(gu, act_dtype, block_k, split=True)
+        assert torch.equal(q.view(torch.int8), want_q.view(torch.int8))
+        assert torch.equal(s.isnan(), want_s.isnan()) and torch.equal(s[~s.isnan()], want_s[~want_s.isnan()])
+    assert_quant_of(q, s, silu_mul(gu), act_dtype)
+
+
+def test_silu_mul_quant_split_rule():
+    """Split by default: quantizing, at most SPLIT_ROWS_MAX rows, two SPLIT_BLOCK parts a row or
+    more (Llama-3-8B's 14336 channels at decode batch sizes); split=True asks the quantizing form."""
+    assert R._split(16, 14336, "int8", None, None) and R._split(1, 2 * R.SPLIT_BLOCK, "fp8", None, None)
+    assert not R._split(R.SPLIT_ROWS_MAX + 1, 14336, "int8", None, None)
+    assert not R._split(16, 14336, None, None, None) and not R._split(16, 2 * R.SPLIT_BLOCK - 1, "int8", None, None)
+    assert not R._split(16, 14336, "int8", 64, None)  # (a block_k asks for the chunked one-program kernel)
+    with pytest.raises(ValueError, match="split=True is the quantizing form's"):
+        R._split(2, 4096, None, None, True)
+
+
 # ----------------------------------------------------------------------------------
 # float8 (e4m3) codes
 # ----------------------------------------------------------------------------------
@@ -390,6 +426,20 @@ for rms, quant, bk, rows, dt in [(True, None, 128, 16, "*fp16"), (True, "*i8", 4
     # round each product once (no fma; RMSNorm's come from its sum of squares)
     assert "div.rn.f32" in ptx and "div.full" not in ptx, consts
     assert rms or "fma" not in ptx, consts
+# the split-row silu_mul_quant (Llama-3-8B's 14336 channels: 7 parts of 2048, a 16384-wide last pass)
+from sailfish.kernels.rowwise import silu_mul_quant_split_kernel
+from sailfish.tools.ptx import ptxas_report
+for dt, codes in [("*fp16", "*i8"), ("*bf16", "*fp8e4nv")]:
+    s = {"a_ptr": dt, "h_ptr": dt, "pam_ptr": "*fp32", "out_ptr": codes, "s_ptr": "*fp32", "sync_ptr": "*i32",
+         "M": "i32", "n": "i32", "stride_am": "i32"}
+    consts = dict(BLOCK_K=2048, PARTS=8, BLOCK_Q=16384, FP8=codes == "*fp8e4nv", EMU_BF16=False)
+    ptx = triton.compile(ast_source(silu_mul_quant_split_kernel, s, consts), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 16}).asm["ptx"]
+    assert "div.rn.f32" in ptx and "div.full" not in ptx, consts
+    assert consts["FP8"] or "fma" not in ptx, consts  # (fp8's encoding has its own, as rowwise_kernel's)
+    assert ".acq_rel.add" in ptx and "ld.global.cg" in ptx, consts  # (the row counter, h read past L1)
+    rep = ptxas_report(ptx)
+    assert " 0 bytes spill stores" in rep, rep[-400:]
 print("checked")
 """
 

@@ -16,7 +16,9 @@ For each form (RMSNorm + int8 quantize over 4096 channels; SiLU-and-multiply + q
 14336), and each num_warps, the outputs are compared with the package's launch (the codes may
 differ by one where the sum's order moves a value across a rounding boundary: reported), then
 timed in CUDA graphs, interleaved; beside them inductor's add + RMSNorm (fp16, 4096) and silu * up
-(14336) compiled, and the package's unfused quantize_per_token launch.
+(14336) compiled, and the package's unfused quantize_per_token launch. Since v50 the package's
+silu_mul_quant at decode sizes is the split form (silu_mul_quant_split_kernel, each row over
+programs), timed here by part width beside the one-program kernel's num_warps.
 """
 import argparse
 import functools
@@ -62,6 +64,11 @@ def main() -> None:
                   f"codes within {diff} of the package's, scales rel {((s - want_s).abs() / want_s.abs()).max().item():.2e}",
                   flush=True)
             paths[f"{name} warps {warps}"] = run
+    for bk in (1024, 2048, 4096):  # the split form (each row over programs), by part width; the package: 2048
+        paths[f"silu_mul_quant 14336 split {bk}"] = functools.partial(R.silu_mul_launch, gu, "int8", bk, True)
+        q, sc = paths[f"silu_mul_quant 14336 split {bk}"]()
+        print(f"  silu_mul_quant split {bk}: codes equal to the one-program kernel's "
+              f"{torch.equal(q, R.silu_mul_launch(gu, 'int8', split=False)[0])}", flush=True)
     paths["quantize_per_token 4096 (unfused)"] = functools.partial(ops8.quantize_per_token_launch, x)
     norm = torch.compile(lambda x, r, w: torch.nn.functional.rms_norm(x + r, (4096,), w, 1e-5), fullgraph=True)
     silu = torch.compile(lambda gu: torch.nn.functional.silu(gu[:, :14336]) * gu[:, 14336:], fullgraph=True)

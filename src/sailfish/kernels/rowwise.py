@@ -22,6 +22,9 @@ Design (why):
   e.g. Qwen3's 128-wide q/k norms over many heads), the row in registers up to ops/rowwise.py
   ROW_ONE_PASS_MAX channels, chunks of BLOCK_K beyond (the sum / max pass, then the output
   pass, which recomputes each value with the same instructions, so the same bits).
+- A few long rows with the quantization (W4A8's silu_mul_quant at decode batch sizes): each row
+  over programs, the row's last program quantizing it (silu_mul_quant_split_kernel; its
+  docstring says why and how it stays bit for bit the one-program kernel's).
 - The launch goes through runtime/launch.py's Launch and runtime/plan.py's run_steady / keep
   (a steady call: one dict lookup and the direct launch), without a Tuner: the tile follows
   from the row width alone, so there is no config to choose.
@@ -34,7 +37,7 @@ Design (why):
 import triton
 import triton.language as tl
 
-from .common import cast_out, round_bf16_emu
+from .common import SYNC_TILES, cast_out, last_slice, round_bf16_emu
 from .w4a8 import abs_or_inf, quantize_scaled, to_f32, token_scale
 
 
@@ -151,3 +154,47 @@ def rowwise_kernel(a_ptr, w_ptr, out_ptr, s_ptr, M, n, stride_am, inner, stride_
                 tl.store(out_rows + k0 + cols, quantize_scaled(yk, bad, c, inv, FP8), mask=mask)
             else:
                 tl.store(out_rows + k0 + cols, cast_out(yk, DTYPE, EMU_BF16), mask=mask)
+
+
+
+@triton.jit(do_not_specialize=["M"])
+def silu_mul_quant_split_kernel(a_ptr, h_ptr, pam_ptr, out_ptr, s_ptr, sync_ptr, M, n, stride_am,
+                                BLOCK_K: tl.constexpr, PARTS: tl.constexpr, BLOCK_Q: tl.constexpr,
+                                FP8: tl.constexpr, EMU_BF16: tl.constexpr):
+    """rowwise_kernel's silu(gate) * up + quantization (QUANT, not RMS) for a few long rows, each
+    split over programs: grid (M, cdiv(n, BLOCK_K)). Why: one program a row leaves all but M SMs
+    idle, and a 14336-channel row's exp and IEEE divisions on one SM took 6.2 us at M = 16 (H100;
+    this kernel 5.0 us, docs/perf_log.md v50). Program (row, part) computes its BLOCK_K outputs, stores them rounded to
+    a's dtype in h (M, n) (the rounded values: exact) and their max |y| (abs_or_inf) in
+    pam (M, PARTS), and counts itself in on the row's counter (sync_ptr from SYNC_TILES on, zero
+    between launches; kernels/common.last_slice); the row's last program takes the row's maximum,
+    stores the scale and quantizes the row from h, BLOCK_Q channels at a time (the whole row at
+    once up to ops/rowwise.ROW_ONE_PASS_MAX, so the loads are in flight together), and puts the
+    counter back to zero. The codes and scale are rowwise_kernel's bit for bit: the same rounded
+    outputs, maximum (max is exact in any order) and token_scale / quantize_scaled."""
+    DTYPE: tl.constexpr = a_ptr.dtype.element_ty
+    QMAX: tl.constexpr = 448.0 if FP8 else 127.0
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    rows = row + tl.arange(0, 1)
+    row_ok = rows < M
+    rows = rows.to(tl.int64)
+    a_rows = a_ptr + (rows * stride_am)[:, None]
+    h_rows = h_ptr + (rows * n)[:, None]
+    k0 = part * BLOCK_K
+    cols = tl.arange(0, BLOCK_K)[None, :]
+    y, mask = _chunk(a_rows, a_ptr, cols, k0, n, row_ok, 0.0, False, DTYPE, EMU_BF16)
+    tl.store(h_rows + k0 + cols, cast_out(y, DTYPE, EMU_BF16), mask=mask)
+    tl.store(pam_ptr + rows * PARTS + part, tl.max(abs_or_inf(y), axis=1))
+    cnt = sync_ptr + SYNC_TILES + row
+    if last_slice(cnt, tl.num_programs(1)):
+        p = tl.arange(0, PARTS)[None, :]
+        amax = tl.max(tl.load(pam_ptr + rows[:, None] * PARTS + p, mask=p < tl.num_programs(1), other=0.0,
+                              cache_modifier=".cg"), axis=1)
+        bad, c, inv = _store_scales(amax, s_ptr, rows, row_ok, QMAX)
+        q = tl.arange(0, BLOCK_Q)[None, :]
+        for k in range(0, n, BLOCK_Q):
+            qmask = row_ok[:, None] & (k + q < n)
+            hk = to_f32(tl.load(h_rows + k + q, mask=qmask, other=0.0, cache_modifier=".cg"))
+            tl.store(out_ptr + (rows * n)[:, None] + k + q, quantize_scaled(hk, bad, c, inv, FP8), mask=qmask)
+        tl.atomic_xchg(cnt, 0, sem="relaxed")

@@ -46,6 +46,7 @@ from ..runtime.dispatch import define_op
 from ..runtime.launch import Launch
 from ..runtime.plan import keep, run_steady
 from ..tuning import next_pow2
+from .common import SYNC_CAP, sync_buffer
 from .w4a8 import check_fp8_device
 
 # Rows up to this many channels are kept in registers (16 warps: 32 fp32 values per thread and
@@ -53,14 +54,21 @@ from .w4a8 import check_fp8_device
 # forms). Llama-3-8B's widths (4096, and 14336 for silu_mul) take one pass.
 ROW_ONE_PASS_MAX = 16384
 ROW_CHUNK = 4096
+# silu_mul_quant of up to SPLIT_ROWS_MAX rows of at least 2 * SPLIT_BLOCK outputs: each row over
+# programs of SPLIT_BLOCK outputs (kernels/rowwise.silu_mul_quant_split_kernel). H100, M = 16, 14336
+# channels: 6.2 us with one program a row, 4.96 / 5.19 / 5.64 us split in parts of 2048 / 1024 / 4096
+# (docs/perf_log.md v50).
+SPLIT_ROWS_MAX = 32
+SPLIT_BLOCK = 2048
 CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}  # the _quant forms' codes by act_dtype
 
 
 @lru_cache(maxsize=None)
-def _kernel():
-    """kernels.rowwise's kernel, imported on first use (after TRITON_INTERPRET is settled)."""
-    from ..kernels.rowwise import rowwise_kernel
-    return rowwise_kernel
+def _kernel(split: bool = False):
+    """kernels.rowwise's kernel (split: the split-row silu_mul_quant's), imported on first use
+    (after TRITON_INTERPRET is settled)."""
+    from ..kernels.rowwise import rowwise_kernel, silu_mul_quant_split_kernel
+    return silu_mul_quant_split_kernel if split else rowwise_kernel
 
 
 class _RowPlans:
@@ -247,13 +255,66 @@ def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, quant: Op
     return out if quant is None else (out, scales)
 
 
-def silu_mul_launch(gu: torch.Tensor, quant: Optional[str] = None, block_k: Optional[int] = None):
+def _split(M: int, i: int, quant: Optional[str], block_k: Optional[int], split: Optional[bool]) -> bool:
+    """Whether silu_mul_launch splits each row over programs: asked (split), or by default a
+    quantizing call of at most SPLIT_ROWS_MAX rows with two SPLIT_BLOCK parts a row or more."""
+    if split is not None:
+        if split and quant is None:
+            raise ValueError("split=True is the quantizing form's (quant 'int8' or 'fp8'), got quant=None")
+        return split
+    return quant is not None and block_k is None and 0 < M <= SPLIT_ROWS_MAX and i >= 2 * SPLIT_BLOCK
+
+
+def _launch_split(gu: torch.Tensor, M: int, i: int, out: torch.Tensor, scales: torch.Tensor, quant: str,
+                  block_k: Optional[int]) -> None:
+    """silu_mul_quant_split_kernel over the M rows of gu (contiguous rows: a copy otherwise) in
+    parts of block_k (default SPLIT_BLOCK) outputs, through the kept plan when there is one (CUDA);
+    h (M, I) in gu's dtype and the parts' maxima are this call's workspace, the row counters the
+    stream's (ops/common.sync_buffer)."""
+    layout = _row_layout(gu)
+    if layout is None or layout[1] != 1:
+        gu = gu.contiguous()
+        layout = (gu.shape[-1], 1, 1)
+    sam = layout[0] if M > 1 else 2 * i
+    bk = block_k if block_k is not None else SPLIT_BLOCK
+    if bk < 16 or bk & (bk - 1):
+        raise ValueError(f"block_k={bk} must be a power of two >= 16")
+    if M > SYNC_CAP:
+        raise ValueError(f"the split form takes at most {SYNC_CAP} rows (one counter each), got {M}")
+    parts = -(-i // bk)
+    h = gu.new_empty((M, i))
+    pam = gu.new_empty((M, next_pow2(parts)), dtype=torch.float32)
+    sync = sync_buffer(gu.device, gu.get_device())
+    grid = (M, parts)
+    operands = (gu, h, pam, out, scales, sync)
+    key = None
+    if gu.is_cuda:
+        dev = gu.get_device()
+        key = ("split", quant, dev, gu.dtype, i, sam, bk)
+        if run_steady(_RowPlans, key, dev, gu, grid, operands, (M, i, sam)):
+            return
+    block_q = min(max(16, next_pow2(i)), ROW_ONE_PASS_MAX)  # the last program's pass over the row
+    meta = dict(BLOCK_K=bk, PARTS=next_pow2(parts), BLOCK_Q=block_q, FP8=quant == "fp8",
+                EMU_BF16=gu.dtype is torch.bfloat16 and not gu.is_cuda,
+                num_warps=max(_tile(bk, None)["num_warps"], _tile(block_q, None)["num_warps"]))
+    launch = Launch(_kernel(split=True), meta, gu.get_device())
+    with device_of(gu):
+        launch(grid, *operands, M, i, sam)
+    keep(None if key is None else _RowPlans.plans, key, launch, *operands)
+
+
+def silu_mul_launch(gu: torch.Tensor, quant: Optional[str] = None, block_k: Optional[int] = None,
+                    split: Optional[bool] = None):
     """The SiLU-and-multiply kernel on a checked gu: h (..., I), or with quant as
-    rms_norm_launch's (h_q (M, I), scales float32 (M,)). block_k: as rms_norm_launch's."""
+    rms_norm_launch's (h_q (M, I), scales float32 (M,)). block_k: as rms_norm_launch's (the
+    split form's part width). split: each row over programs (the quantizing form only; default:
+    _split's rule)."""
     i = gu.shape[-1] // 2
     M = gu.numel() // (2 * i)
     out, scales = _outputs(gu, M, i, (*gu.shape[:-1], i), quant)
-    if M:
+    if M and _split(M, i, quant, block_k, split):
+        _launch_split(gu, M, i, out, scales, quant, block_k)
+    elif M:
         _launch_rows(False, gu, M, (gu, out, scales), i, 0.0, quant, block_k)  # (w, eps: unused)
     return out if quant is None else (out, scales)
 
