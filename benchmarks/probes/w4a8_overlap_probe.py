@@ -19,7 +19,7 @@ import sys
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # K, N
 STEPS = (3, 4)
-SPLITS = (1, 2, 4, 8)
+SPLITS = (1, 2, 4, 7, 8)
 
 
 def ab(m: int, rounds: int) -> None:
