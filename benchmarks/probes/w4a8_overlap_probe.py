@@ -24,6 +24,7 @@ SPLITS = (1, 2, 4, 7, 8)
 
 def ab(m: int, rounds: int) -> None:
     import torch
+    import triton
 
     from sailfish import Config
     from sailfish.bench.timing import copies_needed, graph_time_us
@@ -33,7 +34,6 @@ def ab(m: int, rounds: int) -> None:
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    import triton
     print(torch.cuda.get_device_name(), "triton", triton.__version__, f"M = {m}", flush=True)
     bm = 16 if m <= 16 else 32
     for name, (K, N) in SHAPES.items():
@@ -45,8 +45,8 @@ def ab(m: int, rounds: int) -> None:
         reps = copies_needed(N * K // 2, dev)
         w8 = [(l8.qweight.clone(), l8.s_ch.clone(), l8.s_g.clone()) for _ in range(reps)]
         l16s = [QuantLinear.from_linear(lin, group_size=128) for _ in range(min(reps, 8))]
-        tiles = [Config(bm, 64, 256, split, 8, 4, stages, kernel="gluon_overlap") for stages in STEPS for split in SPLITS
-                 if gluon_overlap_split_ok(split, K // 256)]
+        tiles = [Config(bm, 64, 256, split, 8, 4, stages, kernel="gluon_overlap")
+                 for stages in STEPS for split in SPLITS if gluon_overlap_split_ok(split, K // 256)]
         calls = {"shipped w4a8": [functools.partial(ops8.w4a8_gemm_impl, x_q, x_s, qw, s_ch, s_g, None, K, 128,
                                                     torch.float16) for qw, s_ch, s_g in w8],
                  "w4a16": [functools.partial(layer, x) for layer in l16s]}

@@ -156,7 +156,6 @@ def rowwise_kernel(a_ptr, w_ptr, out_ptr, s_ptr, M, n, stride_am, inner, stride_
                 tl.store(out_rows + k0 + cols, cast_out(yk, DTYPE, EMU_BF16), mask=mask)
 
 
-
 @triton.jit(do_not_specialize=["M"])
 def silu_mul_quant_split_kernel(a_ptr, h_ptr, pam_ptr, out_ptr, s_ptr, sync_ptr, M, n, stride_am,
                                 BLOCK_K: tl.constexpr, PARTS: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -164,9 +163,9 @@ def silu_mul_quant_split_kernel(a_ptr, h_ptr, pam_ptr, out_ptr, s_ptr, sync_ptr,
     """rowwise_kernel's silu(gate) * up + quantization (QUANT, not RMS) for a few long rows, each
     split over programs: grid (M, cdiv(n, BLOCK_K)). Why: one program a row leaves all but M SMs
     idle, and a 14336-channel row's exp and IEEE divisions on one SM took 6.2 us at M = 16 (H100;
-    this kernel 5.0 us, docs/perf_log.md v50). Program (row, part) computes its BLOCK_K outputs, stores them rounded to
-    a's dtype in h (M, n) (the rounded values: exact) and their max |y| (abs_or_inf) in
-    pam (M, PARTS), and counts itself in on the row's counter (sync_ptr from SYNC_TILES on, zero
+    this kernel 5.0 us, docs/perf_log.md v50). Program (row, part) computes its BLOCK_K outputs,
+    stores them rounded to a's dtype in h (M, n) (the rounded values: exact) and their max |y|
+    (abs_or_inf) in pam (M, PARTS), and counts itself in on the row's counter (sync_ptr from SYNC_TILES on, zero
     between launches; kernels/common.last_slice); the row's last program takes the row's maximum,
     stores the scale and quantizes the row from h, BLOCK_Q channels at a time (the whole row at
     once up to ops/rowwise.ROW_ONE_PASS_MAX, so the loads are in flight together), and puts the

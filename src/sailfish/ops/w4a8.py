@@ -15,7 +15,7 @@ choice at every M but the next path's: BLOCK_M 16 / 32 / 64 / 128 by M bucket, s
 are fewer than 2 tiles per SM), "gluon_pipe" (int8, the warp-specialized Hopper kernel of
 kernels/w4a8_gluon.py, its "mma" twin elsewhere; the heuristic's at M = 65-512, g128 up to 2048,
 where K is a multiple of 256), "gluon_overlap" (int8, its one-warpgroup form for M = 2-32, a
-candidate there and the H100 table's at M = 9-16 on q/k/v, o and down), "gemv" (M = 1, CUDA
+candidate there and the H100 table's at M = 5-16 on q/k/v, o and down), "gemv" (M = 1, CUDA
 cores; a tuning candidate), "dequant" (int8
 weight + torch._int_mm; a tuning candidate for M >= 256). The shipped tables hold entries for fp16
 output, per channel and g128, on the 8 Llama-3 shapes (docs/perf_log.md v16, v22, v23, v33): H200
