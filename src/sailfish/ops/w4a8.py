@@ -15,9 +15,9 @@ choice at every M but the next path's: BLOCK_M 16 / 32 / 64 / 128 by M bucket, s
 are fewer than 2 tiles per SM), "gluon_pipe" (int8, the warp-specialized Hopper kernel of
 kernels/w4a8_gluon.py, its "mma" twin elsewhere; the heuristic's at M = 65-512, g128 up to 2048,
 where K is a multiple of 256), "gluon_overlap" (int8, its one-warpgroup form for M = 2-32, a
-candidate there and the H100 table's at M = 5-16 on q/k/v, o and down), "gemv" (M = 1, CUDA
-cores; a tuning candidate), "dequant" (int8
-weight + torch._int_mm; a tuning candidate for M >= 256). The shipped tables hold entries for fp16
+candidate there and the H100 table's at M = 5-16 on q/k/v, o and down, 17-32 on o and down),
+"gemv" (M = 1, CUDA cores; a tuning candidate), "dequant" (int8 weight + torch._int_mm; a tuning
+candidate for M >= 256). The shipped tables hold entries for fp16
 output, per channel and g128, on the 8 Llama-3 shapes (docs/perf_log.md v16, v22, v23, v33): H200
 at M = 1-4096, H100 at M = 1, 2, 8, 16, 32, 64 and 128-4096; the other M buckets run the heuristic.
 fp8 activations (x_q float8_e4m3fn) run "mma" only, under their own table keys.
@@ -218,7 +218,8 @@ W4A8_PIPE_TILES = ((128, 128, 8, 3), (128, 128, 8, 4))
 # x_q rings of 3 / 4 steps; candidates at M = 2-32. H100 at M = 16, in one process against the
 # previous table's Triton tiles: faster on q/k/v, o and down (10.7 / 8.9 / 19.3 us against 11.5 /
 # 10.0 / 20.4 with the reduce kernel; the split-K slices added in the kernel since), slower on gate/up
-# (32.4 against 28.2); the table's at M = 5-16 on those three (docs/perf_log.md v50)
+# (32.4 against 28.2); the table's at M = 5-16 on those three. At M = 32 (BLOCK_M 32): o 9.7 against
+# 12.0, down 20.4 against 25.5 (taken), q/k/v 11.9 against 11.4, gate/up 34.1 against 30.1 (v50)
 W4A8_OVERLAP_TILES = ((16, 64, 4, 3), (16, 64, 4, 4), (32, 64, 4, 3), (32, 64, 4, 4))
 
 
