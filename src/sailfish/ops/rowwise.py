@@ -282,8 +282,9 @@ def _launch_split(gu: torch.Tensor, M: int, i: int, out: torch.Tensor, scales: t
     if M > SYNC_CAP:
         raise ValueError(f"the split form takes at most {SYNC_CAP} rows (one counter each), got {M}")
     parts = -(-i // bk)
+    width = next_pow2(parts)  # (the parts' maxima of a row, padded to a power of two)
     h = gu.new_empty((M, i))
-    pam = gu.new_empty((M, next_pow2(parts)), dtype=torch.float32)
+    pam = gu.new_empty((M, width), dtype=torch.float32)
     sync = sync_buffer(gu.device, gu.get_device())
     grid = (M, parts)
     operands = (gu, h, pam, out, scales, sync)
@@ -294,7 +295,7 @@ def _launch_split(gu: torch.Tensor, M: int, i: int, out: torch.Tensor, scales: t
         if run_steady(_RowPlans, key, dev, gu, grid, operands, (M, i, sam)):
             return
     block_q = min(max(16, next_pow2(i)), ROW_ONE_PASS_MAX)  # the last program's pass over the row
-    meta = dict(BLOCK_K=bk, PARTS=next_pow2(parts), BLOCK_Q=block_q, FP8=quant == "fp8",
+    meta = dict(BLOCK_K=bk, PARTS=width, BLOCK_Q=block_q, FP8=quant == "fp8",
                 EMU_BF16=gu.dtype is torch.bfloat16 and not gu.is_cuda,
                 num_warps=max(_tile(bk, None)["num_warps"], _tile(block_q, None)["num_warps"]))
     launch = Launch(_kernel(split=True), meta, gu.get_device())
