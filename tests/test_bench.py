@@ -228,6 +228,17 @@ def test_overhead_refuses_without_cuda(monkeypatch, capsys):
     assert "CUDA GPU" in capsys.readouterr().err
 
 
+def test_overhead_summary_pairs_rows_by_round():
+    """`over F.linear` is the median of the per-round differences (paired, so a slow round
+    reaches both rows), not the difference of the medians."""
+    from sailfish.bench.overhead import summarize
+    times = {"F.linear": [10.0, 30.0, 11.0, 50.0, 12.0], "layer": [14.0, 35.0, 15.0, 53.0, 40.0]}
+    rows = summarize(times)
+    assert rows["layer"]["host_us_over_base"] == 4.0  # differences 4, 5, 4, 3, 28
+    assert rows["layer"]["host_us_median"] == 35.0 and rows["F.linear"]["host_us_over_base"] == 0.0
+    assert rows["layer"]["host_us_p90"] == 40.0  # sorted [14, 15, 35, 40, 53], index int(0.9 * 4) = 3
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter check of the callables")
 def test_overhead_rows_compute_the_layer():
     """Every row of `python -m sailfish.bench.overhead` runs and computes its layer's output

@@ -21,7 +21,7 @@ import statistics
 import torch
 
 from sailfish import QuantLinear
-from sailfish.bench.overhead import gpu_us_per_call, host_us_per_call
+from sailfish.bench.overhead import gpu_us_per_call, host_us_interleaved
 from sailfish.bench.timing import graph_time_us
 from sailfish.ops.w4a16 import W4A16_TUNER, gemv_fixup
 from sailfish.runtime.flags import FLAGS
@@ -36,7 +36,7 @@ def measure(layer, x, calls: int, graph_calls: int) -> dict:
         fn()
     torch.cuda.synchronize()
     return {"graph_us": graph_time_us([fn] * graph_calls), "eager_us": gpu_us_per_call(fn, calls),
-            "host_us": host_us_per_call(fn, calls)[0]}
+            "host_us": statistics.median(host_us_interleaved([("layer", fn)], calls)["layer"])}
 
 
 def main() -> None:

@@ -6,8 +6,16 @@ the eager speed. For each callable below, after a warm-up (compilation, config c
 
   gpu us/call   CUDA events around `--calls` back-to-back calls, divided by the count: the
                 throughput of an eager loop (the larger of host and GPU time per call)
-  host us/call  time.perf_counter around each call without synchronizing (the host's share:
-                enqueueing only), median and 90th percentile
+  host us/call  time.perf_counter around each call (the host's share: enqueueing only), median
+                and 90th percentile; each row interleaved with F.linear, one call of each per
+                round, so that the host's drifts (clock, other processes) reach both alike, and
+                the GPU synchronized (untimed) every SYNC_EVERY rounds, so that no call waits for
+                a slot in the launch queue (back to back, a call whose kernels outlast its host
+                time fills the queue and then times the GPU). Only two calls alternate: with
+                every row in one round, each call found the caches cold from the others (F.linear
+                read 84-124 us a call on an H100 host, docs/perf_log.md v51)
+  over F.linear the median over rounds of (the row's host time - F.linear's in the same round):
+                issue 39's bar, a layer call at most F.linear + 5 us
 
 Rows, down the stack: F.linear (cuBLAS, the bar); the W4A16 QuantLinear and the W4A8
 QuantLinearW4A8 layers; the ops they call (no autograd formula: x needs no gradient here);
@@ -32,6 +40,7 @@ import torch
 from ..formats.int4 import GROUP_SIZES
 
 TARGET_US = 20.0
+SYNC_EVERY = 32  # rounds between the untimed synchronizations (two calls of <= 3 launches a round)
 
 
 def gpu_us_per_call(fn: Callable[[], object], calls: int) -> float:
@@ -44,15 +53,31 @@ def gpu_us_per_call(fn: Callable[[], object], calls: int) -> float:
     return start.elapsed_time(end) * 1e3 / calls
 
 
-def host_us_per_call(fn: Callable[[], object], calls: int) -> Tuple[float, float]:
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
+def host_us_interleaved(fns: List[Tuple[str, Callable[[], object]]], rounds: int) -> Dict[str, List[float]]:
+    """Each row's host time per call (us), one call of every row per round, in order; the GPU
+    synchronized outside the timing every SYNC_EVERY rounds."""
+    times: Dict[str, List[float]] = {name: [] for name, _ in fns}
+    clock = time.perf_counter
+    for r in range(rounds):
+        for name, fn in fns:
+            t0 = clock()
+            fn()
+            times[name].append((clock() - t0) * 1e6)
+        if r % SYNC_EVERY == SYNC_EVERY - 1:
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
-    times.sort()
-    return statistics.median(times), times[int(0.9 * (len(times) - 1))]
+    return times
+
+
+def summarize(times: Dict[str, List[float]], base: str = "F.linear") -> Dict[str, Dict[str, float]]:
+    """host_us_median, host_us_p90 and host_us_over_base (the median of the per-round
+    differences to row `base`) of each row of host_us_interleaved."""
+    rows = {}
+    for name, t in times.items():
+        srt = sorted(t)
+        rows[name] = {"host_us_median": statistics.median(srt), "host_us_p90": srt[int(0.9 * (len(srt) - 1))],
+                      "host_us_over_base": statistics.median(a - b for a, b in zip(t, times[base]))}
+    return rows
 
 
 def callables(k: int, n: int, m: int, dtype: torch.dtype, group_size: int, device: str = "cuda"
@@ -98,16 +123,21 @@ def callables(k: int, n: int, m: int, dtype: torch.dtype, group_size: int, devic
 
 def measure(k: int, n: int, m: int, dtype: torch.dtype, group_size: int, calls: int, warmup: int
             ) -> Dict[str, Dict[str, float]]:
-    rows = {}
     with torch.no_grad():
-        for name, fn in callables(k, n, m, dtype, group_size):
+        fns = callables(k, n, m, dtype, group_size)
+        gpu = {}
+        for name, fn in fns:
             for _ in range(warmup):
                 fn()
             torch.cuda.synchronize()
-            gpu = gpu_us_per_call(fn, calls)
-            med, p90 = host_us_per_call(fn, calls)
-            rows[name] = {"gpu_us_per_call": gpu, "host_us_median": med, "host_us_p90": p90}
-    return rows
+            gpu[name] = gpu_us_per_call(fn, calls)
+        base = fns[0]  # F.linear, interleaved with each row in turn
+        rows: Dict[str, Dict[str, float]] = {}
+        for row in fns[1:]:
+            pair = summarize(host_us_interleaved([base, row], calls), base[0])
+            rows.setdefault(base[0], pair[base[0]])  # (F.linear's own row: from its first pairing)
+            rows[row[0]] = pair[row[0]]
+    return {name: {"gpu_us_per_call": gpu[name], **r} for name, r in rows.items()}
 
 
 def main(argv=None) -> int:
@@ -143,9 +173,10 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
           f"{__import__('triton').__version__}; K x N = {k}x{n}, M = {args.m}, {args.dtype}, "
           f"{args.calls} calls; target <= {TARGET_US:.0f} us per layer call")
-    print(f"{'':30s} {'gpu us/call':>12s} {'host median':>12s} {'host p90':>10s}")
+    print(f"{'':30s} {'gpu us/call':>12s} {'host median':>12s} {'host p90':>10s} {'over F.linear':>14s}")
     for name, r in rows.items():
-        print(f"{name:30s} {r['gpu_us_per_call']:12.1f} {r['host_us_median']:12.1f} {r['host_us_p90']:10.1f}")
+        print(f"{name:30s} {r['gpu_us_per_call']:12.1f} {r['host_us_median']:12.1f} {r['host_us_p90']:10.1f} "
+              f"{r['host_us_over_base']:+14.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
