@@ -14,7 +14,7 @@ from torch import nn
 
 from sailfish import QuantLinear, QuantLinearW4A8, quantize, quantize_model, quantize_qqq, to_gptq
 from sailfish.ops.w4a8 import w4a8_gemm_impl, w4a8_linear_impl
-from sailfish.ops.w4a16 import w4a16_gemm_impl
+from sailfish.ops.w4a16 import w4a16_gemm_impl, w4a16_layer_impl
 
 F16, BF16 = torch.float16, torch.bfloat16
 K, N = 256, 64
@@ -64,6 +64,21 @@ def test_ops_run_on_cuda_or_cpu_only():
     x_q = torch.zeros(4, K, dtype=torch.int8, device="meta")
     with pytest.raises(ValueError, match=r"one CUDA device or all on the CPU, got x on meta"):
         w4a8_gemm_impl(x_q, torch.ones(4, device="meta"), q8.qweight, q8.s_ch, q8.s_g, q8.bias, K, 128, F16)
+
+
+def test_layer_impl_checks_what_the_layer_does_not():
+    """QuantLinear.forward's direct call (w4a16_layer_impl) skips the checks the layer has made
+    (x's dtype and shape) but not the devices nor qweight's dtype; its output is the op's."""
+    q = layers()[0]
+    x = torch.randn(3, K, dtype=F16)
+    args = (q.qweight, q.scales, None, None, None, q.bias, K, 128)
+    assert torch.equal(w4a16_layer_impl(x, *args), w4a16_gemm_impl(x, *args))
+    with pytest.raises(ValueError, match=r"x on cpu.*qweight on meta"):
+        w4a16_layer_impl(x, q.qweight.to("meta"), *args[1:])
+    with pytest.raises(ValueError, match=r"one CUDA device or all on the CPU, got x on meta"):
+        w4a16_layer_impl(x.to("meta"), *(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args))
+    with pytest.raises(TypeError, match=r"qweight dtype torch.int64 is not supported; allowed: torch.int32"):
+        w4a16_layer_impl(x, q.qweight.long(), *args[1:])
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["w4a16", "w4a8"])

@@ -189,6 +189,45 @@ def test_gluon_split_k_is_deterministic(cfg):
         assert torch.equal(_launch(layer, x, cfg), first)
 
 
+@pytest.mark.skipif(not _on_hopper(), reason="the Gluon overlap kernel's two split-K forms, on an sm_90 GPU")
+@pytest.mark.parametrize("m,k,dtype,bias,cfg", [
+    (16, 2048, F16, True, _overlap(16, 64, 4, 4, 4)),
+    (5, 3072, BF16, False, _overlap(8, 64, 3, 4, 3)),
+    (9, 2048, F16, False, _regs(16, 64, 2, 4, 3)),
+    (32, 4096, BF16, True, _regs(32, 64, 4, 4, 4)),
+], ids=["overlap-split4", "overlap-split3", "regs-split2", "regs-split4-m32"])
+def test_overlap_split_k_eager_and_captured_agree(m, k, dtype, bias, cfg):
+    """A split-K overlap config has two forms (ops/w4a16.overlap_fixup): outside a CUDA graph
+    capture the tile's last slice adds the slices in the GEMM (one launch: eager host time, issue
+    39 item 5), a capture records the GEMM and its PDL-chained reduce. The plan's first call binds
+    both; the two give the same bits (zero plus slices in slice order, plus the bias, one cast),
+    and the reference's numbers."""
+    layer = _layer(k, 200, 128, dtype, bias, "cuda")
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    assert ops16.overlap_fixup(cfg, m, 200)
+    plan = ops16._GemmPlan(cfg, 0, gs=128, has_zeros=False, has_gidx=False, has_bias=bias, emu=False, asm=True,
+                           mma_asm=True, tensor_core_gemv=False, paired=True, bf16=dtype == BF16, K=k,
+                           group_size=128, gluon=True, eager_fixup=True)
+    assert plan.eager is not None and plan.eager.meta["FIXUP"] and plan.reduce is not None
+    y = torch.full((m, 200), float("nan"), device="cuda", dtype=dtype)
+    args = (x, layer.qweight, layer.scales, layer.scales, None, layer.bias, m, 200, k, layer.qweight.stride(0),
+            layer.scales.stride(0))
+    plan(y, y, *args)  # eager: the in-kernel sum, and the other two kernels bound without a launch
+    assert plan.bound()
+    assert_close_per_element(y, x, layer.quantized_weight().dequantize(rounded=True), layer.bias)
+    graph_y = torch.full_like(y, float("nan"))
+    ptrs = tuple(None if t is None else t.data_ptr() for t in args[:6])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan(graph_y, graph_y.data_ptr(), *ptrs, *args[6:])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_y, y)
+    again = torch.full_like(y, float("nan"))
+    plan(again, again.data_ptr(), *ptrs, *args[6:])  # eager steady state: the counters were left at zero
+    assert torch.equal(again, y)
+
+
 @pytest.mark.parametrize("cfg,match", [
     (Config(16, 64, 128, 1, 8, 4, 3, kernel="gluon"), "BLOCK_K=256"),
     (Config(128, 64, 256, 1, 8, 4, 3, kernel="gluon"), "BLOCK_M in"),
@@ -440,10 +479,17 @@ cases = [dict(), dict(BLOCK_M=8), dict(BLOCK_M=32, STAGES=4), dict(BLOCK_M=64, B
          dict(words_in_regs=True), dict(BLOCK_M=8, group_size=-1, words_in_regs=True),
          dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, dtype="bf16", has_zeros=True, SPLIT_K=2, pdl_early=True,
               STAGES=4, words_in_regs=True), dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, dtype="bf16", has_zeros=True,
-                                                  SPLIT_K=2, STAGES=3, words_in_regs=True, paired=True)]
+                                                  SPLIT_K=2, STAGES=3, words_in_regs=True, paired=True),
+         # split-K summed in the kernel by the tile's last slice (FIXUP: eager calls)
+         dict(SPLIT_K=4, STAGES=4, has_bias=True, fixup=True),
+         dict(BLOCK_M=32, dtype="bf16", has_zeros=True, SPLIT_K=2, words_in_regs=True, paired=True, fixup=True)]
 bad = []
 for kw in cases:
     k = compile_sm90(overlap=True, **kw)
+    if kw.get("fixup"):  # the counter's acq_rel add and the relaxed reset, nothing else atomic
+        atoms = re.findall(r"atom\.global\.?(\S*)", k.asm["ptx"])
+        if sorted(atoms) != ["gpu.acq_rel.add.u32", "gpu.relaxed.exch.b32"]:
+            bad.append((kw, f"atomics {atoms}"))
     if kw.get("words_in_regs"):  # the ring holds x only: 2 chunks of (BLOCK_M, 128) 2-byte values a step
         ring = 2 * kw.get("STAGES", 3) * kw.get("BLOCK_M", 16) * 128 * 2
         if k.metadata.shared != ring:

@@ -20,7 +20,7 @@ from .formats.qqq import (LAYOUT_VERSION_W4A8, PackedQQQ, QQQWeight, check_act_d
 from .ops import direct_call_ok
 from .ops.autograd import w4a8_linear
 from .ops.w4a8 import w4a8_gemm_impl, w4a8_linear_fp8_impl, w4a8_linear_impl, w4a8_linear_nograd
-from .ops.w4a16 import w4a16_gemm, w4a16_gemm_impl, w4a16_gemm_nograd
+from .ops.w4a16 import w4a16_gemm, w4a16_gemm_nograd, w4a16_layer_impl
 
 def _upgrade_qweight_layout(state_dict, prefix: str, current: int, from_v1, what: str) -> None:
     """qweight's layout version travels as a buffer (not module metadata) so that it survives
@@ -411,7 +411,7 @@ class QuantLinear(nn.Module):
         if x.requires_grad and torch.is_grad_enabled():
             op = w4a16_gemm
         else:
-            op = w4a16_gemm_impl if direct_call_ok(x) else w4a16_gemm_nograd
+            op = w4a16_layer_impl if direct_call_ok(x) else w4a16_gemm_nograd
         flat = x.dim() == 2
         y = op(x if flat else x.reshape(-1, k), buf["qweight"], scales, buf["zeros"], buf["perm"],
                buf["sorted_g_idx"] if self._general_g_idx else None, buf["bias"], k, self.group_size)

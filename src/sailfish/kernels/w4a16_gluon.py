@@ -62,6 +62,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from .gluon_common import (CHUNK, CHUNK_C, CTA_RESERVED_SHARED, PIPE_CONSUMER_REGS, PIPE_MAXNREG, PIPE_PRODUCER_REGS,
                            SM_REGISTERS, SM_SHARED_BYTES, STEP_C, WG_ROWS, pipe_loader, pipe_rings, program, rows)
+from .common import SYNC_TILES
 from .w4a16 import _ASM_BF16, _ASM_BF16_Q, _ASM_F16, _ASM_F16_Q
 
 # names that differ between Triton 3.6 and 3.9
@@ -280,18 +281,39 @@ def _scaled_operands(x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_qn,
 
 @gluon.jit
 def _store(acc, y_ptr, ws_ptr, bias_ptr, pid_m, pid_n, pid_k, M, N, stride_ym, HAS_BIAS: gl.constexpr,
-           SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MMA: gl.constexpr):
+           SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MMA: gl.constexpr,
+           sync_ptr=None, FIXUP: gl.constexpr = False):
     """acc^T (BLOCK_N, BLOCK_M) fp32 -> y in x's dtype (+ bias), or with SPLIT_K > 1 the fp32
-    partial sums of split pid_k for the fixed-order reduce (kernels/w4a16._splitk_reduce_kernel)."""
+    partial sums of split pid_k for the fixed-order reduce (kernels/w4a16._splitk_reduce_kernel).
+    FIXUP (SPLIT_K > 1): the tile's last slice to arrive (its counter in sync_ptr, zero between
+    launches; M * N < 2**31: the launcher checks) adds the slices itself, zero plus slices 0, 1,
+    ... in fp32, plus the bias, cast once: what the reduce kernel computes, bit for bit.
+    (Its own branch: the split store folded into one branch with it compiled on Triton 3.9 but
+    failed in Triton 3.6's make_llir, docs/perf_log.md v50.)"""
     an = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
     mask = (om < M)[None, :] & (an < N)[:, None]
+    offs = om[None, :] * N + an[:, None]  # (FIXUP: 32-bit offsets within a slice)
     om = om.to(gl.int64)
     on = an.to(gl.int64)
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += gl.load(bias_ptr + an, mask=an < N, other=0.0).to(gl.float32)[:, None]
         gl.store(y_ptr + om[None, :] * stride_ym + on[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    elif FIXUP:
+        cnt_ptr = sync_ptr + SYNC_TILES + gl.program_id(0)
+        mn = M.to(gl.int64) * N
+        gl.store(ws_ptr + pid_k.to(gl.int64) * mn + offs, acc, mask=mask)
+        _barrier()  # every thread's part stored before the release
+        if gl.atomic_add(cnt_ptr, 1, sem="acq_rel") == SPLIT_K - 1:
+            _barrier()
+            total = gl.zeros_like(acc)
+            for s in range(SPLIT_K):  # (one slice a step: the loads of all of them would hold registers)
+                total += gl.load(ws_ptr + s * mn + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            gl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
+            if HAS_BIAS:
+                total += gl.load(bias_ptr + an, mask=an < N, other=0.0).to(gl.float32)[:, None]
+            gl.store(y_ptr + om[None, :] * stride_ym + on[:, None], total.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         gl.store(ws_ptr + (pid_k * M + om[None, :]) * N + on[:, None], acc, mask=mask)
 
@@ -416,15 +438,18 @@ def _overlap_step(i, n, first, acc, w0, w1, q0, q1, rs0, rs1, rz0, rz1, s_base, 
 
 @gluon.jit
 def w4a16_gluon_overlap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_xm, stride_ym,
-                               stride_qn, stride_sn, GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr,
+                               stride_qn, stride_sn, sync_ptr, GROUP_CHUNKS: gl.constexpr, HAS_ZEROS: gl.constexpr,
                                HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL_EARLY: gl.constexpr,
                                MMA: gl.constexpr, WORDS: gl.constexpr, DOT_A: gl.constexpr, X_BLK: gl.constexpr,
                                X_SMEM: gl.constexpr, W_BLK: gl.constexpr, W_SMEM: gl.constexpr,
-                               WORDS_IN_REGS: gl.constexpr = False, PAIRED: gl.constexpr = False):
+                               WORDS_IN_REGS: gl.constexpr = False, PAIRED: gl.constexpr = False,
+                               FIXUP: gl.constexpr = False):
     """w4a16_gluon_kernel's product with each step's dequantization overlapping the previous
-    step's wgmmas (same arguments; STAGES >= 3, every split an even number of K steps: the
-    launcher checks, ops/common.gluon_overlap_split_ok).
+    step's wgmmas (same arguments, and sync_ptr: the split-K tile counters with FIXUP, else None;
+    STAGES >= 3, every split an even number of K steps: the launcher checks,
+    ops/common.gluon_overlap_split_ok). FIXUP: the tile's last split-K slice adds the slices
+    (_store), no reduce kernel: one launch a call, for eager calls (ops/w4a16.py _GemmPlan).
 
     Two steps' wgmmas are in flight: step i waits until only step i - 1's two wgmma groups (one
     per chunk) are outstanding, which retires step i - 2's and frees its A registers, then
@@ -497,7 +522,7 @@ def w4a16_gluon_overlap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_
     if GROUP_CHUNKS == 0:
         acc = acc * gl.load(rows(s_ptr, pid_n, N, stride_sn, BLOCK_N, MMA)).to(gl.float32)[:, None]
     _store(acc, y_ptr, ws_ptr, bias_ptr, pid_m, pid_n, pid_k, M, N, stride_ym, HAS_BIAS, SPLIT_K, BLOCK_M, BLOCK_N,
-           MMA)
+           MMA, sync_ptr, FIXUP)
 
 
 @gluon.jit
@@ -681,10 +706,10 @@ def pipe_descriptor(x, BLOCK_M: int):
 def compile_sm90(BLOCK_M: int = 16, BLOCK_N: int = 64, STAGES: int = 3, group_size: int = 128, SPLIT_K: int = 1,
                  dtype: str = "fp16", has_bias: bool = False, num_warps: int = NUM_WARPS, pdl_early: bool = False,
                  has_zeros: bool = False, overlap: bool = False, words_in_regs: bool = False,
-                 paired: bool = False, pipe: bool = False):
+                 paired: bool = False, pipe: bool = False, fixup: bool = False):
     """triton.compile of the kernel (overlap: w4a16_gluon_overlap_kernel, words_in_regs: its
-    WORDS_IN_REGS form, paired: its PAIRED scale loads at group size 128; pipe:
-    w4a16_gluon_pipe_kernel) for sm_90a without a GPU (PTX / SASS checks, tests).
+    WORDS_IN_REGS form, paired: its PAIRED scale loads at group size 128, fixup: its FIXUP split-K;
+    pipe: w4a16_gluon_pipe_kernel) for sm_90a without a GPU (PTX / SASS checks, tests).
     Needs a process in which the Triton interpreter has not run (it patches the frontend)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -696,6 +721,8 @@ def compile_sm90(BLOCK_M: int = 16, BLOCK_N: int = 64, STAGES: int = 3, group_si
     sig |= {"qw_ptr": "*i32", "s_ptr": ty, "z_ptr": ty, "bias_ptr": ty if has_bias else "constexpr",
            "y_ptr": ty, "ws_ptr": "*fp32" if SPLIT_K > 1 else "constexpr", "M": "i32", "N": "i32", "K": "i32",
            "stride_xm": "i32", "stride_ym": "i32", "stride_qn": "i32", "stride_sn": "i32"}
+    if overlap:
+        sig["sync_ptr"] = "*i32" if fixup else "constexpr"
     consts = dict(GROUP_CHUNKS=0 if group_size == -1 else group_size // CHUNK, HAS_ZEROS=has_zeros,
                   HAS_BIAS=has_bias, SPLIT_K=SPLIT_K, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
                   PDL_EARLY=pdl_early, **layouts(BLOCK_M, BLOCK_N, num_warps))
@@ -706,8 +733,12 @@ def compile_sm90(BLOCK_M: int = 16, BLOCK_N: int = 64, STAGES: int = 3, group_si
         options = {"num_warps": meta.pop("num_warps"), "maxnreg": meta.pop("maxnreg")}
         consts = {k: v for k, v in consts.items() if k not in ("BLOCK_N", "X_BLK", "W_BLK", "W_SMEM")} | meta
     if overlap:
+        assert not fixup or SPLIT_K > 1, "fixup: a split-K kernel"
         consts["WORDS_IN_REGS"] = words_in_regs
         consts["PAIRED"] = paired and group_size == CHUNK
+        consts["FIXUP"] = fixup
+        if not fixup:
+            consts["sync_ptr"] = None
     if not has_bias:
         consts["bias_ptr"] = None
     if SPLIT_K == 1:

@@ -114,7 +114,7 @@ def fixup_fits(tiles: int, M: int, N: int) -> bool:
 
 
 def _kept_zeros(device: torch.device, device_index: int, n: int, count: int) -> List[torch.Tensor]:
-    """`count` int32 zero tensors for the life of the process, made on a thread of their own:
+    """`count` int32 zero tensors of n elements, made on a thread of their own (kept by the caller):
     outside any CUDA graph memory pool this thread's allocations may be routed to
     (torch.compile's cudagraph trees warm up with every allocation of the current thread going to
     their pool, and refuse live allocations there that are not the graph's outputs). That thread
@@ -138,6 +138,16 @@ def _kept_zeros(device: torch.device, device_index: int, n: int, count: int) -> 
     return made
 
 
+def _stream_key(device_index: int) -> tuple:
+    """(device index, the raw current stream of it); (device_index, 0) for the interpreter's CPU."""
+    global _CURRENT_STREAM
+    if device_index < 0:
+        return (device_index, 0)
+    if _CURRENT_STREAM is None:
+        _CURRENT_STREAM = stream_getter()
+    return (device_index, _CURRENT_STREAM(device_index))
+
+
 def sync_buffer(device: torch.device, device_index: int) -> torch.Tensor:
     """The split-K tile counters (int32, zero between launches) of the current stream of
     `device`: one buffer per stream, since two launches running at once must not share them
@@ -146,13 +156,7 @@ def sync_buffer(device: torch.device, device_index: int) -> torch.Tensor:
     keeps the buffer of the stream it was captured on: two graphs captured on one stream must not
     be replayed at the same time on two streams (a split-K launch with the fixup in each would
     share it). device_index < 0: the interpreter's (CPU) buffer."""
-    global _CURRENT_STREAM
-    if device_index < 0:
-        key = (device_index, 0)
-    else:
-        if _CURRENT_STREAM is None:
-            _CURRENT_STREAM = stream_getter()
-        key = (device_index, _CURRENT_STREAM(device_index))
+    key = _stream_key(device_index)
     buf = _SYNC.get(key)
     if buf is None:
         from ..kernels.common import SYNC_TILES  # (after TRITON_INTERPRET is settled)
@@ -173,3 +177,39 @@ def sync_buffer(device: torch.device, device_index: int) -> torch.Tensor:
             spares.extend(more)
         _SYNC[key] = buf
     return buf
+
+
+# Whether the current stream is being captured into a CUDA graph: one C call, read by the plans
+# that sum split-K slices in the kernel (a CPU-only torch has none)
+capturing = torch.cuda.is_current_stream_capturing if torch.backends.cuda.is_built() else (lambda: False)
+
+
+class _Scratch:
+    __slots__ = ("ws", "ws_ptr", "sync", "sync_ptr")
+
+
+_SCRATCH = {}
+
+
+def eager_scratch(device: torch.device, device_index: int, numel: int) -> _Scratch:
+    """For a split-K launch outside any CUDA graph capture that sums its slices in the kernel: the
+    current stream's tile counters (sync_buffer; .sync, .sync_ptr) and an fp32 workspace of at
+    least `numel` elements (.ws, .ws_ptr) kept for the stream, where each call would otherwise
+    allocate one (3.6-8.6 us of host time an allocation on the H100 host, docs/perf_log.md v51).
+    Launches on one stream run in order, so they may share it; grown (to a power of two) when a
+    larger one is asked for, made on a thread of its own as sync_buffer's (outside torch.compile's
+    cudagraph pools). Never for a launch being captured: a graph replays on other streams, so its
+    workspace is its own allocation."""
+    key = _stream_key(device_index)
+    entry = _SCRATCH.get(key)
+    if entry is not None and entry.ws.numel() >= numel:
+        return entry
+    if entry is None:
+        entry = _SCRATCH[key] = _Scratch()
+        entry.sync = sync_buffer(device, device_index)
+        entry.sync_ptr = entry.sync.data_ptr()
+    n = 1 << max(numel - 1, 1).bit_length()
+    entry.ws = (torch.zeros(n, dtype=torch.int32, device=device) if device_index < 0
+                else _kept_zeros(device, device_index, n, 1)[0]).view(torch.float32)
+    entry.ws_ptr = entry.ws.data_ptr()
+    return entry

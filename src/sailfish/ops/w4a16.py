@@ -25,8 +25,8 @@ from ..runtime.launch import Launch
 from ..runtime.plan import Plan, keep, run_built, run_steady
 from ..tuning import (KERNELS, Config, Tuner, check_blocks, check_fit, check_kernel, gemv_heuristic, m_bucket,
                       mma_heuristic, problem_key, scratch_runner, split_k_for)
-from .common import (GLUON_STEP, acc_fence, fixup_fits, gluon_device, gluon_overlap_split_ok, gluon_split_ok,
-                     invariant_config, sync_buffer)
+from .common import (GLUON_STEP, acc_fence, capturing, eager_scratch, fixup_fits, gluon_device,
+                     gluon_overlap_split_ok, gluon_split_ok, invariant_config, sync_buffer)
 
 
 # ----------------------------------------------------------------------------------
@@ -511,19 +511,34 @@ def gemv_fixup(cfg: Config, M: int, N: int) -> bool:
             and fixup_fits(-(-N // cfg.BLOCK_N), 2 * M, N))
 
 
+def overlap_fixup(cfg: Config, M: int, N: int) -> bool:
+    """Whether split-K config cfg of an overlap kernel has the second form that adds its slices
+    inside the GEMM (kernels/w4a16_gluon._store FIXUP), for eager calls: one launch a call where
+    the reduce takes a second (issue 39 item 5, the host time of eager decode at M = 2-16). Inside
+    a CUDA graph capture the plan keeps the PDL-chained reduce, which overlaps the GEMM's tail
+    where the last slice's sum is serial (compiled decode, batch 16: 3.813 ms with the reduce,
+    3.846 with the sum in the kernel, H100, docs/perf_log.md v50). Where the tile counters and
+    32-bit slice offsets serve (M up to twice this call's: a plan serves an M bucket)."""
+    return (FLAGS.split_fixup and cfg.kernel in OVERLAP_KERNELS and cfg.SPLIT_K > 1
+            and fixup_fits(-(-2 * M // cfg.BLOCK_M) * -(-N // cfg.BLOCK_N), 2 * M, N))
+
+
 class _GemmPlan(Plan):
     """The fused paths ("gemv", "mma", "gluon") of one W4A16 problem on one GPU: its config and the
     bound kernels (GEMM, split-K reduce; runtime/launch.py). w4a16_launch builds one per call
     on the slow path and keeps it in W4A16_TUNER.plans under its plan key (below) once its
     kernels are bound, so that a steady-state call skips the tuner and Triton's binding.
     fixup (gemv_fixup): the GEMV adds its split-K slices itself, no reduce kernel; each call then
-    passes the current stream's tile counters (ops/common.py sync_buffer)."""
+    passes the current stream's tile counters (ops/common.py sync_buffer). eager
+    (overlap_fixup): the overlap kernel's form that does the same, bound beside the split-K GEMM
+    and its reduce; a call outside a CUDA graph capture launches it, a capture the other two."""
 
-    __slots__ = ("x_desc", "fixup", "sync_at")
+    __slots__ = ("x_desc", "fixup", "sync_at", "overlap", "eager", "in_gemm")
 
     def __init__(self, cfg: Config, device_index: int, *, gs: int, has_zeros: bool, has_gidx: bool,
                  has_bias: bool, emu: bool, asm: bool, mma_asm: bool, tensor_core_gemv: bool,
-                 paired: bool, bf16: bool, K: int, group_size: int, gluon: bool = False, fixup: bool = False):
+                 paired: bool, bf16: bool, K: int, group_size: int, gluon: bool = False, fixup: bool = False,
+                 eager_fixup: bool = False):
         from ..kernels.w4a16 import (_splitk_reduce_kernel, _w4a16_gemv_kernel, _w4a16_gemv_mma_kernel,
                                      _w4a16_kernel, gemv_asm, gemv_pairs, gemv_warps)
 
@@ -531,6 +546,8 @@ class _GemmPlan(Plan):
             cfg = gluon_twin(cfg, group_size)
         self.config = cfg
         self.x_desc = None  # the pipe kernel's: x -> its TMA descriptor
+        self.overlap = cfg.kernel in OVERLAP_KERNELS  # (its kernel takes the tile counters' pointer)
+        self.eager = None  # (overlap_fixup's launch)
         self.fixup = fixup and cfg.kernel == "gemv"
         # sync_buffer's arguments: the counters live on the plan's device
         self.sync_at = (torch.device("cpu") if device_index < 0 else torch.device("cuda", device_index), device_index)
@@ -545,7 +562,7 @@ class _GemmPlan(Plan):
                                                w4a16_gluon_kernel, w4a16_gluon_overlap_kernel,
                                                w4a16_gluon_pipe_kernel)
 
-            overlap = cfg.kernel in OVERLAP_KERNELS
+            overlap = self.overlap
             common = dict(GROUP_CHUNKS=gs // K_CHUNK, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K,
                           BLOCK_M=cfg.BLOCK_M, STAGES=cfg.num_stages, PDL_EARLY=chained)
             if cfg.kernel == "gluon_pipe":  # warp-specialized, x by TMA (its own launch shape: pipe_meta)
@@ -554,16 +571,19 @@ class _GemmPlan(Plan):
                 # x's TMA descriptor, made per call (3.1 us of host time, Triton 3.9, CPU)
                 self.x_desc = partial(pipe_descriptor, BLOCK_M=cfg.BLOCK_M)
             else:
-                self.kind = "gluon"
                 # (the overlap kernels' ~170-250 registers are their in-flight A operands: no cap)
                 cap = None if overlap else max_registers(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_stages, cfg.num_warps,
                                                          has_zeros)
-                self.gemm = Launch(w4a16_gluon_overlap_kernel if overlap else w4a16_gluon_kernel, dict(
-                    common, BLOCK_N=cfg.BLOCK_N, num_warps=cfg.num_warps, **({"maxnreg": cap} if cap else {}),
-                    **({"WORDS_IN_REGS": cfg.kernel == "gluon_overlap_regs", "PAIRED": paired and gs == K_CHUNK}
-                       if overlap else {}),
-                    **layouts(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_warps)),
-                    device_index)
+                self.kind = "gluon"
+                meta = dict(common, BLOCK_N=cfg.BLOCK_N, num_warps=cfg.num_warps,
+                            **({"maxnreg": cap} if cap else {}),
+                            **({"WORDS_IN_REGS": cfg.kernel == "gluon_overlap_regs", "PAIRED": paired and gs == K_CHUNK}
+                               if overlap else {}),
+                            **layouts(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_warps))
+                self.gemm = Launch(w4a16_gluon_overlap_kernel if overlap else w4a16_gluon_kernel, meta, device_index)
+                if overlap and eager_fixup:
+                    self.eager = Launch(w4a16_gluon_overlap_kernel, dict(meta, PDL_EARLY=False, FIXUP=True),
+                                        device_index)
         elif cfg.kernel == "gemv" and tensor_core_gemv:  # (takes no g_idx pointer)
             self.kind = "gemv_mma"
             sa = scale_acc(cfg, group_size, has_gidx)
@@ -590,6 +610,8 @@ class _GemmPlan(Plan):
                                                              BLOCK=_REDUCE_BLOCK, num_warps=4, PDL=chained,
                                                              **({"launch_pdl": True} if chained else {})),
                                  device_index)
+        # split-K summed in the kernel outside captures (the eager launch, or the GEMV's only one)
+        self.in_gemm = self.fixup or self.eager is not None
 
     def __call__(self, out, y, x, qweight, scales, z_arg, sorted_g_idx, bias, M, N, K, sqn, ssn,
                  x_tensor: Optional[torch.Tensor] = None) -> None:
@@ -602,30 +624,52 @@ class _GemmPlan(Plan):
         Triton makes them constexprs."""
         cfg = self.config
         split = cfg.SPLIT_K
-        ws = None if split == 1 else out.new_empty((split, M, N), dtype=torch.float32)
         tiles_n = -(-N // cfg.BLOCK_N)
         kind = self.kind
         sym = out.stride(0)
-        sync = None  # (the GEMVs' tile counters: FIXUP)
-        if self.fixup:  # the current stream's (a tensor for the JIT's first call)
-            sync = sync_buffer(*self.sync_at)
-            sync = sync if self.gemm.run is None else sync.data_ptr()
+        gemm, eager = self.gemm, self.eager
+        ws = sync = None  # the split-K workspace; the tile counters of a kernel that adds its slices
+        if self.in_gemm and not (self.sync_at[1] >= 0 and capturing()):
+            # outside a capture: the stream's counters and workspace (tensors for the JIT's first call)
+            sc = eager_scratch(*self.sync_at, split * M * N)
+            ws, sync = (sc.ws, sc.sync) if (eager or gemm).run is None else (sc.ws_ptr, sc.sync_ptr)
+            if eager is not None:  # the overlap kernel adding its slices: one launch
+                grid = (-(-M // cfg.BLOCK_M) * tiles_n, split)
+                eager(grid, x, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym, sqn, ssn, sync)
+                if gemm.run is None:  # the first call: bind the capture path too (no launch)
+                    gemm.prepare(grid, x, qweight, scales, z_arg, bias, y, sc.ws, M, N, K, K, sym, sqn, ssn, None)
+                    self.reduce.prepare((-(-(M * N) // _REDUCE_BLOCK), 1), sc.ws, bias, y, M, N, sym)
+                return
+        elif split > 1:
+            ws = out.new_empty((split, M, N), dtype=torch.float32)
+            if self.fixup:  # (a GEMV being captured)
+                sync = sync_buffer(*self.sync_at)
+                sync = sync if gemm.run is None else sync.data_ptr()
         if kind == "gemv_mma":
-            self.gemm((tiles_n, split), x, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym, sqn, ssn, sync)
+            gemm((tiles_n, split), x, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym, sqn, ssn, sync)
         elif kind == "gemv":
-            self.gemm((tiles_n, split), x, qweight, scales, z_arg, sorted_g_idx, bias, y, ws, M, N, K, K, sym, sqn,
-                      ssn, sync)
+            gemm((tiles_n, split), x, qweight, scales, z_arg, sorted_g_idx, bias, y, ws, M, N, K, K, sym, sqn, ssn,
+                 sync)
         else:
             grid = (-(-M // cfg.BLOCK_M) * tiles_n, split)
-            if kind == "gluon":  # (no g_idx pointer)
-                self.gemm(grid, x, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym, sqn, ssn)
+            if kind == "gluon" and self.overlap:  # (no g_idx pointer; the tile counters' pointer: None here)
+                gemm(grid, x, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym, sqn, ssn, None)
+                if eager is not None and eager.run is None:  # (a first call inside a capture)
+                    sc = eager_scratch(*self.sync_at, split * M * N)
+                    eager.prepare(grid, x, qweight, scales, z_arg, bias, y, sc.ws, M, N, K, K, sym, sqn, ssn,
+                                  sc.sync)
+            elif kind == "gluon":
+                gemm(grid, x, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym, sqn, ssn)
             elif kind == "gluon_pipe":  # x also as its TMA descriptor
                 desc = self.x_desc(x if x_tensor is None else x_tensor)
-                self.gemm(grid, x, desc, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym, sqn, ssn)
+                gemm(grid, x, desc, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym, sqn, ssn)
             else:
-                self.gemm(grid, x, qweight, scales, z_arg, sorted_g_idx, bias, y, ws, M, N, K, K, sym, sqn, ssn)
+                gemm(grid, x, qweight, scales, z_arg, sorted_g_idx, bias, y, ws, M, N, K, K, sym, sqn, ssn)
         if self.reduce is not None:
             self.reduce((-(-(M * N) // _REDUCE_BLOCK), 1), ws, bias, y, M, N, sym)
+
+    def bound(self) -> bool:
+        return super().bound() and (self.eager is None or self.eager.run is not None)
 
 
 class _DequantPlan(Plan):
@@ -739,7 +783,7 @@ def w4a16_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                               mma_asm=use_asm and has_mma_asm(x),
                               tensor_core_gemv=gemv_on_tensor_cores(cfg, x, gs, sorted_g_idx is not None),
                               paired=pairable, bf16=x.dtype == torch.bfloat16, K=K, group_size=group_size,
-                              fixup=gemv_fixup(cfg, M, N),
+                              fixup=gemv_fixup(cfg, M, N), eager_fixup=overlap_fixup(cfg, M, N),
                               gluon=cfg.kernel in GLUON_KERNELS and gluon_applies(x, qweight, group_size,
                                                                                 sorted_g_idx is not None, use_asm)),
             lambda plan: plan(out, out, x, qweight, scales, z_arg, sorted_g_idx, bias, M, N, K, sqn, ssn),
@@ -773,6 +817,24 @@ def w4a16_gemm_impl(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     if x.is_cuda or use_triton(x):
         return w4a16_launch(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_features, group_size)
     return w4a16_reference(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_features, group_size)
+
+
+def w4a16_layer_impl(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     zeros: Optional[torch.Tensor], perm: Optional[torch.Tensor],
+                     sorted_g_idx: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                     in_features: int, group_size: int) -> torch.Tensor:
+    """w4a16_gemm_impl for QuantLinear.forward's direct call (runtime/dispatch.direct_call_ok: a
+    CUDA x), which has checked x (its dtype is the layer's scales' dtype, float16 or bfloat16;
+    (M, in_features)) and whose other operands are the layer's buffers, checked when it was built;
+    left to check here: that they are on x's device and qweight is int32. _validate's repeat of
+    the rest cost 2.5-4.5 us of host time a call on the H100 host (docs/perf_log.md v51)."""
+    dev = x.get_device()
+    if (dev < 0 or qweight.get_device() != dev or scales.get_device() != dev
+            or (zeros is not None and zeros.get_device() != dev) or (bias is not None and bias.get_device() != dev)):
+        check_devices(x=x, qweight=qweight, scales=scales, zeros=zeros, bias=bias)
+    if qweight.dtype is not torch.int32:
+        raise TypeError(f"qweight dtype {qweight.dtype} is not supported; allowed: torch.int32")
+    return w4a16_launch(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_features, group_size)
 
 
 def _w4a16_fake(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_features, group_size):

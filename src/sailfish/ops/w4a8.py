@@ -46,8 +46,8 @@ from ..runtime.launch import Launch
 from ..runtime.plan import Plan, keep, run_built, run_steady
 from ..tuning import (KERNELS, Config, Tuner, check_config, gemv_candidates, m_bucket, mma_candidates,
                       mma_heuristic, next_pow2, problem_key, scratch_runner, split_k_for)
-from .common import (GLUON_STEP, fixup_fits, gluon_device, gluon_overlap_split_ok, gluon_split_ok, invariant_config,
-                     sync_buffer)
+from .common import (GLUON_STEP, capturing, eager_scratch, fixup_fits, gluon_device, gluon_overlap_split_ok,
+                     gluon_split_ok, invariant_config, sync_buffer)
 
 ACT_DTYPES = HALF_DTYPES + (torch.float32,)
 # Rows up to this many channels are quantized from registers in one pass (at most 64 fp32
@@ -538,13 +538,19 @@ class _W4A8Plan(Plan):
         makes them constexprs)."""
         cfg = self.config
         split = cfg.SPLIT_K
-        sync = None
-        if self.fixup:  # the current stream's counters (a tensor for the JIT's first call)
-            sync = sync_buffer(*self.sync_at)
-            sync = sync if self.gemm.run is None else sync.data_ptr()
         # split-K: int32 (fp8: float32) partial sums in a (split, M, N) workspace, added in a
-        # fixed order (int32: exactly) by the reduce kernel or, fixup, the tile's last slice
-        ws = None if split == 1 else out.new_empty((split, M, N), dtype=self.ws_dtype)
+        # fixed order (int32: exactly) by the reduce kernel or, fixup, the tile's last slice with
+        # the stream's tile counters; outside a capture the stream's workspace and counters
+        # (ops/common.eager_scratch; tensors for the JIT's first call)
+        ws = sync = None
+        if self.fixup and not (self.sync_at[1] >= 0 and capturing()):
+            sc = eager_scratch(*self.sync_at, split * M * N)
+            ws, sync = (sc.ws.view(self.ws_dtype), sc.sync) if self.gemm.run is None else (sc.ws_ptr, sc.sync_ptr)
+        elif split > 1:
+            ws = out.new_empty((split, M, N), dtype=self.ws_dtype)
+            if self.fixup:
+                sync = sync_buffer(*self.sync_at)
+                sync = sync if self.gemm.run is None else sync.data_ptr()
         target = ws if self.reduce is not None else y
         tiles_n = _cdiv(N, cfg.BLOCK_N)
         if self.kind == "gluon_pipe":  # x_q as its TMA descriptor; the words' row stride in words

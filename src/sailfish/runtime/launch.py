@@ -92,6 +92,13 @@ class Launch:
         kernel = self.fn[grid](*args, **self.meta)
         self._bind(kernel, len(args))
 
+    def prepare(self, grid: Sequence[int], *args) -> None:
+        """Compile and bind the kernel for these arguments (as the first call would) without
+        launching it (Triton's warmup): for a plan's second path, which its first call did not
+        take (ops/w4a16.py _GemmPlan)."""
+        if self.run is None:
+            self._bind(self.fn.warmup(*args, grid=grid, **self.meta), len(args))
+
     def bound(self) -> bool:
         """Whether the compiled kernel is bound (later calls launch it directly)."""
         return self.run is not None
