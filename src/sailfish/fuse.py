@@ -51,7 +51,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import generation
+from . import generation, inductor
 from .formats.shard import concat_weight, shard_bias, shard_quantized, slice_weight
 from .moe import SHARED_MLP, SHARED_PROJECTIONS, QuantExperts
 from .nn import QuantLinear, QuantLinearW4A8, parent_prefix
@@ -649,7 +649,8 @@ def _norm_ok(module: nn.Module) -> bool:
 def fuse_row_ops(model: nn.Module) -> Dict[str, List[str]]:
     """Swap, in place, the model's Llama-formula RMSNorms for SailfishRMSNorm, every fused
     gate/up MLP of the checked form for a GatedMLP, and for W4A8 fused layers
-    defer the norm that feeds them into their input quantization (DeferredRMSNorm); run
+    defer the norm that feeds them into their input quantization (DeferredRMSNorm), with the pass
+    that folds each residual add into that norm under torch.compile (inductor.install); run
     its decode attention through sailfish::decode_attention (use_decode_attention); and its MoE
     routers of a known formula through sailfish::router_linear_topk (SailfishTopKRouter); and give
     transformers' generate() its decode step in CUDA graphs of Sailfish's (generation.install).
@@ -682,6 +683,8 @@ def fuse_row_ops(model: nn.Module) -> Dict[str, List[str]]:
                 new = SailfishRMSNorm(child)
                 done["norms"].append(full)
             module._modules[attr] = new
+    if done["deferred_norms"]:  # under torch.compile: each residual add into the norm op after it
+        inductor.install()
     return done
 
 

@@ -8,6 +8,9 @@ that a W4A8 GEMM takes the norm's (or the MLP activation's) output without a qua
     sailfish::silu_mul_quant(gu) -> (h_q, scales)                int8 (M, I), float32 (M,)
     sailfish::rms_norm_quant_fp8, sailfish::silu_mul_quant_fp8   the same with float8_e4m3fn codes
                                                                  (quantize_per_token_fp8's; sm_89+)
+    sailfish::add_rms_norm_quant(x, residual, weight, eps)       (x + residual, *rms_norm_quant of it)
+      (and _fp8)                                                 (the form a compiled graph's residual
+                                                                 add folds into: sailfish/inductor.py)
 
 M is the product of the leading dims, which may have any layout (_row_layout: read in place where
 one or two strides reach every row, e.g. Qwen3's q/k norms on (B, S, H, D) views of a fused
@@ -64,11 +67,11 @@ CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}  # the _quant for
 
 
 @lru_cache(maxsize=None)
-def _kernel(split: bool = False):
-    """kernels.rowwise's kernel (split: the split-row silu_mul_quant's), imported on first use
-    (after TRITON_INTERPRET is settled)."""
-    from ..kernels.rowwise import rowwise_kernel, silu_mul_quant_split_kernel
-    return silu_mul_quant_split_kernel if split else rowwise_kernel
+def _kernel(split: bool = False, add: bool = False):
+    """kernels.rowwise's kernel (split: the split-row silu_mul_quant's; add: the residual add with
+    the norm and quantization), imported on first use (after TRITON_INTERPRET is settled)."""
+    from ..kernels.rowwise import add_rms_norm_quant_kernel, rowwise_kernel, silu_mul_quant_split_kernel
+    return add_rms_norm_quant_kernel if add else silu_mul_quant_split_kernel if split else rowwise_kernel
 
 
 class _RowPlans:
@@ -100,6 +103,14 @@ def rms_norm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """quantize_per_token's reference (act_dtype "fp8": quantize_per_token_fp8's) of
     rms_norm_reference's output, as (M, K)."""
     return quantize_activations(rms_norm_reference(x, weight, eps).reshape(-1, x.shape[-1]), act_dtype)
+
+
+def add_rms_norm_quant_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                 act_dtype: str = "int8") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x + residual, *rms_norm_quant_reference of it): a decoder layer's residual add, then the
+    norm and quantization of the next W4A8 input."""
+    h = x + residual
+    return (h, *rms_norm_quant_reference(h, weight, eps, act_dtype))
 
 
 def silu_mul_quant_reference(gu: torch.Tensor, act_dtype: str = "int8") -> Tuple[torch.Tensor, torch.Tensor]:
@@ -147,6 +158,20 @@ def _check_rms(x, weight, eps, fake: bool = False) -> int:
         check_devices(True, x=x, weight=weight)
     elif x.get_device() != weight.get_device() or x.get_device() < 0:  # (-1: the CPU and meta alike)
         check_devices(x=x, weight=weight)
+    return k
+
+
+def _check_add(x, residual, weight, eps, fake: bool = False) -> int:
+    """_check_rms, and residual a tensor of x's shape, dtype and device."""
+    k = _check_rms(x, weight, eps, fake)
+    if not isinstance(residual, torch.Tensor) or residual.dtype != x.dtype or residual.shape != x.shape:
+        got = (f"{residual.dtype} {tuple(residual.shape)}" if isinstance(residual, torch.Tensor)
+               else type(residual).__name__)
+        raise ValueError(f"residual must be a tensor of x's dtype and shape ({x.dtype} {tuple(x.shape)}), got {got}")
+    if fake:
+        check_devices(True, x=x, residual=residual)
+    elif residual.get_device() != x.get_device():
+        check_devices(x=x, residual=residual)
     return k
 
 
@@ -255,6 +280,36 @@ def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, quant: Op
     return out if quant is None else (out, scales)
 
 
+def add_rms_norm_quant_launch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                              quant: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kernels/rowwise.add_rms_norm_quant_kernel on checked operands of a one-pass width (k <=
+    ROW_ONE_PASS_MAX): (x + residual in x's shape, codes (M, K), scales float32 (M,)); x and
+    residual read as contiguous rows (copied where they are not)."""
+    k = x.shape[-1]
+    M = x.numel() // k
+    out, scales = _outputs(x, M, k, None, quant)
+    h = x.new_empty(x.shape)
+    if not M:
+        return h, out, scales
+    x, residual, weight = x.contiguous(), residual.contiguous(), weight.contiguous()
+    meta = _tile(k, None)
+    grid = (-(-M // meta["ROWS"]), 1)
+    operands = (x, residual, weight, h, out, scales)
+    key = None
+    if x.is_cuda:
+        dev = x.get_device()
+        key = ("add", quant, dev, x.dtype, k)
+        if run_steady(_RowPlans, key, dev, x, grid, operands, (M, k, eps)):
+            return h, out, scales
+    launch = Launch(_kernel(add=True), dict(BLOCK_K=meta["BLOCK_K"], ROWS=meta["ROWS"], num_warps=meta["num_warps"],
+                                            FP8=quant == "fp8", EMU_BF16=x.dtype is torch.bfloat16 and not x.is_cuda),
+                    x.get_device())
+    with device_of(x):
+        launch(grid, *operands, M, k, eps)
+    keep(None if key is None else _RowPlans.plans, key, launch, *operands)
+    return h, out, scales
+
+
 def _split(M: int, i: int, quant: Optional[str], block_k: Optional[int], split: Optional[bool]) -> bool:
     """Whether silu_mul_launch splits each row over programs: asked (split), or by default a
     quantizing call of at most SPLIT_ROWS_MAX rows with two SPLIT_BLOCK parts a row or more."""
@@ -348,6 +403,22 @@ def rms_norm_quant_fp8_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -
     return rms_norm_quant_impl(x, weight, eps, "fp8")
 
 
+def add_rms_norm_quant_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            act_dtype: str = "int8") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x + residual, *rms_norm_quant(x + residual, weight, eps)) with the sum in x's shape: one
+    launch where the row fits one pass (ROW_ONE_PASS_MAX), else the add and rms_norm_quant."""
+    k = _check_add(x, residual, weight, eps)
+    check_act_dtype(act_dtype)
+    if use_triton(x) and k <= ROW_ONE_PASS_MAX:
+        return add_rms_norm_quant_launch(x, residual, weight, float(eps), act_dtype)
+    h = x + residual
+    return (h, *rms_norm_quant_impl(h, weight, eps, act_dtype))
+
+
+def add_rms_norm_quant_fp8_impl(x, residual, weight, eps):
+    return add_rms_norm_quant_impl(x, residual, weight, eps, "fp8")
+
+
 def silu_mul_impl(gu: torch.Tensor) -> torch.Tensor:
     """F.silu(gate) * up for gu (..., 2I) float16/bfloat16 = [gate | up] -> h (..., I) (contiguous),
     silu_mul_reference's numbers."""
@@ -385,6 +456,10 @@ def _rms_norm_quant_fake(x, weight, eps, act_dtype="int8"):
     return _quant_fake(x, _check_rms(x, weight, eps, fake=True), act_dtype)
 
 
+def _add_rms_norm_quant_fake(x, residual, weight, eps, act_dtype="int8"):
+    return (x.new_empty(x.shape), *_quant_fake(x, _check_add(x, residual, weight, eps, fake=True), act_dtype))
+
+
 def _silu_mul_fake(gu):
     return gu.new_empty((*gu.shape[:-1], _check_gu(gu, fake=True)))
 
@@ -399,6 +474,11 @@ rms_norm_quant = define_op("rms_norm_quant", _RMS + " -> (Tensor, Tensor)", rms_
                            _rms_norm_quant_fake)
 rms_norm_quant_fp8 = define_op("rms_norm_quant_fp8", _RMS + " -> (Tensor, Tensor)", rms_norm_quant_fp8_impl,
                                lambda x, weight, eps: _rms_norm_quant_fake(x, weight, eps, "fp8"))
+_ADD = "(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor, Tensor)"
+add_rms_norm_quant = define_op("add_rms_norm_quant", _ADD, add_rms_norm_quant_impl, _add_rms_norm_quant_fake)
+add_rms_norm_quant_fp8 = define_op("add_rms_norm_quant_fp8", _ADD, add_rms_norm_quant_fp8_impl,
+                                   lambda x, residual, weight, eps: _add_rms_norm_quant_fake(x, residual, weight, eps,
+                                                                                             "fp8"))
 silu_mul = define_op("silu_mul", "(Tensor gu) -> Tensor", silu_mul_impl, _silu_mul_fake)
 silu_mul_quant = define_op("silu_mul_quant", "(Tensor gu) -> (Tensor, Tensor)", silu_mul_quant_impl,
                            _silu_mul_quant_fake)
