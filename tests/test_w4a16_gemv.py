@@ -477,6 +477,24 @@ def test_gemv_split_k_in_one_launch(m, gs, sym, dtype, bias, cfg, device, monkey
     assert not sync_buffer(x.device, x.get_device()).any(), "tile counters left non-zero"
 
 
+def test_eager_scratch_is_kept_per_stream_and_grows():
+    """The split-K workspace of calls outside a capture (ops/common.eager_scratch): one per stream,
+    reused while it is large enough, grown to a power of two when it is not, its counters the
+    stream's sync_buffer."""
+    from sailfish.ops.common import eager_scratch, sync_buffer
+
+    dev, index = (torch.device("cuda", 0), 0) if torch.cuda.is_available() else (torch.device("cpu"), -1)
+    first = eager_scratch(dev, index, 1000)
+    size = first.ws.numel()
+    assert size >= 1000 and size & (size - 1) == 0 and first.ws.dtype == torch.float32
+    assert first.ws_ptr == first.ws.data_ptr() and first.sync is sync_buffer(dev, index)
+    assert first.sync_ptr == first.sync.data_ptr()
+    again = eager_scratch(dev, index, size)
+    assert again is first and again.ws.numel() == size
+    grown = eager_scratch(dev, index, size + 1)
+    assert grown is first and grown.ws.numel() == 2 * size and grown.ws_ptr == grown.ws.data_ptr()
+
+
 def test_gemv_fixup_rule(monkeypatch):
     """The fixup takes the split-K GEMVs only, while the tile counters serve the launch
     (ops/common.py fixup_fits), and SAILFISH_SPLIT_FIXUP=0 turns it off."""

@@ -208,6 +208,8 @@ def eager_scratch(device: torch.device, device_index: int, numel: int) -> _Scrat
         entry = _SCRATCH[key] = _Scratch()
         entry.sync = sync_buffer(device, device_index)
         entry.sync_ptr = entry.sync.data_ptr()
+    elif device_index >= 0:  # (the smaller one may still be read on this stream: not reused before)
+        entry.ws.record_stream(torch.cuda.current_stream(device_index))
     n = 1 << max(numel - 1, 1).bit_length()
     entry.ws = (torch.zeros(n, dtype=torch.int32, device=device) if device_index < 0
                 else _kept_zeros(device, device_index, n, 1)[0]).view(torch.float32)

@@ -654,10 +654,10 @@ class _GemmPlan(Plan):
             grid = (-(-M // cfg.BLOCK_M) * tiles_n, split)
             if kind == "gluon" and self.overlap:  # (no g_idx pointer; the tile counters' pointer: None here)
                 gemm(grid, x, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym, sqn, ssn, None)
-                if eager is not None and eager.run is None:  # (a first call inside a capture)
-                    sc = eager_scratch(*self.sync_at, split * M * N)
-                    eager.prepare(grid, x, qweight, scales, z_arg, bias, y, sc.ws, M, N, K, K, sym, sqn, ssn,
-                                  sc.sync)
+                if eager is not None and eager.run is None:  # (a first call inside a capture: no
+                    # eager_scratch here, whose first workspace would synchronize a stream)
+                    eager.prepare(grid, x, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym, sqn, ssn,
+                                  sync_buffer(*self.sync_at))
             elif kind == "gluon":
                 gemm(grid, x, qweight, scales, z_arg, bias, y, ws, M, N, K, K, sym, sqn, ssn)
             elif kind == "gluon_pipe":  # x also as its TMA descriptor
