@@ -224,6 +224,23 @@ def _row_layout(x: torch.Tensor) -> Optional[Tuple[int, int, int]]:
     return None if outer is None else (outer, *dims[-1])
 
 
+def _run_kept(x: torch.Tensor, key: tuple, grid: tuple, operands: tuple, tail: tuple, make) -> None:
+    """Launch a row kernel on operands + tail: through the plan kept under (key, x's device) when
+    there is one (CUDA; runtime/plan.py run_steady), else through Triton's JIT with the (kernel,
+    constexprs) make() returns (built only then: a steady call is the lookup and the launch),
+    keeping the bound launch for the next call."""
+    full = None
+    if x.is_cuda:
+        dev = x.get_device()
+        full = (*key, dev)
+        if run_steady(_RowPlans, full, dev, x, grid, operands, tail):
+            return
+    launch = Launch(*make(), x.get_device())
+    with device_of(x):
+        launch(grid, *operands, *tail)
+    keep(None if full is None else _RowPlans.plans, full, launch, *operands)
+
+
 def _launch_rows(rms: bool, x: torch.Tensor, M: int, operands: tuple, n: int, eps: float, quant: Optional[str],
                  block_k: Optional[int]) -> None:
     """rowwise_kernel over the M > 0 rows of x (..., width) for n outputs each: operands (w, out,
@@ -240,18 +257,9 @@ def _launch_rows(rms: bool, x: torch.Tensor, M: int, operands: tuple, n: int, ep
         sxi = 1  # (unused: the same key and specialization whatever it was)
     meta = _tile(n, block_k)
     grid = (-(-M // meta["ROWS"]), 1)
-    operands = (x, *operands)
-    key = None
-    if x.is_cuda:
-        dev = x.get_device()
-        key = (rms, quant, dev, x.dtype, n, sxm, inner, sxi, block_k)
-        if run_steady(_RowPlans, key, dev, x, grid, operands, (M, n, sxm, inner, sxi, eps)):
-            return
-    launch = Launch(_kernel(), dict(meta, RMS=rms, QUANT=quant is not None, FP8=quant == "fp8",
-                                    EMU_BF16=x.dtype is torch.bfloat16 and not x.is_cuda), x.get_device())
-    with device_of(x):
-        launch(grid, *operands, M, n, sxm, inner, sxi, eps)
-    keep(None if key is None else _RowPlans.plans, key, launch, *operands)
+    _run_kept(x, (rms, quant, x.dtype, n, sxm, inner, sxi, block_k), grid, (x, *operands), (M, n, sxm, inner, sxi, eps),
+              lambda: (_kernel(), dict(meta, RMS=rms, QUANT=quant is not None, FP8=quant == "fp8",
+                                       EMU_BF16=x.dtype is torch.bfloat16 and not x.is_cuda)))
 
 
 def _outputs(x: torch.Tensor, M: int, n: int, shape, quant: Optional[str]):
@@ -294,19 +302,10 @@ def add_rms_norm_quant_launch(x: torch.Tensor, residual: torch.Tensor, weight: t
     x, residual, weight = x.contiguous(), residual.contiguous(), weight.contiguous()
     meta = _tile(k, None)
     grid = (-(-M // meta["ROWS"]), 1)
-    operands = (x, residual, weight, h, out, scales)
-    key = None
-    if x.is_cuda:
-        dev = x.get_device()
-        key = ("add", quant, dev, x.dtype, k)
-        if run_steady(_RowPlans, key, dev, x, grid, operands, (M, k, eps)):
-            return h, out, scales
-    launch = Launch(_kernel(add=True), dict(BLOCK_K=meta["BLOCK_K"], ROWS=meta["ROWS"], num_warps=meta["num_warps"],
-                                            FP8=quant == "fp8", EMU_BF16=x.dtype is torch.bfloat16 and not x.is_cuda),
-                    x.get_device())
-    with device_of(x):
-        launch(grid, *operands, M, k, eps)
-    keep(None if key is None else _RowPlans.plans, key, launch, *operands)
+    _run_kept(x, ("add", quant, x.dtype, k), grid, (x, residual, weight, h, out, scales), (M, k, eps),
+              lambda: (_kernel(add=True), dict(BLOCK_K=meta["BLOCK_K"], ROWS=meta["ROWS"], num_warps=meta["num_warps"],
+                                               FP8=quant == "fp8",
+                                               EMU_BF16=x.dtype is torch.bfloat16 and not x.is_cuda)))
     return h, out, scales
 
 
@@ -342,21 +341,13 @@ def _launch_split(gu: torch.Tensor, M: int, i: int, out: torch.Tensor, scales: t
     pam = gu.new_empty((M, width), dtype=torch.float32)
     sync = sync_buffer(gu.device, gu.get_device())
     grid = (M, parts)
-    operands = (gu, h, pam, out, scales, sync)
-    key = None
-    if gu.is_cuda:
-        dev = gu.get_device()
-        key = ("split", quant, dev, gu.dtype, i, sam, bk)
-        if run_steady(_RowPlans, key, dev, gu, grid, operands, (M, i, sam)):
-            return
-    block_q = min(max(16, next_pow2(i)), ROW_ONE_PASS_MAX)  # the last program's pass over the row
-    meta = dict(BLOCK_K=bk, PARTS=width, BLOCK_Q=block_q, FP8=quant == "fp8",
-                EMU_BF16=gu.dtype is torch.bfloat16 and not gu.is_cuda,
-                num_warps=max(_tile(bk, None)["num_warps"], _tile(block_q, None)["num_warps"]))
-    launch = Launch(_kernel(split=True), meta, gu.get_device())
-    with device_of(gu):
-        launch(grid, *operands, M, i, sam)
-    keep(None if key is None else _RowPlans.plans, key, launch, *operands)
+    def make():
+        block_q = min(max(16, next_pow2(i)), ROW_ONE_PASS_MAX)  # the last program's pass over the row
+        return _kernel(split=True), dict(BLOCK_K=bk, PARTS=width, BLOCK_Q=block_q, FP8=quant == "fp8",
+                                         EMU_BF16=gu.dtype is torch.bfloat16 and not gu.is_cuda,
+                                         num_warps=max(_tile(bk, None)["num_warps"], _tile(block_q, None)["num_warps"]))
+
+    _run_kept(gu, ("split", quant, gu.dtype, i, sam, bk), grid, (gu, h, pam, out, scales, sync), (M, i, sam), make)
 
 
 def silu_mul_launch(gu: torch.Tensor, quant: Optional[str] = None, block_k: Optional[int] = None,

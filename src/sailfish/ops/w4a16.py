@@ -828,10 +828,7 @@ def w4a16_layer_impl(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     (M, in_features)) and whose other operands are the layer's buffers, checked when it was built;
     left to check here: that they are on x's device and qweight is int32. _validate's repeat of
     the rest cost 2.5-4.5 us of host time a call on the H100 host (docs/perf_log.md v51)."""
-    dev = x.get_device()
-    if (dev < 0 or qweight.get_device() != dev or scales.get_device() != dev
-            or (zeros is not None and zeros.get_device() != dev) or (bias is not None and bias.get_device() != dev)):
-        check_devices(x=x, qweight=qweight, scales=scales, zeros=zeros, bias=bias)
+    _check_one_device(x, qweight, scales, zeros, bias)
     if qweight.dtype is not torch.int32:
         raise TypeError(f"qweight dtype {qweight.dtype} is not supported; allowed: torch.int32")
     return w4a16_launch(x, qweight, scales, zeros, perm, sorted_g_idx, bias, in_features, group_size)
@@ -864,7 +861,13 @@ def _validate(x, qweight, scales, zeros, bias, in_features) -> None:
         raise ValueError(f"qweight must be int32 (N, Kp/8) with Kp a multiple of {K_PAD}")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != qweight.shape[0]):
         raise ValueError(f"bias must have shape ({qweight.shape[0]},), got {tuple(bias.shape)}")
-    dev = x.get_device()  # (ints: comparing torch.device objects costs ~0.3 us each)
+    _check_one_device(x, qweight, scales, zeros, bias)
+
+
+def _check_one_device(x, qweight, scales, zeros, bias) -> None:
+    """check_devices, called only when the cheap get_device() comparison fails or gives -1
+    (ints: comparing torch.device objects costs ~0.3 us each)."""
+    dev = x.get_device()
     if (dev < 0 or qweight.get_device() != dev or scales.get_device() != dev
             or (zeros is not None and zeros.get_device() != dev) or (bias is not None and bias.get_device() != dev)):
         check_devices(x=x, qweight=qweight, scales=scales, zeros=zeros, bias=bias)
