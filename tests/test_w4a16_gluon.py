@@ -228,6 +228,40 @@ def test_overlap_split_k_eager_and_captured_agree(m, k, dtype, bias, cfg):
     assert torch.equal(again, y)
 
 
+@pytest.mark.skipif(not _on_hopper(), reason="the Gluon overlap kernel's two split-K forms, on an sm_90 GPU")
+def test_overlap_split_k_first_call_captured():
+    """A plan whose first call is inside a CUDA graph capture (no eager warm-up) binds the
+    captured path and, without a launch, the eager one, using the capture's own workspace (the
+    stream's eager_scratch would synchronize inside the capture): the replay and a later eager
+    call give the same bits as a plan warmed up eagerly."""
+    m, k, dtype, cfg = 16, 2048, F16, _overlap(16, 64, 4, 4, 4)
+    layer = _layer(k, 200, 128, dtype, True, "cuda")
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    args = (x, layer.qweight, layer.scales, layer.scales, None, layer.bias, m, 200, k, layer.qweight.stride(0),
+            layer.scales.stride(0))
+    ptrs = tuple(None if t is None else t.data_ptr() for t in args[:6])
+
+    def plan():
+        return ops16._GemmPlan(cfg, 0, gs=128, has_zeros=False, has_gidx=False, has_bias=True, emu=False, asm=True,
+                               mma_asm=True, tensor_core_gemv=False, paired=True, bf16=False, K=k, group_size=128,
+                               gluon=True, eager_fixup=True)
+
+    want = torch.full((m, 200), float("nan"), device="cuda", dtype=dtype)
+    plan()(want, want, *args)
+    fresh = plan()
+    got = torch.full_like(want, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fresh(got, got, *args)  # (a first call passes tensors: Triton specializes on them)
+    assert fresh.bound()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    again = torch.full_like(want, float("nan"))
+    fresh(again, again.data_ptr(), *ptrs, *args[6:])
+    assert torch.equal(again, want)
+
+
 @pytest.mark.parametrize("cfg,match", [
     (Config(16, 64, 128, 1, 8, 4, 3, kernel="gluon"), "BLOCK_K=256"),
     (Config(128, 64, 256, 1, 8, 4, 3, kernel="gluon"), "BLOCK_M in"),

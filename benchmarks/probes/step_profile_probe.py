@@ -3,13 +3,17 @@ Qwen3-MoE-shaped model at batch 1 compiled is 1.62x bf16 where a CUDA graph give
 perf_log v44).
 
     PYTHONPATH=src python benchmarks/probes/step_profile_probe.py [--model qwen3-moe] [--layers 2]
-        [--variants bf16,w4a16-bf16] [--batch 1] [--steps 20] [--top 25]
+        [--variants bf16,w4a16-bf16] [--batch 1] [--steps 20] [--top 25] [--graph]
 
 Per variant: the e2e benchmark's decode step (bench/llama.py Decoder, static cache of --context
 tokens, the steps at its last positions) compiled as the e2e's compile mode does
 (torch.compile(fullgraph=True, dynamic=False)), warmed up, then --steps steps (no CUDA graph)
 under torch.profiler; prints the --top CUDA kernels by total device time per step (us) and
-their launches per step, and the sum of every kernel per step. Needs CUDA.
+their launches per step, and the sum of every kernel per step. --graph: the compiled step
+captured in one CUDA graph as the e2e's compile mode times it, --steps replays profiled, and
+every kernel of the step in launch order with its median duration and its median gap after the
+previous kernel's end (what a graph loses between kernels: issue 39's W4A8 gap, perf_log v52).
+Needs CUDA.
 """
 import argparse
 from collections import defaultdict
@@ -28,6 +32,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--graph", action="store_true")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -46,6 +51,11 @@ def main() -> None:
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
+        if a.graph:
+            _graph_timeline(fn, a, name)
+            del model, dec, fn
+            torch._dynamo.reset()
+            continue
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(a.steps):
                 fn()
@@ -63,6 +73,43 @@ def main() -> None:
         del model, dec, fn
         torch._dynamo.reset()
         torch.cuda.empty_cache()
+
+
+def _graph_timeline(fn, a, name: str) -> None:
+    """Profile --steps replays of one CUDA graph of fn; print each kernel of the step in order
+    with its median duration and median gap after the previous kernel's end (us)."""
+    import statistics
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from sailfish.bench.timing import capture_graph
+
+    graph = capture_graph([fn])
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.steps):
+            graph.replay()
+        torch.cuda.synchronize()
+    ev = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower()
+                 and "memset" not in e.name.lower()), key=lambda t: t[0])
+    per = len(ev) // a.steps
+    if per == 0 or per * a.steps != len(ev):
+        print(f"{name}: {len(ev)} kernel events for {a.steps} replays: not a whole number per replay")
+        return
+    reps = [ev[i * per:(i + 1) * per] for i in range(a.steps)]
+    span = statistics.median(r[-1][1] - r[0][0] for r in reps)
+    print(f"\n{torch.cuda.get_device_name()} {a.model} L{a.layers} {name} batch {a.batch}, one CUDA graph: "
+          f"{per} kernels, first start to last end {span:.1f} us (median of {a.steps} replays)")
+    dsum = gsum = 0.0
+    for i in range(per):
+        d = statistics.median(r[i][1] - r[i][0] for r in reps)
+        g = statistics.median(r[i][0] - r[i - 1][1] for r in reps) if i else 0.0
+        dsum, gsum = dsum + d, gsum + g
+        print(f"  {i:3d} gap {g:5.2f} dur {d:6.2f}  {reps[0][i][2][:100]}")
+    print(f"  kernels {dsum:.1f} us, gaps {gsum:.1f} us")
 
 
 if __name__ == "__main__":
