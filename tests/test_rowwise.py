@@ -406,6 +406,30 @@ def test_kept_plans_and_cuda_graphs():
         for g, e in zip(got, f(new)):
             assert torch.equal(g, e)
 
+def test_row_kernels_launch_as_dependents(device, monkeypatch):
+    """On Hopper the row kernels are launched as programmatic dependents (ops/common.as_dependent:
+    PDL, the kernel waiting first, and launch_pdl), so that a W4A8 GEMM or the decode attention
+    that releases early hides their launch (docs/perf_log.md v52); on the CPU and with
+    SAILFISH_PDL=0 they are plain launches, and the numbers are the same either way."""
+    from sailfish.ops.common import as_dependent
+    from sailfish.runtime import device as D
+
+    dev = 0 if device == "cuda" else -1
+    want = {"PDL": True, "launch_pdl": True} if D.pdl(dev) else {}
+    assert as_dependent(dev) == want and as_dependent(-1) == {}
+    monkeypatch.setenv("SAILFISH_PDL", "0")
+    assert as_dependent(dev) == {}
+    monkeypatch.delenv("SAILFISH_PDL")
+    x = _wide_range((3, 4096), torch.float16, device)
+    w = torch.rand(4096, device=device).half() + 0.5
+    R._RowPlans.plans.clear()
+    q, sc = R.rms_norm_launch(x, w, EPS, "int8")
+    if device == "cuda":
+        (launch,) = R._RowPlans.plans.values()
+        assert {k: launch.meta.get(k) for k in want} == want and ("PDL" in launch.meta) == bool(want)
+    assert_quant_of(q, sc, R.rms_norm_launch(x, w, EPS))
+
+
 _SM90_CHILD = r"""
 import triton
 from triton.backends.compiler import GPUTarget
@@ -440,6 +464,35 @@ for dt, codes in [("*fp16", "*i8"), ("*bf16", "*fp8e4nv")]:
     assert ".acq_rel.add" in ptx and "ld.global.cg" in ptx, consts  # (the row counter, h read past L1)
     rep = ptxas_report(ptx)
     assert " 0 bytes spill stores" in rep, rep[-400:]
+# launched as programmatic dependents (ops/common.as_dependent): griddepcontrol.wait comes before
+# every global load and atomic, in the PTX and in the SASS (ACQBULK before the first LDG / ATOM)
+from sailfish.kernels.rowwise import add_rms_norm_quant_kernel
+from sailfish.kernels.w4a8 import _quantize_per_token_kernel
+from sailfish.tools.ptx import sass
+dependents = [
+    (rowwise_kernel, dict(sig, out_ptr="*i8"), dict(RMS=True, BLOCK_K=4096, ROWS=1, ONE_PASS=True, QUANT=True,
+                                                    FP8=False, EMU_BF16=False), 8),
+    (silu_mul_quant_split_kernel, {"a_ptr": "*fp16", "h_ptr": "*fp16", "pam_ptr": "*fp32", "out_ptr": "*i8",
+                                   "s_ptr": "*fp32", "sync_ptr": "*i32", "M": "i32", "n": "i32", "stride_am": "i32"},
+     dict(BLOCK_K=2048, PARTS=8, BLOCK_Q=16384, FP8=False, EMU_BF16=False), 16),
+    (add_rms_norm_quant_kernel, {"a_ptr": "*fp16", "b_ptr": "*fp16", "w_ptr": "*fp16", "sum_ptr": "*fp16",
+                                 "out_ptr": "*i8", "s_ptr": "*fp32", "M": "i32", "n": "i32", "eps": "fp32"},
+     dict(BLOCK_K=4096, ROWS=1, FP8=False, EMU_BF16=False), 8),
+    (_quantize_per_token_kernel, {"x_ptr": "*fp16", "xq_ptr": "*i8", "s_ptr": "*fp32", "K": "i32", "stride_xm": "i32",
+                                  "stride_qm": "i32"}, dict(BLOCK_K=4096, ONE_PASS=True, FP8=False), 8),
+]
+for fn, s, consts, warps in dependents:
+    for on in (False, True):
+        k = triton.compile(ast_source(fn, s, dict(consts, PDL=on)), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": warps, "launch_pdl": on})
+        lines = [ln.strip() for ln in k.asm["ptx"].splitlines()]
+        waits = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait")]
+        mem = [i for i, ln in enumerate(lines) if "ld.global" in ln or "atom.global" in ln]
+        assert len(waits) == on and (not on or waits[0] < mem[0]), (fn.__name__, on)
+        if on:
+            code = sass(k.asm["cubin"]).splitlines()
+            acq = next(i for i, ln in enumerate(code) if "ACQBULK" in ln)
+            assert acq < next(i for i, ln in enumerate(code) if "LDG" in ln or "ATOM" in ln), fn.__name__
 print("checked")
 """
 

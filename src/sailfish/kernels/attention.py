@@ -28,7 +28,7 @@ Design (why):
 import triton
 import triton.language as tl
 
-from .common import cast_out, last_slice, round_bf16_emu
+from .common import cast_out, last_slice, pdl_release, round_bf16_emu
 from .w4a8 import to_f32
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -61,11 +61,13 @@ def decode_attention_kernel(
         sqb, sqh, skb, skh, skl, svb, svh, svl, smb, smh, sml, sob, soh,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr, MASK: tl.constexpr, EMU_BF16: tl.constexpr,
-        SPLITS_P2: tl.constexpr = 1, G_P2: tl.constexpr = 1, CS: tl.constexpr = 1):
+        SPLITS_P2: tl.constexpr = 1, G_P2: tl.constexpr = 1, CS: tl.constexpr = 1, PDL_EARLY: tl.constexpr = False):
     """q (B, Hq, 1, D), k / v (B, Hkv, L, D) with a unit-stride last dim; out (B, 1, Hq, D);
     MASK 0: none, 1: boolean (stored as int8 / bool), 2: additive (the query dtype or fp32).
     ws: fp32 (SPLITS, B * Hq, D) partial outputs, ml: fp32 (SPLITS, B * Hq, 2) max and sum,
-    cnt: int32, one counter per (sequence, KV head) (SPLITS > 1 only)."""
+    cnt: int32, one counter per (sequence, KV head) (SPLITS > 1 only). PDL_EARLY: the next grid
+    (a row kernel launched as a programmatic dependent, which waits itself) may launch at once."""
+    pdl_release(PDL_EARLY)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // HKV

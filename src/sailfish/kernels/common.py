@@ -121,8 +121,9 @@ def join8(n0, n1, n2, n3, n4, n5, n6, n7):
 # at once (pdl_release) and the reduce waits (pdl_wait, griddepcontrol.wait: every write of
 # the previous grid is visible after it) before reading the partial sums. Measured (H200, same
 # run, off / on): M = 16 4096x4096 8.9 -> 8.0 us, 4096x6144 10.0 -> 9.7, 14336x4096 18.6 ->
-# 18.1; elsewhere within noise (docs/perf_log.md v16). Off: no-ops, nothing is emitted (CPU
-# interpreter, pre-Hopper GPUs).
+# 18.1; elsewhere within noise (docs/perf_log.md v16). The row kernels after W4A8's GEMMs and
+# the decode attention wait the same way (ops/common.as_dependent; v52: -0.06 ms a W4A8 decode
+# step at batch 16). Off: no-ops, nothing is emitted (CPU interpreter, pre-Hopper GPUs).
 @triton.jit
 def pdl_release(PDL: tl.constexpr):
     """Let the next grid in the stream launch now (it waits itself for what it reads)."""

@@ -37,7 +37,7 @@ Design (why):
 import triton
 import triton.language as tl
 
-from .common import SYNC_TILES, cast_out, last_slice, round_bf16_emu
+from .common import SYNC_TILES, cast_out, last_slice, pdl_wait, round_bf16_emu
 from .w4a8 import abs_or_inf, quantize_scaled, to_f32, token_scale
 
 
@@ -106,7 +106,7 @@ def _chunk(a_rows, w_ptr, cols, k0, n, row_ok, r, RMS: tl.constexpr, DTYPE: tl.c
 @triton.jit(do_not_specialize=["M"])
 def rowwise_kernel(a_ptr, w_ptr, out_ptr, s_ptr, M, n, stride_am, inner, stride_ai, eps,
                    RMS: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, ONE_PASS: tl.constexpr,
-                   QUANT: tl.constexpr, FP8: tl.constexpr, EMU_BF16: tl.constexpr):
+                   QUANT: tl.constexpr, FP8: tl.constexpr, EMU_BF16: tl.constexpr, PDL: tl.constexpr = False):
     """a (M, *), row r at (r // inner) * stride_am + (r % inner) * stride_ai (inner = 1: rows
     stride_am apart; two levels: e.g. a (B, S, H, D) view of a fused q/k/v output, B * S
     outer rows stride_am apart, H inner ones stride_ai apart) -> out (M, n) contiguous in a's
@@ -114,6 +114,7 @@ def rowwise_kernel(a_ptr, w_ptr, out_ptr, s_ptr, M, n, stride_am, inner, stride_
     a (M, n) with weight w (n,) and eps; else silu(gate) * up with a = [gate | up] (M, 2n) (w and
     eps unused). QUANT: out the int8 codes (FP8: float8 e4m3) and s_ptr the float32 (M,) scales of
     quantize_per_token(out) (FP8: quantize_per_token_fp8) instead."""
+    pdl_wait(PDL)  # (PDL: launched as a programmatic dependent of the kernel before it)
     DTYPE: tl.constexpr = a_ptr.dtype.element_ty
     QMAX: tl.constexpr = 448.0 if FP8 else 127.0
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -159,7 +160,7 @@ def rowwise_kernel(a_ptr, w_ptr, out_ptr, s_ptr, M, n, stride_am, inner, stride_
 @triton.jit(do_not_specialize=["M"])
 def silu_mul_quant_split_kernel(a_ptr, h_ptr, pam_ptr, out_ptr, s_ptr, sync_ptr, M, n, stride_am,
                                 BLOCK_K: tl.constexpr, PARTS: tl.constexpr, BLOCK_Q: tl.constexpr,
-                                FP8: tl.constexpr, EMU_BF16: tl.constexpr):
+                                FP8: tl.constexpr, EMU_BF16: tl.constexpr, PDL: tl.constexpr = False):
     """rowwise_kernel's silu(gate) * up + quantization (QUANT, not RMS) for a few long rows, each
     split over programs: grid (M, cdiv(n, BLOCK_K)). Why: one program a row leaves all but M SMs
     idle, and a 14336-channel row's exp and IEEE divisions on one SM took 6.2 us at M = 16 (H100;
@@ -171,6 +172,7 @@ def silu_mul_quant_split_kernel(a_ptr, h_ptr, pam_ptr, out_ptr, s_ptr, sync_ptr,
     once up to ops/rowwise.ROW_ONE_PASS_MAX, so the loads are in flight together), and puts the
     counter back to zero. The codes and scale are rowwise_kernel's bit for bit: the same rounded
     outputs, maximum (max is exact in any order) and token_scale / quantize_scaled."""
+    pdl_wait(PDL)  # (PDL: launched as a programmatic dependent of the kernel before it)
     DTYPE: tl.constexpr = a_ptr.dtype.element_ty
     QMAX: tl.constexpr = 448.0 if FP8 else 127.0
     row = tl.program_id(0)
@@ -201,13 +203,15 @@ def silu_mul_quant_split_kernel(a_ptr, h_ptr, pam_ptr, out_ptr, s_ptr, sync_ptr,
 
 @triton.jit(do_not_specialize=["M"])
 def add_rms_norm_quant_kernel(a_ptr, b_ptr, w_ptr, sum_ptr, out_ptr, s_ptr, M, n, eps, BLOCK_K: tl.constexpr,
-                              ROWS: tl.constexpr, FP8: tl.constexpr, EMU_BF16: tl.constexpr):
+                              ROWS: tl.constexpr, FP8: tl.constexpr, EMU_BF16: tl.constexpr,
+                              PDL: tl.constexpr = False):
     """A decoder layer's residual add and the next W4A8 input's norm + quantization in one launch:
     sum = a + b (contiguous (M, n), rounded to a's dtype as torch's half-precision add rounds its
     fp32 result), stored in sum_ptr, and rowwise_kernel's RMS + QUANT of it (one pass: n <= BLOCK_K,
     the same tile, so the same sum of squares, codes and scales bit for bit). Why: under
     torch.compile the add is inductor's own launch before the opaque norm op (~1.8 us a launch at
     decode sizes on an H100); inductor.fold_residual_adds rewrites the graph to call this."""
+    pdl_wait(PDL)  # (PDL: launched as a programmatic dependent of the kernel before it)
     DTYPE: tl.constexpr = a_ptr.dtype.element_ty
     QMAX: tl.constexpr = 448.0 if FP8 else 127.0
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)

@@ -51,7 +51,8 @@ Math and layouts: formats/qqq.py. Design (why):
 import triton
 import triton.language as tl
 
-from .common import SYNC_TILES, cast_out, grouped_tile, last_slice, split_k_range, sum_slices
+from .common import (SYNC_TILES, cast_out, grouped_tile, last_slice, pdl_release, pdl_wait, split_k_range,
+                     sum_slices)
 
 _RND = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + _RND has ulp 1 for |x| <= 2**22
 _RND_BITS = tl.constexpr(0x4B400000)  # bit pattern of _RND
@@ -120,7 +121,8 @@ def _quantize_value(v, FP8: tl.constexpr):
 
 @triton.jit
 def _quantize_per_token_kernel(x_ptr, xq_ptr, s_ptr, K, stride_xm, stride_qm,
-                               BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, FP8: tl.constexpr):
+                               BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, FP8: tl.constexpr,
+                               PDL: tl.constexpr = False):
     """x (M, K) fp16/bf16 -> x_q (M, K) int8 (FP8: float8 e4m3), s float32 (M,). One program
     per row. QMAX = 127 (FP8: 448, e4m3's largest finite value): s = amax / QMAX and
     x_q = x * (QMAX / amax) stored by _quantize_value.
@@ -129,6 +131,7 @@ def _quantize_per_token_kernel(x_ptr, xq_ptr, s_ptr, K, stride_xm, stride_qm,
     max pass and a quantize pass over the row (the second one mostly hits L2).
     A row holding NaN or +-Inf: s = NaN, x_q = 0 (formats.qqq.quantize_activations).
     """
+    pdl_wait(PDL)  # (PDL: launched as a programmatic dependent of the kernel before it)
     QMAX: tl.constexpr = 448.0 if FP8 else 127.0
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
@@ -467,6 +470,7 @@ def _w4a8_kernel(
     SPLIT_K: tl.constexpr, RAW: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, CLAMP: tl.constexpr = True, FIXUP: tl.constexpr = False,
+    PDL_EARLY: tl.constexpr = False,
 ):
     """x_q int8 (M, K) row-major (or float8 e4m3: the fp8 variant, fp32 accumulator, the
     group scale applied to each K tile's partial sum, BLOCK_K <= GROUP_SIZE), s_tok float32
@@ -481,6 +485,7 @@ def _w4a8_kernel(
     the stream's counters). CLAMP=False (per-group int8): every |s_g| < 127.5 / 8, checked by the
     launcher (_int8_pair).
     """
+    pdl_release(PDL_EARLY)  # (the row kernel after it may launch now: it waits itself)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)

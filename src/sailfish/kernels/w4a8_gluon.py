@@ -317,7 +317,8 @@ def w4a8_gluon_overlap_kernel(x_ptr, xs_ptr, qb_ptr, sch_ptr, sg_ptr, bias_ptr, 
                               stride_xm, stride_ym, stride_qn, stride_gn, GROUPED: gl.constexpr, CLAMP: gl.constexpr,
                               HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, RAW: gl.constexpr, FIXUP: gl.constexpr,
                               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr, WORDS: gl.constexpr,
-                              WJ: gl.constexpr, DOT_A: gl.constexpr, X_SMEM: gl.constexpr, X_BLK: gl.constexpr):
+                              WJ: gl.constexpr, DOT_A: gl.constexpr, X_SMEM: gl.constexpr, X_BLK: gl.constexpr,
+                              PDL_EARLY: gl.constexpr = False):
     """The product of w4a8_gluon_pipe_kernel for decode sizes, from x_q itself (x_ptr int8 (M, K),
     rows stride_xm): a program owns 64 weight rows (one warpgroup) and BLOCK_M tokens. x_q's two
     chunks of a K step come through a cp.async ring of STAGES steps; the packed words and group
@@ -328,8 +329,12 @@ def w4a8_gluon_overlap_kernel(x_ptr, xs_ptr, qb_ptr, sch_ptr, sg_ptr, bias_ptr, 
     kernel, or FIXUP: the workspace ws_ptr and the tiles' counters sync_ptr (ops/common.sync_buffer),
     the last slice of a tile writes y (_store8). Grid (cdiv(N, 64) * cdiv(M, BLOCK_M), SPLIT_K); K a
     multiple of 256, every split an even number of K steps >= 2, STAGES >= 3 (the launcher checks).
+    PDL_EARLY: the next grid (a row kernel launched as a programmatic dependent, which waits
+    itself) may launch at once.
     Why (docs/perf_log.md v50): at M = 16 the warp-specialized pipe's 128 rows and producer warp are
     too much machinery for 16 tokens."""
+    if PDL_EARLY:
+        gdc_launch_dependents()
     pid_n, pid_m, pid_k, first, n = program(M, K, SPLIT_K, BLOCK_M)
     w_rows = row_words(rows(qb_ptr, pid_n, N, stride_qn, WG_ROWS, WORDS), first, WORDS)
     xm = (pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, X_BLK))) % M
@@ -387,7 +392,7 @@ def compile_sm90(BLOCK_M: int = 128, STAGES: int = 3, group_size: int = -1, SPLI
            "M": "i32", "N": "i32", "K": "i32", **({"stride_xm": "i32"} if overlap else {}),
            "stride_ym": "i32", "stride_qn": "i32", "stride_gn": "i32"}
     consts = dict(GROUPED=group_size != -1, CLAMP=clamp, HAS_BIAS=has_bias, SPLIT_K=SPLIT_K, RAW=raw,
-                  BLOCK_M=BLOCK_M, STAGES=STAGES, **({"FIXUP": fixup} if overlap else {"PDL_EARLY": pdl_early}),
+                  BLOCK_M=BLOCK_M, STAGES=STAGES, PDL_EARLY=pdl_early, **({"FIXUP": fixup} if overlap else {}),
                   **{k: v for k, v in meta.items() if k not in ("num_warps", "maxnreg")})
     if not has_bias:
         consts["bias_ptr"] = None

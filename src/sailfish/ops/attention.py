@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from ..formats.int4 import HALF_DTYPES
-from ..runtime.device import check_devices, device_of, sms_for, use_triton
+from ..runtime.device import check_devices, device_of, pdl, sms_for, use_triton
 from ..runtime.dispatch import define_op
 from ..runtime.launch import Launch
 from ..runtime.plan import keep, run_steady
@@ -193,7 +193,8 @@ def decode_attention_launch(q, k, v, mask, scale: float, splits: Optional[int] =
     g_p2, s_p2 = 1 << (g - 1).bit_length(), 1 << (splits - 1).bit_length()
     meta = dict(G=g, BLOCK_G=max(16, g_p2), D=D, BLOCK_N=block_n, SPLITS=splits, MASK=kind,
                 EMU_BF16=q.dtype is torch.bfloat16 and not q.is_cuda, SPLITS_P2=s_p2, G_P2=g_p2,
-                CS=max(1, min(s_p2, COMBINE_TILE // (g_p2 * D))), num_warps=num_warps, num_stages=3)
+                CS=max(1, min(s_p2, COMBINE_TILE // (g_p2 * D))), num_warps=num_warps, num_stages=3,
+                PDL_EARLY=pdl(q.get_device()))  # (a row kernel after it may launch early: ops/common as_dependent)
     launch = Launch(_kernel(), meta, q.get_device())
     with device_of(q):
         launch(grid, *operands, *ints)

@@ -16,7 +16,7 @@ from typing import List
 import torch
 
 from ..formats.int4 import K_CHUNK
-from ..runtime.device import gluon_capable
+from ..runtime.device import gluon_capable, pdl
 from ..runtime.flags import FLAGS
 from ..runtime.launch import stream_getter
 from ..tuning import Config, split_k_for
@@ -177,6 +177,15 @@ def sync_buffer(device: torch.device, device_index: int) -> torch.Tensor:
             spares.extend(more)
         _SYNC[key] = buf
     return buf
+
+
+def as_dependent(device_index: int) -> dict:
+    """Launch options for a small kernel that waits for the previous grid before touching memory
+    (kernels/common.py pdl_wait at its start): launched as a programmatic dependent where PDL
+    serves (runtime/device.py pdl), so that a kernel before it that releases early (the W4A8
+    GEMMs, the decode attention) lets it launch while it runs and the launch gap is hidden
+    (docs/perf_log.md v52). A kernel before it that does not release gives a plain boundary."""
+    return {"PDL": True, "launch_pdl": True} if pdl(device_index) else {}
 
 
 # Whether the current stream is being captured into a CUDA graph: one C call, read by the plans

@@ -49,7 +49,7 @@ from ..runtime.dispatch import define_op
 from ..runtime.launch import Launch
 from ..runtime.plan import keep, run_steady
 from ..tuning import next_pow2
-from .common import SYNC_CAP, sync_buffer
+from .common import SYNC_CAP, as_dependent, sync_buffer
 from .w4a8 import check_fp8_device
 
 # Rows up to this many channels are kept in registers (16 warps: 32 fp32 values per thread and
@@ -235,7 +235,8 @@ def _run_kept(x: torch.Tensor, key: tuple, grid: tuple, operands: tuple, tail: t
         full = (*key, dev)
         if run_steady(_RowPlans, full, dev, x, grid, operands, tail):
             return
-    launch = Launch(*make(), x.get_device())
+    kernel, meta = make()
+    launch = Launch(kernel, dict(meta, **as_dependent(x.get_device())), x.get_device())
     with device_of(x):
         launch(grid, *operands, *tail)
     keep(None if full is None else _RowPlans.plans, full, launch, *operands)

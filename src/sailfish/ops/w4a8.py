@@ -39,15 +39,15 @@ import torch
 from ..formats.int4 import HALF_DTYPES, K_PAD
 from ..formats.qqq import (GROUP_SIZES_W4A8, PackedQQQ, check_act_dtype, fp8_weight, group_scales_fit_int8,
                            quantize_activations, unpack_qqq)
-from ..runtime.device import capability, check_devices, device_of, sms_for, use_triton
+from ..runtime.device import capability, check_devices, device_of, pdl, sms_for, use_triton
 from ..runtime.dispatch import define_op
 from ..runtime.flags import FLAGS, batch_invariant
 from ..runtime.launch import Launch
 from ..runtime.plan import Plan, keep, run_built, run_steady
 from ..tuning import (KERNELS, Config, Tuner, check_config, gemv_candidates, m_bucket, mma_candidates,
                       mma_heuristic, next_pow2, problem_key, scratch_runner, split_k_for)
-from .common import (GLUON_STEP, capturing, eager_scratch, fixup_fits, gluon_device, gluon_overlap_split_ok,
-                     gluon_split_ok, invariant_config, sync_buffer)
+from .common import (GLUON_STEP, as_dependent, capturing, eager_scratch, fixup_fits, gluon_device,
+                     gluon_overlap_split_ok, gluon_split_ok, invariant_config, sync_buffer)
 
 ACT_DTYPES = HALF_DTYPES + (torch.float32,)
 # Rows up to this many channels are quantized from registers in one pass (at most 64 fp32
@@ -135,7 +135,7 @@ def quantize_per_token_launch(x: torch.Tensor, block_k: Optional[int] = None, ac
         raise ValueError(f"block_k={bk} must be a power of two >= 16")
     launch = Launch(_kernels()._quantize_per_token_kernel,
                     dict(BLOCK_K=bk, ONE_PASS=K <= bk, FP8=fp8,
-                         num_warps=4 if bk <= 2048 else 8 if bk <= 8192 else 16),
+                         num_warps=4 if bk <= 2048 else 8 if bk <= 8192 else 16, **as_dependent(x.get_device())),
                     x.get_device())
     with device_of(x):
         launch((M, 1), x, x_q, scales, K, sxm, K)
@@ -520,11 +520,12 @@ class _W4A8Plan(Plan):
 
             self.gemm = Launch(w4a8_gluon_overlap_kernel, dict(
                 GROUPED=gs > 0, CLAMP=clamp, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K, RAW=raw, FIXUP=self.fixup,
-                BLOCK_M=cfg.BLOCK_M, STAGES=cfg.num_stages, **overlap_meta(cfg.BLOCK_M)), device_index)
+                BLOCK_M=cfg.BLOCK_M, STAGES=cfg.num_stages, PDL_EARLY=pdl(device_index),
+                **overlap_meta(cfg.BLOCK_M)), device_index)
         elif self.gemv:
             self.gemm = Launch(kern._w4a8_gemv_kernel, meta, device_index)
         else:
-            meta.update(BLOCK_M=cfg.BLOCK_M, GROUP_M=cfg.GROUP_M)
+            meta.update(BLOCK_M=cfg.BLOCK_M, GROUP_M=cfg.GROUP_M, PDL_EARLY=pdl(device_index))
             self.gemm = Launch(kern._w4a8_kernel, meta, device_index)
         self.reduce = None if cfg.SPLIT_K == 1 or self.fixup else \
             _reduce_launch(cfg.SPLIT_K, has_bias, raw, emu, device_index)

@@ -95,9 +95,10 @@ def gluon_capable(device_index: int) -> bool:
 
 
 def pdl(device_index: int) -> bool:
-    """Whether W4A16's split-K chain (GEMM -> reduce) uses programmatic dependent launch on
-    this device (kernels/common.py: the GEMM lets the reduce launch early, the reduce waits
-    before reading the partial sums). Needs sm_90+ (griddepcontrol); the CPU (device_index
+    """Whether programmatic dependent launch is used on this device: W4A16's split-K chain
+    (kernels/common.py: the GEMM lets the reduce launch early, the reduce waits before reading
+    the partial sums), and the row kernels after W4A8's GEMMs and the decode attention
+    (ops/common.as_dependent). Needs sm_90+ (griddepcontrol); the CPU (device_index
     < 0) never. SAILFISH_PDL=0 turns it off (=1 forces it, also below sm_90, where the
     launches fail)."""
     mode = flags.pdl_mode()
