@@ -552,6 +552,7 @@ def _w4a8_gemv_kernel(
     GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr, RAW: tl.constexpr, EMU_BF16: tl.constexpr, USE_ASM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CLAMP: tl.constexpr = True, FIXUP: tl.constexpr = False,
+    PDL_EARLY: tl.constexpr = False,
 ):
     """M = 1: acc[n] = sum_k x_q[k] * w8[n, k] with int32 multiply-adds on CUDA cores into a
     (BLOCK_N, BLOCK_K) accumulator reduced once at the end. Same operands, outputs and
@@ -559,6 +560,7 @@ def _w4a8_gemv_kernel(
     care); x is loaded in channel order (wide loads) and permuted to it in registers, as the
     W4A16 GEMV does (docs/perf_log.md v10). Grid: (cdiv(N, BLOCK_N), SPLIT_K). FIXUP, sync_ptr,
     ws_ptr: as _w4a8_kernel's."""
+    pdl_release(PDL_EARLY)  # (the row kernel after it may launch now: it waits itself)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -506,7 +506,7 @@ class _W4A8Plan(Plan):
         self.ws_dtype = torch.float32 if fp8 else torch.int32  # split-K partial sums
         meta = dict(GROUP_SIZE=gs, HAS_BIAS=has_bias, EVEN_K=K % cfg.BLOCK_K == 0, SPLIT_K=cfg.SPLIT_K,
                     RAW=raw, EMU_BF16=emu, USE_ASM=asm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-                    CLAMP=clamp, FIXUP=self.fixup, **cfg.launch())
+                    CLAMP=clamp, FIXUP=self.fixup, PDL_EARLY=pdl(device_index), **cfg.launch())
         if cfg.kernel == "gluon_pipe":
             from ..kernels.w4a8_gluon import pipe_descriptor, pipe_meta, w4a8_gluon_pipe_kernel
 
@@ -525,7 +525,7 @@ class _W4A8Plan(Plan):
         elif self.gemv:
             self.gemm = Launch(kern._w4a8_gemv_kernel, meta, device_index)
         else:
-            meta.update(BLOCK_M=cfg.BLOCK_M, GROUP_M=cfg.GROUP_M, PDL_EARLY=pdl(device_index))
+            meta.update(BLOCK_M=cfg.BLOCK_M, GROUP_M=cfg.GROUP_M)
             self.gemm = Launch(kern._w4a8_kernel, meta, device_index)
         self.reduce = None if cfg.SPLIT_K == 1 or self.fixup else \
             _reduce_launch(cfg.SPLIT_K, has_bias, raw, emu, device_index)
