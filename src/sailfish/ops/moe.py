@@ -45,7 +45,7 @@ from ..runtime.launch import Launch
 from ..runtime.plan import Plan, keep, run_built, run_steady
 from ..tuning import Config, Tuner, check_blocks, check_fit, check_kernel, next_pow2, problem_key
 # acc_fence: the Triton-version rule of the dense path; the split-K counters: one buffer per stream, shared
-from .common import GLUON_STEP, SYNC_CAP, acc_fence, gluon_device, sync_buffer
+from .common import GLUON_STEP, SYNC_CAP, acc_fence, as_dependent, gluon_device, sync_buffer
 
 MAX_TOPK = 32  # the top-k sum is unrolled (kernels/moe._topk_sum_kernel)
 # the routing kernels hold a (slots x experts) one-hot tile in registers (Router); the largest
@@ -559,7 +559,7 @@ class MoEPlan(Plan):
                 even_k = K % cfg.BLOCK_K == 0
                 text, cons = gemv_asm(dtype == torch.bfloat16, zeros, even_k, gemv_pairs(cfg.BLOCK_N),
                                       cfg.scale_acc) if asm else ("", "")
-                link = {} if not chained else dict(PDL_EARLY=True) if gated else dict(PDL=True, launch_pdl=True)
+                link = {} if not chained else dict(PDL_EARLY=True) if gated else as_dependent(dev)
                 return Launch(_moe_gemv_kernel, dict(
                     TOPK=topk, **slots, GATED=gated, GROUP_SIZE=gs, HAS_ZEROS=zeros, EVEN_K=even_k, SPLIT_K=cfg.SPLIT_K,
                     EMU_BF16=emu, USE_ASM=asm, ASM=text, ASM_CONSTRAINTS=cons, BLOCK_N=cfg.BLOCK_N,
@@ -594,7 +594,7 @@ class MoEPlan(Plan):
         chained = _fused(cfg2) and pdl(dev)
 
         def gemm(cfg: Config, gated: bool, zeros: bool, K: int, perm: bool) -> Launch:
-            link = {} if not chained else dict(PDL_EARLY=True) if gated else dict(PDL=True, launch_pdl=True)
+            link = {} if not chained else dict(PDL_EARLY=True) if gated else as_dependent(dev)
             # (act-order only where there is a perm, SCALE_ACC where the config asks for it and the
             # format allows it (scale_acc_fits): the other kernels compile as before)
             link.update(dict(HAS_PERM=True) if perm else {})

@@ -25,7 +25,7 @@ from ..runtime.launch import Launch
 from ..runtime.plan import Plan, keep, run_built, run_steady
 from ..tuning import (KERNELS, Config, Tuner, check_blocks, check_fit, check_kernel, gemv_heuristic, m_bucket,
                       mma_heuristic, problem_key, scratch_runner, split_k_for)
-from .common import (GLUON_STEP, acc_fence, capturing, eager_scratch, fixup_fits, gluon_device,
+from .common import (GLUON_STEP, acc_fence, as_dependent, capturing, eager_scratch, fixup_fits, gluon_device,
                      gluon_overlap_split_ok, gluon_split_ok, invariant_config, sync_buffer)
 
 
@@ -607,8 +607,8 @@ class _GemmPlan(Plan):
         self.reduce = None
         if cfg.SPLIT_K > 1 and not self.fixup:
             self.reduce = Launch(_splitk_reduce_kernel, dict(SPLIT_K=cfg.SPLIT_K, HAS_BIAS=has_bias, EMU_BF16=emu,
-                                                             BLOCK=_REDUCE_BLOCK, num_warps=4, PDL=chained,
-                                                             **({"launch_pdl": True} if chained else {})),
+                                                             BLOCK=_REDUCE_BLOCK, num_warps=4,
+                                                             **(as_dependent(device_index) if chained else {})),
                                  device_index)
         # split-K summed in the kernel outside captures (the eager launch, or the GEMV's only one)
         self.in_gemm = self.fixup or self.eager is not None

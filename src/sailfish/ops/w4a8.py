@@ -504,9 +504,10 @@ class _W4A8Plan(Plan):
         # sync_buffer's arguments: the counters live on the plan's device
         self.sync_at = (torch.device("cpu") if device_index < 0 else torch.device("cuda", device_index), device_index)
         self.ws_dtype = torch.float32 if fp8 else torch.int32  # split-K partial sums
+        release = pdl(device_index)  # (the row kernel after the GEMM may launch early: ops/common.as_dependent)
         meta = dict(GROUP_SIZE=gs, HAS_BIAS=has_bias, EVEN_K=K % cfg.BLOCK_K == 0, SPLIT_K=cfg.SPLIT_K,
                     RAW=raw, EMU_BF16=emu, USE_ASM=asm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-                    CLAMP=clamp, FIXUP=self.fixup, PDL_EARLY=pdl(device_index), **cfg.launch())
+                    CLAMP=clamp, FIXUP=self.fixup, PDL_EARLY=release, **cfg.launch())
         if cfg.kernel == "gluon_pipe":
             from ..kernels.w4a8_gluon import pipe_descriptor, pipe_meta, w4a8_gluon_pipe_kernel
 
@@ -520,7 +521,7 @@ class _W4A8Plan(Plan):
 
             self.gemm = Launch(w4a8_gluon_overlap_kernel, dict(
                 GROUPED=gs > 0, CLAMP=clamp, HAS_BIAS=has_bias, SPLIT_K=cfg.SPLIT_K, RAW=raw, FIXUP=self.fixup,
-                BLOCK_M=cfg.BLOCK_M, STAGES=cfg.num_stages, PDL_EARLY=pdl(device_index),
+                BLOCK_M=cfg.BLOCK_M, STAGES=cfg.num_stages, PDL_EARLY=release,
                 **overlap_meta(cfg.BLOCK_M)), device_index)
         elif self.gemv:
             self.gemm = Launch(kern._w4a8_gemv_kernel, meta, device_index)
